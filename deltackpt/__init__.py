@@ -1,0 +1,39 @@
+"""deltackpt: small, fast, portable checkpoints for long PyTorch training runs.
+
+The public API is :class:`CheckpointManager` (save, restore, load steps),
+:class:`UniversalCheckpoint` (a restored step, one whole tensor per name)
+and :func:`load_universal`. The on-disk format is specified in docs/FORMAT.md.
+"""
+
+__version__ = "0.1.0"
+
+from deltackpt.errors import (
+    CorruptionError,
+    DeltackptError,
+    FormatError,
+    NotACheckpointError,
+    StateMismatchError,
+    StepExistsError,
+    StepNotFoundError,
+    WriterLockedError,
+)
+from deltackpt.loading import LoadReport
+from deltackpt.manager import CheckpointManager, SaveInfo
+from deltackpt.universal import UniversalCheckpoint, load_universal
+
+__all__ = [
+    "CheckpointManager",
+    "CorruptionError",
+    "DeltackptError",
+    "FormatError",
+    "LoadReport",
+    "NotACheckpointError",
+    "SaveInfo",
+    "StateMismatchError",
+    "StepExistsError",
+    "StepNotFoundError",
+    "UniversalCheckpoint",
+    "WriterLockedError",
+    "__version__",
+    "load_universal",
+]

@@ -1,0 +1,38 @@
+"""Exceptions. Every message names what is wrong: the step, tensor or file."""
+
+from __future__ import annotations
+
+
+class DeltackptError(Exception):
+    """Base class of every error deltackpt raises on purpose."""
+
+
+class NotACheckpointError(DeltackptError):
+    """The path is not a deltackpt checkpoint directory."""
+
+
+class FormatError(DeltackptError):
+    """Metadata that does not follow docs/FORMAT.md, or from an unknown major version."""
+
+
+class StepNotFoundError(DeltackptError, KeyError):
+    """The requested step was never committed."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes
+        return str(self.args[0])
+
+
+class StepExistsError(DeltackptError):
+    """Saving a step that already exists without ``overwrite=True``."""
+
+
+class CorruptionError(DeltackptError):
+    """Stored bytes are missing, truncated or fail their checksum."""
+
+
+class StateMismatchError(DeltackptError):
+    """The checkpoint does not fit the model or optimizer it is loaded into."""
+
+
+class WriterLockedError(DeltackptError):
+    """Another process (or manager) is writing to the same checkpoint directory."""

@@ -1,0 +1,311 @@
+"""Step metadata: the data model of docs/FORMAT.md, its JSON form and its validation.
+
+Everything read from disk passes through :func:`parse_step_metadata`, which
+checks types, ranges and cross references before any tensor is touched, so a
+damaged or foreign file fails with a message naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from deltackpt.dtypes import spec_named
+from deltackpt.errors import FormatError
+
+FORMAT_NAME = "deltackpt"
+FORMAT_VERSION = "1.0"
+ROOT_MARKER = "deltackpt.json"
+METADATA_FILE = "metadata.json"
+STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
+DATA_FILE_PATTERN = re.compile(r"d-[0-9a-f]+-r[0-9]+-[0-9]+\.bin")
+ROLES = ("param", "buffer", "optimizer", "rng", "extra")
+KINDS = ("full", "delta")
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of ``step``."""
+    return f"step-{step:012d}"
+
+
+def data_file_name(save_id: str, rank: int, seq: int) -> str:
+    """Name of the ``seq``-th data file that ``rank`` writes during save ``save_id``."""
+    return f"d-{save_id}-r{rank:05d}-{seq:03d}.bin"
+
+
+def escape_component(name: str) -> str:
+    """Escape one tensor-name component as JSON Pointer does (``~``→``~0``, ``/``→``~1``)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def tensor_name(*components: str) -> str:
+    """The unique name of a tensor at this path of the state (FORMAT.md 2.3)."""
+    return "/".join(escape_component(c) for c in components)
+
+
+@dataclass
+class Chunk:
+    """A contiguous byte range of a fragment, coded on its own."""
+
+    file: int
+    offset: int
+    length: int
+    raw_offset: int
+    raw_length: int
+    codec: str
+    params: dict[str, Any]
+    xxh3: str
+    raw_xxh3: str
+
+
+@dataclass
+class Fragment:
+    """A dense box of a global tensor and the chunks that hold its bytes."""
+
+    offsets: list[int]
+    sizes: list[int]
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the box."""
+        return math.prod(self.sizes)
+
+
+@dataclass
+class TensorRecord:
+    """One tensor of a step, in global coordinates."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: list[int]
+    fqn: str | None = None
+    state_key: str | None = None
+    alias_of: str | None = None
+    fragments: list[Fragment] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the global tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Raw size of the global tensor."""
+        return self.numel * spec_named(self.dtype, self.name).itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes its chunks take on disk."""
+        return sum(c.length for f in self.fragments for c in f.chunks)
+
+    @property
+    def codecs(self) -> list[str]:
+        """Distinct codecs of its chunks, in order of first use."""
+        return list(dict.fromkeys(c.codec for f in self.fragments for c in f.chunks))
+
+
+@dataclass
+class DataFile:
+    """A data file of the step, relative to the step directory."""
+
+    name: str
+    rank: int
+    size: int
+
+
+@dataclass
+class StepStats:
+    """Sizes and timing of a save."""
+
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+
+
+@dataclass
+class StepMetadata:
+    """Everything ``step-N/metadata.json`` holds."""
+
+    step: int
+    kind: str
+    base_step: int | None
+    save_id: str
+    created: str
+    library_version: str
+    world_size: int
+    files: list[DataFile]
+    tensors: list[TensorRecord]
+    state: dict[str, Any]
+    stats: StepStats
+    format_version: str = FORMAT_VERSION
+
+    def tensor(self, name: str) -> TensorRecord:
+        """The record named ``name``."""
+        for record in self.tensors:
+            if record.name == name:
+                return record
+        raise KeyError(f"step {self.step} has no tensor {name!r}")
+
+    def to_json(self) -> str:
+        """Serialize as the metadata file's text."""
+        body = asdict(self)
+        body = {"format": FORMAT_NAME, "format_version": body.pop("format_version"), **body}
+        return json.dumps(body, indent=1, allow_nan=False)
+
+
+def check_format_version(version: Any, where: str) -> None:
+    """Refuse a missing, malformed or newer-major ``format_version``."""
+    ours = int(FORMAT_VERSION.split(".")[0])
+    match = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    if match is None:
+        raise FormatError(f"{where}: format_version {version!r} is not 'MAJOR.MINOR'")
+    if int(match.group(1)) != ours:
+        raise FormatError(f"{where}: written in format {version}, this deltackpt reads major "
+                          f"version {ours} (format {FORMAT_VERSION}); upgrade deltackpt to read it")
+
+
+class _Fields:
+    """Typed access to one JSON object with errors that name the file and field."""
+
+    def __init__(self, obj: Any, where: str) -> None:
+        if not isinstance(obj, dict):
+            raise FormatError(f"{where}: expected an object, found {type(obj).__name__}")
+        self.obj, self.where = obj, where
+
+    def get(self, key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
+        value = self.obj.get(key)
+        if value is None and optional:
+            return None
+        bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+        if not isinstance(value, types) or bad_bool:
+            raise FormatError(f"{self.where}: field {key!r} is {value!r}, expected {types}")
+        return value
+
+    def nonneg(self, key: str, optional: bool = False) -> int | None:
+        value = self.get(key, int, optional)
+        if value is not None and value < 0:
+            raise FormatError(f"{self.where}: field {key!r} is negative ({value})")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        value = self.get(key, list)
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value):
+            raise FormatError(f"{self.where}: field {key!r} must hold non-negative integers, "
+                              f"found {value!r}")
+        return value
+
+
+def _parse_chunk(obj: Any, where: str, n_files: int) -> Chunk:
+    f = _Fields(obj, where)
+    chunk = Chunk(
+        file=f.nonneg("file"), offset=f.nonneg("offset"), length=f.nonneg("length"),
+        raw_offset=f.nonneg("raw_offset"), raw_length=f.nonneg("raw_length"),
+        codec=f.get("codec", str), params=f.get("params", dict),
+        xxh3=f.get("xxh3", str), raw_xxh3=f.get("raw_xxh3", str))
+    if chunk.file >= n_files:
+        raise FormatError(f"{where}: file index {chunk.file} out of range ({n_files} files)")
+    for key in ("xxh3", "raw_xxh3"):
+        if not re.fullmatch(r"[0-9a-f]{16}", getattr(chunk, key)):
+            raise FormatError(f"{where}: {key} {getattr(chunk, key)!r} is not 16 hex digits")
+    return chunk
+
+
+def _parse_fragment(obj: Any, where: str, record: TensorRecord, n_files: int) -> Fragment:
+    f = _Fields(obj, where)
+    frag = Fragment(offsets=f.int_list("offsets"), sizes=f.int_list("sizes"))
+    if len(frag.offsets) != len(record.shape) or len(frag.sizes) != len(record.shape):
+        raise FormatError(f"{where}: offsets/sizes rank differs from shape {record.shape}")
+    if any(o + s > d for o, s, d in zip(frag.offsets, frag.sizes, record.shape, strict=True)):
+        raise FormatError(f"{where}: box {frag.offsets}+{frag.sizes} exceeds shape {record.shape}")
+    frag.chunks = [_parse_chunk(c, f"{where} chunk {i}", n_files)
+                   for i, c in enumerate(f.get("chunks", list))]
+    itemsize = spec_named(record.dtype, record.name).itemsize
+    expected = 0
+    for chunk in frag.chunks:
+        if chunk.raw_offset != expected or chunk.raw_length % itemsize:
+            raise FormatError(f"{where}: chunks do not tile the fragment's bytes "
+                              f"(chunk at {chunk.raw_offset}, expected {expected})")
+        expected += chunk.raw_length
+    if expected != frag.numel * itemsize:
+        raise FormatError(f"{where}: chunks hold {expected} bytes, the box needs "
+                          f"{frag.numel * itemsize}")
+    return frag
+
+
+def _parse_tensor(obj: Any, where: str, n_files: int) -> TensorRecord:
+    f = _Fields(obj, where)
+    record = TensorRecord(
+        name=f.get("name", str), role=f.get("role", str), dtype=f.get("dtype", str),
+        shape=f.int_list("shape"), fqn=f.get("fqn", str, optional=True),
+        state_key=f.get("state_key", str, optional=True),
+        alias_of=f.get("alias_of", str, optional=True))
+    where = f"{where} ({record.name!r})"
+    if record.role not in ROLES:
+        raise FormatError(f"{where}: role {record.role!r} is not one of {ROLES}")
+    spec_named(record.dtype, where)
+    fragments = f.get("fragments", list)
+    if record.alias_of is not None:
+        if fragments:
+            raise FormatError(f"{where}: an alias must not have fragments")
+        return record
+    record.fragments = [_parse_fragment(x, f"{where} fragment {i}", record, n_files)
+                        for i, x in enumerate(fragments)]
+    covered = sum(frag.numel for frag in record.fragments)
+    if covered != record.numel and record.numel > 0:
+        raise FormatError(f"{where}: fragments cover {covered} of {record.numel} elements")
+    return record
+
+
+def parse_step_metadata(text: str | bytes, where: str) -> StepMetadata:
+    """Parse and validate the text of a ``metadata.json``; ``where`` names it in errors."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{where}: not valid JSON ({exc})") from None
+    f = _Fields(obj, where)
+    if obj.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where}: not deltackpt metadata (format={obj.get('format')!r})")
+    check_format_version(obj.get("format_version"), where)
+    files = [DataFile(**_file_fields(x, f"{where} file {i}")) for i, x in enumerate(f.get("files", list))]
+    meta = StepMetadata(
+        step=f.nonneg("step"), kind=f.get("kind", str), base_step=f.nonneg("base_step", optional=True),
+        save_id=f.get("save_id", str), created=f.get("created", str),
+        library_version=f.get("library_version", str), world_size=f.nonneg("world_size"),
+        files=files,
+        tensors=[_parse_tensor(x, f"{where} tensor {i}", len(files))
+                 for i, x in enumerate(f.get("tensors", list))],
+        state=f.get("state", dict),
+        stats=StepStats(**_stats_fields(f.get("stats", dict), f"{where} stats")),
+        format_version=obj["format_version"])
+    if meta.kind not in KINDS:
+        raise FormatError(f"{where}: kind {meta.kind!r} is not one of {KINDS}")
+    if (meta.kind == "full") != (meta.base_step is None):
+        raise FormatError(f"{where}: a {meta.kind} step must {'not ' if meta.kind == 'full' else ''}"
+                          f"have a base_step")
+    names = [t.name for t in meta.tensors]
+    if len(set(names)) != len(names):
+        raise FormatError(f"{where}: duplicate tensor names")
+    known = set(names)
+    for record in meta.tensors:
+        if record.alias_of is not None and record.alias_of not in known:
+            raise FormatError(f"{where}: tensor {record.name!r} aliases unknown {record.alias_of!r}")
+    return meta
+
+
+def _file_fields(obj: Any, where: str) -> dict[str, Any]:
+    f = _Fields(obj, where)
+    name = f.get("name", str)
+    if not DATA_FILE_PATTERN.fullmatch(name):
+        raise FormatError(f"{where}: data file name {name!r} is not allowed")
+    return {"name": name, "rank": f.nonneg("rank"), "size": f.nonneg("size")}
+
+
+def _stats_fields(obj: Any, where: str) -> dict[str, Any]:
+    f = _Fields(obj, where)
+    return {"raw_bytes": f.nonneg("raw_bytes"), "stored_bytes": f.nonneg("stored_bytes"),
+            "seconds": float(f.get("seconds", (int, float)))}

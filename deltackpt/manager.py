@@ -1,0 +1,288 @@
+"""The public entry point: a directory of steps that you save to and restore from."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from deltackpt.errors import (
+    DeltackptError,
+    NotACheckpointError,
+    StepExistsError,
+    StepNotFoundError,
+    WriterLockedError,
+)
+from deltackpt.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    ROOT_MARKER,
+    STEP_DIR_PATTERN,
+    StepMetadata,
+    check_format_version,
+    step_dir_name,
+)
+from deltackpt.loading import load_into
+from deltackpt.reader import list_steps, read_metadata, read_tensors, verify_step
+from deltackpt.state import CapturedState, capture
+from deltackpt.storage import LOCK_FILE, Storage, open_storage
+from deltackpt.universal import UniversalCheckpoint
+from deltackpt.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced, write_step
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What one ``save`` wrote."""
+
+    step: int
+    kind: str
+    base_step: int | None
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """Raw bytes of the state per stored byte."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+
+    @classmethod
+    def of(cls, meta: StepMetadata) -> SaveInfo:
+        """The save summary recorded in a step's metadata."""
+        return cls(meta.step, meta.kind, meta.base_step, meta.stats.raw_bytes,
+                   meta.stats.stored_bytes, meta.stats.seconds)
+
+
+class CheckpointManager:
+    """Saves training state as numbered steps in one directory and restores any of them.
+
+    >>> mgr = CheckpointManager("runs/ckpt", full_every=10)
+    >>> mgr.save(100, model=model, optimizer=optimizer, extra={"epoch": 3})
+    >>> mgr.load(100, model=model, optimizer=optimizer)
+
+    Every save is committed atomically: a crash leaves earlier steps intact
+    and the interrupted one invisible. One manager at a time may write to a
+    directory (it takes an exclusive lock at its first save, released by
+    :meth:`close`); any number may read, even while it writes.
+
+    Args:
+        path: directory of the checkpoints (created if missing), or ``file://`` URL.
+        full_every: a full checkpoint every this many saves, deltas in
+            between. Every save is full in this version.
+        chunk_bytes: upper bound of the raw bytes coded as one chunk.
+        workers: threads used to encode and decode (default: usable CPUs).
+        read_only: never create, clean up or write anything.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+                 read_only: bool = False) -> None:
+        if not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
+        if chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        self.storage: Storage = open_storage(path)
+        self.path = self.storage.url
+        self.full_every = full_every
+        self.chunk_bytes = chunk_bytes
+        self.workers = workers
+        self.read_only = read_only
+        self._lock: contextlib.AbstractContextManager[None] | None = None
+        self._open_directory()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.path!r}, full_every={self.full_every})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the writer lock, if this manager holds it."""
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    # -- directory ---------------------------------------------------------------------
+
+    def _open_directory(self) -> None:
+        storage = self.storage
+        if storage.exists(ROOT_MARKER):
+            where = f"{self.path}/{ROOT_MARKER}"
+            try:
+                marker = json.loads(storage.read_bytes(ROOT_MARKER))
+            except json.JSONDecodeError as exc:
+                raise NotACheckpointError(f"{where}: not valid JSON ({exc})") from None
+            if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
+                raise NotACheckpointError(f"{where}: not a deltackpt marker")
+            check_format_version(marker.get("format_version"), where)
+        elif self.read_only:
+            state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
+            raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
+                                      f"(it {state})")
+        elif storage.exists("") and any(n != LOCK_FILE for n in storage.listdir()):
+            raise NotACheckpointError(
+                f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "
+                f"(no {ROOT_MARKER}); refusing to write into it")
+        else:
+            storage.makedirs()
+            storage.commit_file(ROOT_MARKER, json.dumps(
+                {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
+        if not self.read_only:
+            lock = storage.try_lock()
+            if lock is not None:
+                with lock:
+                    self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Delete what interrupted saves left behind (caller holds the writer lock)."""
+        for name in self.storage.listdir():
+            if name.endswith(".tmp"):
+                self.storage.remove(name)
+            elif STEP_DIR_PATTERN.fullmatch(name) and self.storage.is_dir(name):
+                if not self.storage.exists(f"{name}/{METADATA_FILE}"):
+                    self.storage.remove_tree(name)
+                else:
+                    remove_unreferenced(self.storage, name,
+                                        read_metadata(self.storage, int(name[5:])))
+
+    def _acquire_writer(self) -> None:
+        if self.read_only:
+            raise PermissionError(f"{self.path}: this manager was opened read_only")
+        if self._lock is None:
+            lock = self.storage.try_lock()
+            if lock is None:
+                raise WriterLockedError(
+                    f"{self.path}: another CheckpointManager (in this or another process) is "
+                    "writing to this directory; only one writer at a time is allowed")
+            lock.__enter__()
+            self._lock = lock
+
+    # -- queries -----------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return list_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or ``None`` if there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> StepMetadata:
+        """The validated metadata of ``step``."""
+        return read_metadata(self.storage, _check_step(step))
+
+    def info(self, step: int) -> SaveInfo:
+        """Kind, sizes and timing recorded for ``step``."""
+        return SaveInfo.of(self.metadata(step))
+
+    # -- save --------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, extra: Any = None, *,
+             rng: bool = True, overwrite: bool = False, progress: bool = False) -> SaveInfo:
+        """Save the training state as ``step``.
+
+        Args:
+            step: training step number (a non-negative int).
+            model: its parameters and persistent buffers are saved by FQN;
+                tied parameters are stored once and restored tied.
+            optimizer: any ``torch.optim`` optimizer over ``model``'s
+                parameters; its state is stored by parameter FQN.
+            extra: anything else to restore exactly: scheduler state dicts,
+                counters, config. JSON-able values, bytes, numpy arrays and
+                tensors, nested in dicts, lists and tuples.
+            rng: also save torch (CPU and CUDA), numpy and ``random`` RNG states.
+            overwrite: replace an existing step (atomically) instead of refusing.
+            progress: show a progress bar.
+
+        Returns the kind, raw and stored bytes, ratio and seconds of the save.
+        """
+        captured = capture(model, optimizer, extra, rng)
+        return self.save_captured(step, captured, overwrite=overwrite, progress=progress)
+
+    def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
+                      progress: bool = False) -> SaveInfo:
+        """Write already captured state as ``step`` (used by :meth:`save` and
+        :meth:`UniversalCheckpoint.save_universal`)."""
+        step = _check_step(step)
+        self._acquire_writer()
+        if not overwrite and self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
+            raise StepExistsError(f"step {step} already exists in {self.path}; "
+                                  "pass overwrite=True to replace it")
+        meta = write_step(self.storage, step, captured, chunk_bytes=self.chunk_bytes,
+                          workers=self.workers, progress=progress)
+        return SaveInfo.of(meta)
+
+    # -- restore -----------------------------------------------------------------------
+
+    def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            return _check_step(step)
+        latest = self.latest_step()
+        if latest is None:
+            raise StepNotFoundError(f"{self.path} has no committed steps")
+        return latest
+
+    def restore(self, step: int | None = None, *, progress: bool = False) -> UniversalCheckpoint:
+        """Rebuild ``step`` (default: the latest) as a :class:`UniversalCheckpoint`."""
+        meta = self.metadata(self._resolve(step))
+        tensors = read_tensors(self.storage, meta, workers=self.workers, progress=progress)
+        return UniversalCheckpoint(meta.step, tensors, meta)
+
+    def load(self, step: int | None = None, model: nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
+             rng: bool = True, progress: bool = False) -> Any:
+        """Restore ``step`` (default: the latest) into ``model`` and ``optimizer`` in place.
+
+        With ``strict`` (the default) any missing or unexpected name, or a
+        shape or dtype mismatch, raises :class:`StateMismatchError` listing
+        them all, before anything is changed. With ``strict=False`` what
+        matches is loaded and a warning lists the rest; use
+        ``restore(step).load_into(...)`` to get the report as an object.
+        ``rng`` restores the RNG states saved with the step.
+
+        Returns the ``extra`` saved with the step.
+        """
+        ckpt = self.restore(step, progress=progress)
+        report = load_into(model, optimizer, saved_model=ckpt.model,
+                           saved_optimizer=ckpt.optimizer, saved_rng=ckpt.rng,
+                           strict=strict, rng=rng, copy=False)
+        if not report.ok:
+            warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
+        return ckpt.extra
+
+    def verify(self, step: int | None = None, *, deep: bool = False,
+               progress: bool = False) -> dict[int, list[str]]:
+        """Check stored bytes of one step (or all) against their checksums.
+
+        Returns ``{step: [problem, ...]}`` for every checked step; an empty
+        list means the step is intact. ``deep`` also decodes every chunk.
+        """
+        steps = [self._resolve(step)] if step is not None else self.steps()
+        report = {}
+        for s in steps:
+            try:
+                meta = self.metadata(s)
+            except DeltackptError as exc:  # unreadable metadata is damage to report
+                report[s] = [str(exc)]
+                continue
+            report[s] = verify_step(self.storage, meta, deep=deep, workers=self.workers,
+                                    progress=progress)
+        return report
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
