@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltackpt.dtypes import spec_named
@@ -153,9 +153,10 @@ class StepMetadata:
 
     def to_json(self) -> str:
         """Serialize as the metadata file's text."""
-        body = asdict(self)
-        body = {"format": FORMAT_NAME, "format_version": body.pop("format_version"), **body}
-        return json.dumps(body, indent=1, allow_nan=False)
+        fields = {k: v for k, v in vars(self).items() if k != "format_version"}
+        body = {"format": FORMAT_NAME, "format_version": self.format_version, **fields}
+        # Compact separators keep json on its C encoder: metadata of big models has many chunks.
+        return json.dumps(body, separators=(",", ":"), allow_nan=False, default=vars)
 
 
 def check_format_version(version: Any, where: str) -> None:
