@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltackpt.errors import FormatError
+
 
 @dataclass(frozen=True)
 class DTypeSpec:
@@ -78,4 +80,4 @@ def spec_named(name: str, what: str = "tensor") -> DTypeSpec:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise ValueError(f"{what}: unknown dtype {name!r} in metadata") from None
+        raise FormatError(f"{what}: unknown dtype {name!r} in metadata") from None

@@ -22,7 +22,7 @@ ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
 DATA_FILE_PATTERN = re.compile(r"d-[0-9a-f]+-r[0-9]+-[0-9]+\.bin")
-ROLES = ("param", "buffer", "optimizer", "rng", "extra")
+ROLES = ("param", "buffer", "optimizer", "rng", "extra")  # minor versions may add more
 KINDS = ("full", "delta")
 
 
@@ -246,8 +246,6 @@ def _parse_tensor(obj: Any, where: str, n_files: int) -> TensorRecord:
         state_key=f.get("state_key", str, optional=True),
         alias_of=f.get("alias_of", str, optional=True))
     where = f"{where} ({record.name!r})"
-    if record.role not in ROLES:
-        raise FormatError(f"{where}: role {record.role!r} is not one of {ROLES}")
     spec_named(record.dtype, where)
     fragments = f.get("fragments", list)
     if record.alias_of is not None:

@@ -129,7 +129,8 @@ class CheckpointManager:
             state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
             raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
                                       f"(it {state})")
-        elif storage.exists("") and any(n != LOCK_FILE for n in storage.listdir()):
+        elif storage.exists("") and any(n != LOCK_FILE and not n.endswith(".tmp")
+                                        for n in storage.listdir()):
             raise NotACheckpointError(
                 f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "
                 f"(no {ROOT_MARKER}); refusing to write into it")
@@ -152,8 +153,11 @@ class CheckpointManager:
                 if not self.storage.exists(f"{name}/{METADATA_FILE}"):
                     self.storage.remove_tree(name)
                 else:
-                    remove_unreferenced(self.storage, name,
-                                        read_metadata(self.storage, int(name[5:])))
+                    try:
+                        meta = read_metadata(self.storage, int(name[5:]))
+                    except DeltackptError:
+                        continue  # damaged metadata: leave the step for verify to report
+                    remove_unreferenced(self.storage, name, meta)
 
     def _acquire_writer(self) -> None:
         if self.read_only:
@@ -274,6 +278,8 @@ class CheckpointManager:
         for s in steps:
             try:
                 meta = self.metadata(s)
+            except StepNotFoundError:
+                raise
             except DeltackptError as exc:  # unreadable metadata is damage to report
                 report[s] = [str(exc)]
                 continue

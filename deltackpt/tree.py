@@ -34,6 +34,8 @@ def encode_tree(value: Any, path: tuple[str, ...], on_tensor: TensorSink) -> Any
 
     Raises ``TypeError`` naming the path of the first value that cannot be stored.
     """
+    if isinstance(value, np.generic):  # before float/str: np.float64 and np.str_ subclass them
+        return {"$npscalar": [value.dtype.str, encode_tree(value.item(), path, on_tensor)]}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -47,9 +49,8 @@ def encode_tree(value: Any, path: tuple[str, ...], on_tensor: TensorSink) -> Any
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise TypeError(f"{_path_text(path)}: numpy object arrays cannot be stored")
-        return {"$ndarray": on_tensor(path, torch.from_numpy(np.ascontiguousarray(value)))}
-    if isinstance(value, np.generic):
-        return {"$npscalar": [value.dtype.str, encode_tree(value.item(), path, on_tensor)]}
+        contiguous = np.ascontiguousarray(value).reshape(value.shape)  # keeps 0-d arrays 0-d
+        return {"$ndarray": on_tensor(path, torch.from_numpy(contiguous))}
     if isinstance(value, bytes):
         return {"$bytes": base64.b64encode(value).decode("ascii")}
     if isinstance(value, list):
@@ -59,8 +60,10 @@ def encode_tree(value: Any, path: tuple[str, ...], on_tensor: TensorSink) -> Any
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: encode_tree(v, (*path, k), on_tensor) for k, v in value.items()}
-        return {"$dict": [[encode_tree(k, (*path, "key"), on_tensor),
-                           encode_tree(v, (*path, str(k)), on_tensor)] for k, v in value.items()]}
+        # Entry i's key and value sit under "$k<i>" and "$v<i>": plain keys never start with "$".
+        return {"$dict": [[encode_tree(k, (*path, f"$k{i}"), on_tensor),
+                           encode_tree(v, (*path, f"$v{i}"), on_tensor)]
+                          for i, (k, v) in enumerate(value.items())]}
     raise TypeError(f"{_path_text(path)}: cannot store a {type(value).__qualname__}; "
                     "use JSON-able values (None, bool, int, float, str, list, tuple, dict), "
                     "bytes, numpy arrays or tensors")

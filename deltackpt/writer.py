@@ -89,10 +89,6 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
     """
     started = time.perf_counter()
     workers = workers or default_workers()
-    step_dir = step_dir_name(step)
-    storage.makedirs(step_dir)
-    save_id = secrets.token_hex(8)
-    data_name = data_file_name(save_id, 0, 0)
     records, stored = [], []
     for item in captured.tensors:
         spec = spec_for(item.tensor.dtype, item.name)
@@ -103,6 +99,11 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
             record.fragments = [Fragment([0] * item.tensor.dim(), list(item.tensor.shape))]
             stored.append((record, spec, raw_bytes(item.tensor)))
     raw_total = sum(raw.size for _, _, raw in stored)
+
+    step_dir = step_dir_name(step)
+    storage.makedirs(step_dir)
+    save_id = secrets.token_hex(8)
+    data_name = data_file_name(save_id, 0, 0)
 
     handle = storage.create(f"{step_dir}/{data_name}")
     offset = 0

@@ -58,6 +58,8 @@ def zstd_compress(data: Any) -> bytes:
 def zstd_decompress(stored: memoryview, raw_length: int, what: str) -> bytes:
     """Decompress one zstd frame that must hold exactly ``raw_length`` bytes."""
     try:
+        # A frame states its own size; check it before zstd allocates that much.
+        check_length(zstandard.frame_content_size(stored), raw_length, what)
         data = _decompressor().decompress(stored, max_output_size=raw_length)
     except zstandard.ZstdError as exc:
         raise CorruptionError(f"{what}: zstd frame does not decode ({exc})") from None

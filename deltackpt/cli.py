@@ -1,0 +1,678 @@
+"""The ``deltackpt`` command: list, inspect, verify, measure and export checkpoint directories.
+
+Every command that takes a checkpoint PATH opens it with
+``CheckpointManager(path, read_only=True)``, so it never creates, locks or
+cleans up anything there and is safe to run while a training job writes to
+the same directory. ``--json`` prints one JSON document on stdout instead of
+tables, for scripts. Errors go to stderr as ``deltackpt: error: ...`` with
+exit code 2; ``verify`` exits 1 when it finds damage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltackpt import __version__
+from deltackpt.errors import DeltackptError, FormatError, StepNotFoundError
+from deltackpt.format import METADATA_FILE, ROLES, ROOT_MARKER, StepMetadata, step_dir_name, tensor_name
+from deltackpt.manager import CheckpointManager
+from deltackpt.storage import Storage
+from deltackpt.universal import UniversalCheckpoint
+
+# -- formatting ----------------------------------------------------------------------------
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``7.0 KiB``, ``12.3 MiB`` (powers of 1024)."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1023.95 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def ratio(raw: int, stored: int) -> float | None:
+    """Raw bytes per stored byte; ``None`` when nothing is stored (JSON has no infinity)."""
+    return raw / stored if stored else None
+
+
+def _ratio_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _created_text(created: str) -> str:
+    """The ISO-8601 commit time as ``YYYY-MM-DD HH:MM:SS`` UTC (unchanged if it does not parse)."""
+    try:
+        when = datetime.fromisoformat(created)
+    except ValueError:
+        return created
+    if when.tzinfo is not None:
+        when = when.astimezone(timezone.utc)
+    return when.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: set[int]) -> list[str]:
+    """Rows as aligned text lines; columns whose index is in ``right`` are right-aligned."""
+    cells = [[str(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                      for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+            for row in cells]
+
+
+def _print_lines(lines: Sequence[str]) -> None:
+    print("\n".join(lines))
+
+
+def _print_json(document: Any) -> None:
+    print(json.dumps(document, indent=2, allow_nan=False))
+
+
+def _plain(obj: Any) -> Any:
+    """Tagged JSON state (docs/FORMAT.md 2.5) as plain JSON for display.
+
+    Tuples become lists, non-finite floats and tensors become strings, so
+    the result can be printed or embedded in ``--json`` output as is.
+    """
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        tag, body = next(iter(obj.items()))
+        if tag in ("$tensor", "$ndarray"):
+            return f"<tensor {body}>"
+        if tag == "$float":
+            return body
+        if tag == "$tuple":
+            return [_plain(v) for v in body]
+        if tag == "$bytes":
+            return f"<{len(base64.b64decode(body))} bytes>"
+        if tag == "$npscalar":
+            return _plain(body[1])
+        if tag == "$dict":
+            return {str(_plain(k)): _plain(v) for k, v in body}
+    return {k: _plain(v) for k, v in obj.items()}
+
+
+def _summary(value: Any) -> str:
+    """One short phrase describing a plain JSON value."""
+    if isinstance(value, dict):
+        return f"dict ({len(value)} keys)"
+    if isinstance(value, list):
+        return f"list ({len(value)} items)"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- shared helpers ------------------------------------------------------------------------
+
+
+def _open(path: str) -> CheckpointManager:
+    """A manager that reads ``path`` and never writes to it."""
+    return CheckpointManager(path, read_only=True)
+
+
+def _resolve_step(mgr: CheckpointManager, step: int | None) -> int:
+    """``step`` if it is committed, else the latest; the error lists the available steps."""
+    steps = mgr.steps()
+    if step is None:
+        if not steps:
+            raise StepNotFoundError(f"{mgr.path} has no committed steps")
+        return steps[-1]
+    if step not in steps:
+        raise StepNotFoundError(f"step {step} not found in {mgr.path}; available steps: "
+                                f"{', '.join(map(str, steps)) if steps else 'none'}")
+    return step
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars go to stderr: on when asked or when stderr is a terminal, never with --json."""
+    return not args.json and (args.progress or sys.stderr.isatty())
+
+
+def _step_row(meta: StepMetadata) -> dict[str, Any]:
+    stats = meta.stats
+    return {"step": meta.step, "kind": meta.kind, "base_step": meta.base_step,
+            "raw_bytes": stats.raw_bytes, "stored_bytes": stats.stored_bytes,
+            "ratio": ratio(stats.raw_bytes, stats.stored_bytes), "seconds": stats.seconds,
+            "created": meta.created}
+
+
+# -- ls --------------------------------------------------------------------------------------
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    mgr = _open(args.path)
+    rows, unreadable = [], []
+    for step in mgr.steps():
+        try:
+            rows.append(_step_row(mgr.metadata(step)))
+        except DeltackptError as exc:  # one damaged step must not hide the others
+            unreadable.append({"step": step, "error": str(exc)})
+    raw = sum(r["raw_bytes"] for r in rows)
+    stored = sum(r["stored_bytes"] for r in rows)
+    total = {"steps": len(rows), "raw_bytes": raw, "stored_bytes": stored, "ratio": ratio(raw, stored),
+             "seconds": sum(r["seconds"] for r in rows)}
+    if args.json:
+        _print_json({"path": mgr.path, "steps": rows, "unreadable": unreadable, "total": total})
+    elif not rows and not unreadable:
+        print(f"no committed steps in {mgr.path}")
+    else:
+        table = [[r["step"], r["kind"], "-" if r["base_step"] is None else r["base_step"],
+                  human_bytes(r["raw_bytes"]), human_bytes(r["stored_bytes"]), _ratio_text(r["ratio"]),
+                  f"{r['seconds']:.2f}", _created_text(r["created"])] for r in rows]
+        table.append([f"total ({len(rows)})", "", "", human_bytes(raw), human_bytes(stored),
+                      _ratio_text(total["ratio"]), f"{total['seconds']:.2f}", ""])
+        _print_lines(_table(["STEP", "KIND", "BASE", "RAW", "STORED", "RATIO", "SECONDS", "CREATED (UTC)"],
+                            table, right={0, 3, 4, 5, 6}))
+    for item in unreadable:
+        print(f"deltackpt: step {item['step']} is unreadable: {item['error']}", file=sys.stderr)
+    return 1 if unreadable else 0
+
+
+# -- info ------------------------------------------------------------------------------------
+
+
+def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
+    """Which non-tensor state a step holds: optimizer, RNG sources, ``extra`` keys."""
+    optimizer = state.get("optimizer")
+    if optimizer is not None:
+        groups = [{k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")}
+                  | {"params": len(g["params"])} for g in optimizer["param_groups"]]
+        state_keys = list(dict.fromkeys(k for per_param in optimizer["state"].values() for k in per_param))
+        optimizer = {"class": optimizer["class"], "param_groups": groups,
+                     "params_with_state": len(optimizer["state"]), "state_keys": state_keys}
+    rng = state.get("rng")
+    extra = _plain(state.get("extra"))
+    return {"optimizer": optimizer, "rng": None if rng is None else list(rng),
+            "extra": None if extra is None else {
+                "summary": _summary(extra),
+                "keys": {k: _summary(v) for k, v in extra.items()} if isinstance(extra, dict) else None}}
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    mgr = _open(args.path)
+    meta = mgr.metadata(_resolve_step(mgr, args.step))
+    tensors = [{"name": r.name, "role": r.role, "fqn": r.fqn, "state_key": r.state_key, "dtype": r.dtype,
+                "shape": r.shape, "alias_of": r.alias_of, "codecs": r.codecs, "raw_bytes": r.nbytes,
+                "stored_bytes": r.stored_bytes,
+                "ratio": None if r.alias_of else ratio(r.nbytes, r.stored_bytes)}
+               for r in meta.tensors]
+    state = _state_summary(meta.state)
+    document = {**_step_row(meta), "path": mgr.path, "format_version": meta.format_version,
+                "library_version": meta.library_version, "world_size": meta.world_size,
+                "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in meta.files],
+                "tensors": tensors, "state": state}
+    if args.json:
+        _print_json(document)
+        return 0
+    s = meta.stats
+    lines = [
+        f"step            {meta.step}",
+        f"kind            {meta.kind}",
+        f"base step       {'-' if meta.base_step is None else meta.base_step}",
+        f"format version  {meta.format_version}",
+        f"library         deltackpt {meta.library_version}",
+        f"world size      {meta.world_size}",
+        f"files           {len(meta.files)} data file(s), {human_bytes(sum(f.size for f in meta.files))}",
+        f"created         {_created_text(meta.created)} UTC",
+        f"size            raw {human_bytes(s.raw_bytes)}, stored {human_bytes(s.stored_bytes)}, "
+        f"ratio {_ratio_text(ratio(s.raw_bytes, s.stored_bytes))}, saved in {s.seconds:.2f} s",
+        "",
+    ]
+    rows = [[t["name"], t["role"], t["dtype"], str(t["shape"]),
+             f"alias of {t['alias_of']}" if t["alias_of"] else ",".join(t["codecs"]) or "-",
+             human_bytes(t["raw_bytes"]), "-" if t["alias_of"] else human_bytes(t["stored_bytes"]),
+             _ratio_text(t["ratio"])] for t in tensors]
+    lines += _table(["TENSOR", "ROLE", "DTYPE", "SHAPE", "CODEC", "RAW", "STORED", "RATIO"], rows,
+                    right={5, 6, 7})
+    lines += ["", "state"]
+    opt = state["optimizer"]
+    if opt is None:
+        lines.append("  optimizer  -")
+    else:
+        lines.append(f"  optimizer  {opt['class']}: {len(opt['param_groups'])} param group(s), "
+                     f"{opt['params_with_state']} parameter(s) with state "
+                     f"({', '.join(opt['state_keys']) or 'none'})")
+        for g, group in enumerate(opt["param_groups"]):
+            hyper = ", ".join(f"{k}={json.dumps(v)}" for k, v in group.items() if k != "params")
+            lines.append(f"    group {g}: {group['params']} params; {hyper}")
+    lines.append(f"  rng        {', '.join(state['rng']) if state['rng'] else '-'}")
+    extra = state["extra"]
+    lines.append(f"  extra      {'-' if extra is None else extra['summary']}")
+    if extra is not None and extra["keys"]:
+        lines += [f"    {k}: {v}" for k, v in extra["keys"].items()]
+    _print_lines(lines)
+    return 0
+
+
+# -- restore ---------------------------------------------------------------------------------
+
+
+def _prepare_out(out: Path, source: Path, force: bool) -> Path:
+    """The absolute output directory, after refusing one inside PATH, a file, or (without
+    ``--force``) a non-empty directory."""
+    target = out.expanduser().resolve()
+    source = source.resolve()
+    if target == source or source in target.parents:
+        raise ValueError(f"--out {out} is inside the checkpoint directory {source}; "
+                         "restore never writes into PATH, choose another directory")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if target.exists() and any(target.iterdir()) and not force:
+        raise ValueError(f"--out {out} is not empty; refusing to write into it "
+                         "(pass --force to write there anyway)")
+    return target
+
+
+def _replace_with(path: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` and rename tmp to ``path``, so ``path`` is never left half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _rename_refs(obj: Any, names: dict[str, str]) -> Any:
+    """Tagged JSON with its tensor references (``$tensor``/``$ndarray``) renamed by ``names``."""
+    if isinstance(obj, list):
+        return [_rename_refs(v, names) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        tag, body = next(iter(obj.items()))
+        if tag in ("$tensor", "$ndarray") and isinstance(body, str):
+            return {tag: names.get(body, body)}
+    return {k: _rename_refs(v, names) for k, v in obj.items()}
+
+
+def _safetensors_key(name: str, fqn: str | None, state_key: str | None) -> str:
+    """``<fqn>/<state_key>`` for a top-level optimizer state tensor, else the universal name."""
+    if fqn is not None and state_key is not None and (
+            name == tensor_name("optimizer", "state", fqn, state_key)):
+        return f"{fqn}/{state_key}"
+    return name
+
+
+def _export_safetensors(ckpt: UniversalCheckpoint, out: Path) -> tuple[list[Path], list[str]]:
+    from safetensors.torch import save_file
+
+    step = str(ckpt.step)
+    model: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for fqn, tensor in ckpt.model.items():
+        # tied weights are one tensor under two names; safetensors refuses shared memory
+        model[fqn] = tensor.clone() if id(tensor) in seen else tensor
+        seen.add(id(tensor))
+    written = [_replace_with(out / "model.safetensors", lambda p: save_file(
+        model, p, metadata={"format": "pt", "step": step}))]
+    state = ckpt.metadata.state
+    for section in ("optimizer", "extra"):
+        if state.get(section) is None:
+            continue
+        keys = {r.name: _safetensors_key(r.name, r.fqn, r.state_key) if section == "optimizer" else r.name
+                for r in ckpt.metadata.tensors if r.role == section}
+        tensors = {key: ckpt.tensors[name] for name, key in keys.items()}
+        metadata = {"step": step, section: json.dumps(_rename_refs(state[section], keys), allow_nan=False)}
+        written.append(_replace_with(out / f"{section}.safetensors",
+                                     lambda p, t=tensors, m=metadata: save_file(t, p, metadata=m)))
+    return written, ["rng"] if state.get("rng") is not None else []
+
+
+def _weights_only_loadable(value: Any) -> Any:
+    """``value`` with numpy arrays as tensors and numpy scalars as Python scalars.
+
+    ``torch.load(weights_only=True)`` refuses numpy objects; everything else
+    a checkpoint's state can hold (docs/FORMAT.md 2.5) it loads as is.
+    """
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {_weights_only_loadable(k): _weights_only_loadable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_weights_only_loadable(v) for v in value)
+    return value
+
+
+def _native_optimizer(saved: dict[str, Any]) -> dict[str, Any]:
+    """A torch ``Optimizer.state_dict()`` from the FQN-keyed optimizer state of a checkpoint.
+
+    Parameters are numbered in the saved group order, as ``state_dict()``
+    does; each group also lists its parameters' FQNs as ``param_names``.
+    """
+    index: dict[str, int] = {}
+    groups = []
+    for group in saved["param_groups"]:
+        start = len(index)
+        index.update((fqn, start + i) for i, fqn in enumerate(group["params"]))
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        groups.append({**hyper, "params": list(range(start, start + len(group["params"]))),
+                       "param_names": list(group["params"])})
+    state = {}
+    for fqn, value in saved["state"].items():
+        if fqn not in index:
+            raise FormatError(f"optimizer state for {fqn!r}, which is in no param group")
+        state[index[fqn]] = value
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _export_torch(ckpt: UniversalCheckpoint, out: Path) -> tuple[list[Path], list[str]]:
+    optimizer = ckpt.optimizer
+    document = _weights_only_loadable({
+        "step": ckpt.step,
+        "model": ckpt.model,
+        "optimizer": None if optimizer is None else _native_optimizer(optimizer),
+        "extra": ckpt.extra,
+    })
+    written = [_replace_with(out / "checkpoint.pt", lambda p: torch.save(document, p))]
+    return written, ["rng"] if ckpt.metadata.state.get("rng") is not None else []
+
+
+def _export_universal(ckpt: UniversalCheckpoint, out: Path, force: bool) -> list[Path]:
+    ckpt.save_universal(out, overwrite=force)
+    step_dir = out / step_dir_name(ckpt.step)
+    return [out / ROOT_MARKER, *sorted(step_dir.iterdir())]
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    mgr = _open(args.path)
+    step = _resolve_step(mgr, args.step)
+    out = _prepare_out(Path(args.out), Path(mgr.path), args.force)
+    ckpt = mgr.restore(step, progress=_show_progress(args))
+    left_out: list[str] = []
+    if args.format == "universal":
+        written = _export_universal(ckpt, out, args.force)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        export = _export_safetensors if args.format == "safetensors" else _export_torch
+        written, left_out = export(ckpt, out)
+    files = [{"path": str(p), "bytes": p.stat().st_size} for p in written]
+    if args.json:
+        _print_json({"step": step, "format": args.format, "out": str(out), "files": files,
+                     "left_out": left_out})
+        return 0
+    print(f"restored step {step} of {mgr.path} as {args.format} into {out}")
+    _print_lines([f"  {f['path']}  {human_bytes(f['bytes'])}" for f in files])
+    if left_out:
+        print(f"not exported ({args.format} has no place for it): {', '.join(left_out)}")
+    return 0
+
+
+# -- verify ----------------------------------------------------------------------------------
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    mgr = _open(args.path)
+    step = None if args.step is None else _resolve_step(mgr, args.step)
+    report = mgr.verify(step, deep=args.deep, progress=_show_progress(args))
+    damaged = [s for s, problems in report.items() if problems]
+    if args.json:
+        _print_json({"path": mgr.path, "deep": args.deep, "ok": not damaged,
+                     "steps": [{"step": s, "ok": not p, "problems": p} for s, p in report.items()]})
+        return 1 if damaged else 0
+    if not report:
+        print(f"no committed steps in {mgr.path}")
+        return 0
+    for s, problems in report.items():
+        if not problems:
+            print(f"step {s}: OK")
+            continue
+        print(f"step {s}: DAMAGED ({len(problems)} problem{'s' if len(problems) > 1 else ''})")
+        _print_lines([f"  {p}" for p in problems])
+    checked = f"{len(report)} step{'s' if len(report) > 1 else ''} checked"
+    print(f"{checked}{' (deep)' if args.deep else ''}: "
+          f"{f'{len(damaged)} damaged' if damaged else 'all intact'}")
+    return 1 if damaged else 0
+
+
+# -- du --------------------------------------------------------------------------------------
+
+
+def _tree_bytes(storage: Storage, rel: str = "") -> int:
+    """Bytes of every file under ``rel``."""
+    total = 0
+    for name in storage.listdir(rel):
+        child = f"{rel}/{name}" if rel else name
+        total += _tree_bytes(storage, child) if storage.is_dir(child) else storage.size(child)
+    return total
+
+
+def _cmd_du(args: argparse.Namespace) -> int:
+    mgr = _open(args.path)
+    storage = mgr.storage
+    steps = []
+    roles = {role: {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0} for role in ROLES}
+    for step in mgr.steps():
+        step_dir = step_dir_name(step)
+        on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
+                   if not storage.is_dir(f"{step_dir}/{name}")}
+        row: dict[str, Any] = {"step": step, "files": 0, "data_bytes": 0,
+                               "metadata_bytes": on_disk.pop(METADATA_FILE, 0), "missing_files": [],
+                               "error": None}
+        try:
+            meta = mgr.metadata(step)
+        except DeltackptError as exc:
+            row["error"] = str(exc)
+        else:
+            for f in meta.files:
+                if f.name in on_disk:
+                    row["files"] += 1
+                    row["data_bytes"] += on_disk.pop(f.name)
+                else:
+                    row["missing_files"].append(f.name)
+            for record in meta.tensors:
+                if record.alias_of is None:  # a tied weight is stored (and counted) once
+                    totals = roles.setdefault(record.role, {"tensors": 0, "raw_bytes": 0,
+                                                            "stored_bytes": 0})
+                    totals["tensors"] += 1
+                    totals["raw_bytes"] += record.nbytes
+                    totals["stored_bytes"] += record.stored_bytes
+        row["other_bytes"] = sum(on_disk.values())  # leftovers of interrupted saves
+        row["total_bytes"] = row["data_bytes"] + row["metadata_bytes"] + row["other_bytes"]
+        steps.append(row)
+    steps_total = sum(r["total_bytes"] for r in steps)
+    directory = _tree_bytes(storage)
+    data_total = sum(r["stored_bytes"] for r in roles.values())
+    for totals in roles.values():
+        totals["share"] = totals["stored_bytes"] / data_total if data_total else 0.0
+    if args.json:
+        _print_json({"path": mgr.path, "steps": steps, "steps_bytes": steps_total,
+                     "directory_bytes": directory, "other_bytes": directory - steps_total, "by_role": roles})
+        return 0
+    rows = [[r["step"], r["files"], human_bytes(r["data_bytes"]), human_bytes(r["metadata_bytes"]),
+             human_bytes(r["total_bytes"])] for r in steps]
+    lines = _table(["STEP", "FILES", "DATA", "METADATA", "TOTAL"], rows, right={0, 1, 2, 3, 4})
+    lines += [f"steps      {human_bytes(steps_total)} in {len(steps)} step(s)",
+              f"directory  {human_bytes(directory)} ({human_bytes(directory - steps_total)} outside "
+              "committed steps' files)", ""]
+    lines += _table(["ROLE", "TENSORS", "RAW", "STORED", "SHARE"],
+                    [[role, t["tensors"], human_bytes(t["raw_bytes"]), human_bytes(t["stored_bytes"]),
+                      f"{100 * t['share']:.1f}%"] for role, t in roles.items()], right={1, 2, 3, 4})
+    for r in steps:
+        if r["error"]:
+            lines.append(f"step {r['step']}: unreadable metadata: {r['error']}")
+        if r["missing_files"]:
+            lines.append(f"step {r['step']}: missing data files: {', '.join(r['missing_files'])}")
+        if r["other_bytes"]:
+            lines.append(f"step {r['step']}: {human_bytes(r['other_bytes'])} in unreferenced files "
+                         "(removed by the next writer)")
+    _print_lines(lines)
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+
+def _step_arg(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
+    return step
+
+
+def _add_command(sub: Any, name: str, help_text: str, description: str, examples: str,
+                 func: Callable[[argparse.Namespace], int], parents: list[argparse.ArgumentParser]
+                 ) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=description, parents=parents,
+                            epilog="examples:\n" + examples,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _add_demo(sub: Any) -> None:
+    """The ``demo`` command of :mod:`deltackpt.demo`; registered even if that module fails to import."""
+    description = ("Train a small GPT on real text, checkpoint it with deltackpt, compare with torch.save "
+                   "and resume from a saved step.")
+    try:
+        from deltackpt import demo
+    except Exception as exc:  # the demo must never break the other commands
+        error = exc  # `exc` is unbound once the except block ends
+        parser = sub.add_parser("demo", help="train, checkpoint and resume a small GPT (unavailable)",
+                                description=description + f" Unavailable here: {error!r}.")
+
+        def unavailable(args: argparse.Namespace) -> int:
+            print(f"deltackpt: error: the demo is unavailable: cannot import deltackpt.demo ({error!r})",
+                  file=sys.stderr)
+            return 2
+
+        parser.set_defaults(func=unavailable, accepts_any_arguments=True)
+        return
+    parser = sub.add_parser("demo", help="train, checkpoint and resume a small GPT",
+                            description=description,
+                            epilog="examples:\n  deltackpt demo\n  deltackpt demo --size tiny --steps 20",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(parser)
+    parser.set_defaults(func=demo.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``deltackpt`` command and all its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="deltackpt",
+        description="Inspect, verify and export deltackpt checkpoint directories. Commands that take "
+                    "PATH only read it: they never create, lock or change anything there.",
+        epilog="examples:\n  deltackpt ls runs/ckpt\n  deltackpt info runs/ckpt --step 100\n"
+               "  deltackpt verify runs/ckpt --deep\n"
+               "  deltackpt restore runs/ckpt --format safetensors --out export/\n\n"
+               "exit codes: 0 success, 1 damage found (verify, ls), 2 error",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    path = argparse.ArgumentParser(add_help=False)
+    path.add_argument("path", metavar="PATH", help="checkpoint directory (a local path or file:// URL)")
+    path.add_argument("--json", action="store_true",
+                      help="print one JSON document on stdout instead of text (no progress bars)")
+    one_step = argparse.ArgumentParser(add_help=False)
+    one_step.add_argument("--step", type=_step_arg, metavar="N", help="step to use (default: the latest)")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument("--progress", action="store_true",
+                          help="show a progress bar on stderr even if it is not a terminal "
+                               "(it is shown on a terminal anyway; never with --json)")
+
+    _add_command(sub, "ls", "list the steps of a checkpoint directory",
+                 "One row per committed step: kind (full or delta), the step it depends on, raw and "
+                 "stored size, compression ratio (raw/stored), save time and commit time, then a "
+                 "total. Exits 1 if the metadata of a step cannot be read.",
+                 "  deltackpt ls runs/ckpt\n  deltackpt ls runs/ckpt --json | jq '.total'",
+                 _cmd_ls, [path])
+    _add_command(sub, "info", "describe one step: header, every tensor, the non-tensor state",
+                 "The step's header (kind, base step, format and library version, world size, files, "
+                 "sizes), a table of its tensors (role, dtype, shape, codecs, raw and stored bytes, "
+                 "ratio; tied weights show as 'alias of X') and the non-tensor state it holds "
+                 "(optimizer class and param groups, RNG sources, top-level keys of extra).",
+                 "  deltackpt info runs/ckpt\n  deltackpt info runs/ckpt --step 100 --json",
+                 _cmd_info, [path, one_step])
+    restore = _add_command(
+        sub, "restore", "export one step as a deltackpt, safetensors or torch checkpoint",
+        "Decode a step and write it into DIR:\n\n"
+        "  universal    a standalone deltackpt directory holding just this step (lossless,\n"
+        "               keeps everything, including RNG states)\n"
+        "  safetensors  DIR/model.safetensors: the model state dict by FQN (tied weights\n"
+        "               stored under each name);\n"
+        "               DIR/optimizer.safetensors: optimizer state tensors as <fqn>/<state_key>\n"
+        "               (other optimizer tensors under their universal name) and, in its\n"
+        "               metadata, key 'optimizer': the optimizer's class, param groups and\n"
+        "               state as deltackpt tagged JSON (docs/FORMAT.md 2.5) whose $tensor\n"
+        "               references are keys of that file;\n"
+        "               DIR/extra.safetensors: tensors of 'extra' under their universal names,\n"
+        "               with 'extra' as tagged JSON in its metadata;\n"
+        "               each file only when the step has that state. RNG states are left out.\n"
+        "  torch        DIR/checkpoint.pt, loadable with torch.load(weights_only=True):\n"
+        "               {'step', 'model', 'optimizer', 'extra'}; 'optimizer' is a torch\n"
+        "               Optimizer.state_dict() (parameters numbered in saved group order, groups\n"
+        "               list their FQNs as 'param_names'). numpy arrays in it become tensors and\n"
+        "               numpy scalars Python scalars, which weights_only can load. RNG states\n"
+        "               are left out.\n\n"
+        "PATH is never modified. DIR may not be inside PATH, and must be empty or new unless\n"
+        "--force is given: then files of the same name (or, for universal, the same step of an\n"
+        "existing deltackpt directory) are replaced and everything else in DIR is kept.",
+        "  deltackpt restore runs/ckpt --out best/\n"
+        "  deltackpt restore runs/ckpt --step 100 --format safetensors --out export/\n"
+        "  deltackpt restore runs/ckpt --format torch --out export/ --force",
+        _cmd_restore, [path, one_step, progress])
+    restore.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    restore.add_argument("--format", choices=("universal", "safetensors", "torch"), default="universal",
+                         help="output format (default: %(default)s)")
+    restore.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+    verify = _add_command(
+        sub, "verify", "check stored bytes against their checksums",
+        "Check every chunk of one step (or of all steps) against its xxh3 checksum and report the "
+        "damaged ones by step, tensor and file. --deep also decodes every chunk and checks the "
+        "result. Exits 0 if everything is intact, 1 if anything is damaged.",
+        "  deltackpt verify runs/ckpt\n  deltackpt verify runs/ckpt --step 100 --deep",
+        _cmd_verify, [path, progress])
+    verify.add_argument("--step", type=_step_arg, metavar="N", help="step to check (default: all)")
+    verify.add_argument("--deep", action="store_true", help="also decode every chunk")
+    _add_command(sub, "du", "disk usage per step and by tensor role",
+                 "Bytes on disk of each step (its data files and metadata.json, measured from the "
+                 "files), of the whole directory, and of the stored tensors summed over all steps by "
+                 "role (param, buffer, optimizer, rng, extra).",
+                 "  deltackpt du runs/ckpt\n  deltackpt du runs/ckpt --json",
+                 _cmd_du, [path])
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``deltackpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        return args.func(args)
+    except (DeltackptError, FileNotFoundError, ValueError, PermissionError) as exc:
+        print(f"deltackpt: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("deltackpt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

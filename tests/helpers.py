@@ -1,0 +1,88 @@
+"""Shared helpers of the core library's tests (a plain module, imported by the test files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deltackpt.dtypes import BY_NAME
+
+
+def raw_bytes_of(t: torch.Tensor) -> bytes:
+    """The tensor's elements in row-major order as bytes (exact bit pattern, NaN payloads included)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:
+    """Same dtype, same shape and the very same bytes."""
+    assert isinstance(actual, torch.Tensor), f"{what}: got {type(actual).__name__}, not a tensor"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert raw_bytes_of(actual) == raw_bytes_of(expected), f"{what}: bytes differ"
+
+
+def assert_state_dicts_equal(actual: dict, expected: dict, what: str = "state") -> None:
+    """Two name -> tensor mappings with the same names and bitwise equal tensors."""
+    assert sorted(actual) == sorted(expected), f"{what}: names {sorted(actual)} != {sorted(expected)}"
+    for name, tensor in expected.items():
+        assert_bitwise_equal(actual[name], tensor, f"{what}[{name!r}]")
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` filled with random bit patterns (``bool``: 0 or 1 only)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8).bool().reshape(shape)
+    itemsize = dtype.itemsize
+    data = torch.randint(0, 256, (n * itemsize,), generator=gen, dtype=torch.uint8)
+    return data.view(dtype).reshape(shape)
+
+
+ALL_DTYPES: list[torch.dtype] = [spec.torch_dtype for spec in BY_NAME.values()]
+
+
+def files_under(root: str | os.PathLike[str]) -> set[str]:
+    """Every file and directory below ``root``, as paths relative to it."""
+    root = Path(root)
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """The directory of ``step`` under the checkpoint root."""
+    return Path(root) / f"step-{step:012d}"
+
+
+def data_files(root: str | os.PathLike[str], step: int) -> list[Path]:
+    """The data files present in the directory of ``step``, sorted."""
+    return sorted(step_dir(root, step).glob("*.bin"))
+
+
+def assert_same_value(actual: object, expected: object, path: str = "value") -> None:
+    """Deep equality that also requires identical types; floats, arrays and tensors compare bitwise."""
+    assert type(actual) is type(expected), \
+        f"{path}: type {type(actual).__name__} != {type(expected).__name__} ({actual!r} vs {expected!r})"
+    if isinstance(expected, torch.Tensor):
+        assert_bitwise_equal(actual, expected, path)
+    elif isinstance(expected, np.ndarray):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert actual.tobytes() == expected.tobytes(), f"{path}: array bytes differ"
+    elif isinstance(expected, (np.generic, float)):
+        assert np.asarray(actual).tobytes() == np.asarray(expected).tobytes(), \
+            f"{path}: {actual!r} != {expected!r} bitwise"
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_value(a, e, f"{path}[{i}]")
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
+        for key, value in expected.items():
+            assert_same_value(actual[key], value, f"{path}[{key!r}]")
+            assert type(next(k for k in actual if k == key)) is type(key), f"{path}: key type of {key!r}"
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"

@@ -1,0 +1,195 @@
+"""Damaged data files and metadata are detected, reported with step, tensor and file, and contained."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, assert_state_dicts_equal, step_dir
+
+from deltackpt import CheckpointManager, CorruptionError, FormatError
+from deltackpt.format import Chunk, StepMetadata
+
+STEPS = (0, 1, 2)
+DAMAGED = 1
+
+
+def _content(step: int) -> dict[str, torch.Tensor]:
+    """Deterministic tensors of ``step``: compressible, incompressible, bytes, several chunks each."""
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "weights": torch.randn(40, 100, generator=gen) * 0.02,
+        "noise": torch.randint(0, 256, (9000,), generator=gen, dtype=torch.uint8).view(torch.float32)
+        .clone(),
+        "zeros": torch.zeros(3000, dtype=torch.bfloat16),
+        "bytes": torch.randint(0, 4, (10000,), generator=gen, dtype=torch.int8),
+        "small": torch.arange(7, dtype=torch.int64) + step,
+    }
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    with CheckpointManager(path, chunk_bytes=4096) as mgr:
+        for step in STEPS:
+            mgr.save(step, extra=_content(step), rng=False)
+    return path
+
+
+@pytest.fixture
+def mgr(ckpt_dir: Path) -> Iterator[CheckpointManager]:
+    manager = CheckpointManager(ckpt_dir, chunk_bytes=4096)
+    yield manager
+    manager.close()
+
+
+def _chunk(meta: StepMetadata, name: str, index: int) -> Chunk:
+    return meta.tensor(name).fragments[0].chunks[index]
+
+
+def _data_path(root: Path, meta: StepMetadata, chunk: Chunk) -> Path:
+    return step_dir(root, meta.step) / meta.files[chunk.file].name
+
+
+def _assert_intact(mgr: CheckpointManager, steps: tuple[int, ...]) -> None:
+    for step in steps:
+        assert_state_dicts_equal(mgr.restore(step).extra, _content(step), f"step {step}")
+
+
+def _assert_names_step_tensor_file(message: str, step: int, tensor: str, path: Path) -> None:
+    assert f"step {step}" in message, message
+    assert repr(tensor) in message, message
+    assert str(path) in message, message
+
+
+@pytest.mark.parametrize(("tensor", "index"), [("extra/weights", 0), ("extra/weights", 3),
+                                               ("extra/noise", 2), ("extra/zeros", 1),
+                                               ("extra/bytes", 0), ("extra/small", 0)])
+def test_flipped_byte(mgr: CheckpointManager, ckpt_dir: Path, tensor: str, index: int) -> None:
+    """One flipped byte inside a chunk: restore raises CorruptionError naming step, tensor and file;
+    verify (shallow and deep) reports exactly that step; the other steps restore bit-exactly."""
+    meta = mgr.metadata(DAMAGED)
+    chunk = _chunk(meta, tensor, index)
+    path = _data_path(ckpt_dir, meta, chunk)
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + chunk.length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(CorruptionError) as info:
+        mgr.restore(DAMAGED)
+    _assert_names_step_tensor_file(str(info.value), DAMAGED, tensor, path)
+    for deep in (False, True):
+        report = mgr.verify(deep=deep)
+        assert sorted(report) == list(STEPS)
+        assert [s for s, problems in report.items() if problems] == [DAMAGED]
+        (problem,) = report[DAMAGED]
+        _assert_names_step_tensor_file(problem, DAMAGED, tensor, path)
+        assert mgr.verify(DAMAGED, deep=deep) == {DAMAGED: report[DAMAGED]}
+        assert mgr.verify(0, deep=deep) == {0: []}
+    _assert_intact(mgr, (0, 2))
+
+
+def test_truncated_data_file(mgr: CheckpointManager, ckpt_dir: Path) -> None:
+    """A truncated data file raises CorruptionError naming step, tensor and file; verify flags the step."""
+    meta = mgr.metadata(DAMAGED)
+    last = _chunk(meta, "extra/small", 0)
+    path = _data_path(ckpt_dir, meta, last)
+    size = path.stat().st_size
+    assert size == meta.files[0].size
+    with open(path, "r+b") as handle:
+        handle.truncate(size - 3)
+    with pytest.raises(CorruptionError) as info:
+        mgr.restore(DAMAGED)
+    _assert_names_step_tensor_file(str(info.value), DAMAGED, "extra/small", path)
+    assert "truncated" in str(info.value)
+    report = mgr.verify()
+    assert report[0] == [] and report[2] == []
+    (problem,) = report[DAMAGED]
+    _assert_names_step_tensor_file(problem, DAMAGED, "extra/small", path)
+
+    with open(path, "r+b") as handle:  # cut deeper: every chunk from there on is reported
+        handle.truncate(size // 2)
+    damaged_chunks = [c for r in meta.tensors for f in r.fragments for c in f.chunks
+                      if c.offset + c.length > size // 2]
+    assert len(mgr.verify(deep=True)[DAMAGED]) == len(damaged_chunks) > 1
+    _assert_intact(mgr, (0, 2))
+
+
+def test_deleted_data_file(mgr: CheckpointManager, ckpt_dir: Path) -> None:
+    """A missing data file raises CorruptionError naming step, tensor and file; verify flags every chunk."""
+    meta = mgr.metadata(DAMAGED)
+    path = step_dir(ckpt_dir, DAMAGED) / meta.files[0].name
+    path.unlink()
+    with pytest.raises(CorruptionError) as info:
+        mgr.restore(DAMAGED)
+    message = str(info.value)
+    assert "missing" in message and f"step {DAMAGED}" in message and str(path) in message
+    assert re.search(r"tensor 'extra/\w+'", message)
+    report = mgr.verify()
+    n_chunks = sum(len(f.chunks) for r in meta.tensors for f in r.fragments)
+    assert len(report[DAMAGED]) == n_chunks
+    assert all(str(path) in p for p in report[DAMAGED])
+    assert report[0] == [] and report[2] == []
+    _assert_intact(mgr, (0, 2))
+
+
+def test_wrong_decoded_checksum_needs_deep_verify(mgr: CheckpointManager, ckpt_dir: Path) -> None:
+    """Stored bytes intact but decoding to other bytes (raw_xxh3 mismatch): restore and deep verify fail,
+    shallow verify (stored bytes only) does not see it."""
+    path = step_dir(ckpt_dir, DAMAGED) / "metadata.json"
+    obj = json.loads(path.read_text())
+    record = next(t for t in obj["tensors"] if t["name"] == "extra/weights")
+    record["fragments"][0]["chunks"][1]["raw_xxh3"] = "0123456789abcdef"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(CorruptionError, match="decoded bytes") as info:
+        mgr.restore(DAMAGED)
+    assert "'extra/weights'" in str(info.value) and f"step {DAMAGED}" in str(info.value)
+    assert mgr.verify() == {0: [], 1: [], 2: []}
+    deep = mgr.verify(deep=True)
+    assert deep[0] == [] and deep[2] == [] and len(deep[DAMAGED]) == 1
+    assert "'extra/weights'" in deep[DAMAGED][0]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "wrong type"])
+def test_damaged_metadata(mgr: CheckpointManager, ckpt_dir: Path, damage: str) -> None:
+    """A damaged metadata.json: restore raises FormatError naming the file (and so the step directory);
+    verify reports that step only, from the open manager and from a freshly opened one."""
+    path = step_dir(ckpt_dir, DAMAGED) / "metadata.json"
+    text = path.read_bytes()
+    damaged = {"garbage": b"\x00garbage{", "truncated": text[: len(text) // 2], "empty": b"",
+               "wrong type": text.replace(b'"shape"', b'"shap"', 1)}[damage]
+    path.write_bytes(damaged)
+    with pytest.raises(FormatError) as info:
+        mgr.restore(DAMAGED)
+    assert str(path) in str(info.value) and f"step-{DAMAGED:012d}" in str(info.value)
+    assert mgr.steps() == list(STEPS)
+    report = mgr.verify()
+    assert report[0] == [] and report[2] == [] and len(report[DAMAGED]) == 1
+    assert str(path) in report[DAMAGED][0]
+    _assert_intact(mgr, (0, 2))
+    mgr.close()
+
+    reader = CheckpointManager(ckpt_dir, read_only=True)
+    assert reader.verify() == report
+    # A writer opened afterwards (it cleans up leftovers) must cope with the damaged step too:
+    # report it, keep its files, restore and save the others.
+    files_before = sorted(p.name for p in step_dir(ckpt_dir, DAMAGED).iterdir())
+    with CheckpointManager(ckpt_dir, chunk_bytes=4096) as writer:
+        assert writer.verify() == report
+        assert sorted(p.name for p in step_dir(ckpt_dir, DAMAGED).iterdir()) == files_before
+        _assert_intact(writer, (0, 2))
+        writer.save(3, extra=_content(3), rng=False)
+        _assert_intact(writer, (3,))
+
+
+def test_undamaged_checkpoint_verifies_clean(mgr: CheckpointManager) -> None:
+    """Without damage, verify (shallow and deep) reports nothing and every step restores exactly."""
+    assert mgr.verify() == {s: [] for s in STEPS}
+    assert mgr.verify(deep=True) == {s: [] for s in STEPS}
+    _assert_intact(mgr, STEPS)
+    ckpt = mgr.restore(2)
+    assert_bitwise_equal(ckpt.tensors["extra/small"], _content(2)["small"])
