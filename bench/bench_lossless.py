@@ -21,6 +21,9 @@ import zstandard
 from conftest import record
 
 from deltackpt import CheckpointManager
+from deltackpt.codecs import encode_lossless
+from deltackpt.dtypes import spec_for
+from deltackpt.format import step_dir_name
 from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers, raw_bytes
 
 ROUNDS = 5
@@ -55,6 +58,13 @@ def test_memcpy(benchmark, state) -> None:
     record(benchmark, "memcpy", total)
 
 
+def _all_cores(benchmark, chunks: list[np.ndarray], encode) -> int:
+    """Benchmark ``encode(chunk) -> stored size`` over all chunks on a thread pool; total stored size."""
+    with ThreadPoolExecutor(default_workers()) as pool:
+        sizes = benchmark.pedantic(lambda: list(pool.map(encode, chunks)), rounds=ROUNDS, warmup_rounds=1)
+    return sum(sizes)
+
+
 def test_zstd_level1(benchmark, state) -> None:
     """Baseline: plain zstd level 1 of the raw bytes, in chunks, on all cores."""
     _, buffers = state
@@ -66,10 +76,17 @@ def test_zstd_level1(benchmark, state) -> None:
             local.cctx = zstandard.ZstdCompressor(level=1)
         return len(local.cctx.compress(chunk))
 
-    with ThreadPoolExecutor(default_workers()) as pool:
-        sizes = benchmark.pedantic(lambda: list(pool.map(compress, chunks)), rounds=ROUNDS,
-                                   warmup_rounds=1)
-    record(benchmark, "zstd-1 (all cores)", sum(c.size for c in chunks), sum(sizes))
+    stored = _all_cores(benchmark, chunks, compress)
+    record(benchmark, "zstd-1 (all cores)", sum(c.size for c in chunks), stored)
+
+
+def test_lossless_codec(benchmark, state) -> None:
+    """deltackpt's lossless codec alone (byte planes + Huffman), same chunks and threads as zstd-1."""
+    _, buffers = state
+    chunks = _chunks(buffers)
+    spec = spec_for(torch.float32)
+    stored = _all_cores(benchmark, chunks, lambda chunk: encode_lossless(chunk, spec).length)
+    record(benchmark, "deltackpt codec (all cores)", sum(c.size for c in chunks), stored)
 
 
 def _durable_torch_save(obj: dict, path: Path) -> None:
@@ -93,8 +110,13 @@ def _save_rounds(benchmark, state, directory: Path, name: str) -> None:
     mgr = CheckpointManager(directory)
     steps = itertools.count()
     infos = []
+
+    def drop_previous() -> None:  # untimed: keeps one step on disk, so rounds see the same file system
+        if infos:
+            shutil.rmtree(directory / step_dir_name(infos[-1].step))
+
     benchmark.pedantic(lambda: infos.append(mgr.save(next(steps), rng=False, **objs)),
-                       rounds=ROUNDS, warmup_rounds=1)
+                       setup=drop_previous, rounds=ROUNDS, warmup_rounds=1)
     mgr.close()
     record(benchmark, name, infos[-1].raw_bytes, infos[-1].stored_bytes)
 

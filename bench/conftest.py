@@ -25,27 +25,31 @@ from deltackpt.training import (
 )
 
 CACHE = Path(__file__).parent / ".cache"
-TRAIN_STEPS = int(os.environ.get("DELTACKPT_BENCH_TRAIN_STEPS", "200"))
-MODEL_SIZE = os.environ.get("DELTACKPT_BENCH_SIZE", "medium")
+# Models to measure, as size:training_steps. The medium model is trained long enough for its
+# moments to settle; the large one (25M parameters, 300 MB of state) measures speed at scale.
+MODELS = [(size, int(steps)) for size, steps in
+          (item.split(":") for item in os.environ.get("DELTACKPT_BENCH_MODELS",
+                                                       "medium:200,large:40").split(","))]
 
 _rows: list[dict] = []
 
 
-@pytest.fixture(scope="session")
-def trained() -> tuple[TinyGPT, torch.optim.Optimizer]:
+@pytest.fixture(scope="session", params=MODELS, ids=[f"{size}-{steps}" for size, steps in MODELS])
+def trained(request) -> tuple[TinyGPT, torch.optim.Optimizer]:
     """A TinyGPT trained with AdamW on real text, cached across runs in bench/.cache."""
+    size, steps = request.param
     torch.manual_seed(0)
-    model = TinyGPT(SIZES[MODEL_SIZE])
+    model = TinyGPT(SIZES[size])
     optimizer = make_optimizer(model)
-    path = CACHE / f"{MODEL_SIZE}-{TRAIN_STEPS}.pt"
+    path = CACHE / f"{size}-{steps}.pt"
     if path.exists():
         state = torch.load(path, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         return model, optimizer
     train, _ = split_corpus(load_corpus())
-    scheduler = make_scheduler(optimizer, warmup=TRAIN_STEPS // 10, total=TRAIN_STEPS)
-    for _ in range(TRAIN_STEPS):
+    scheduler = make_scheduler(optimizer, warmup=steps // 10, total=steps)
+    for _ in range(steps):
         train_step(model, optimizer, scheduler, train, batch_size=16)
     CACHE.mkdir(exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
@@ -53,24 +57,28 @@ def trained() -> tuple[TinyGPT, torch.optim.Optimizer]:
 
 
 def record(benchmark, name: str, raw_bytes: int, out_bytes: int | None = None) -> None:
-    """Attach sizes to a finished benchmark and queue a row for the summary table."""
+    """Attach sizes to a finished benchmark and queue a row for the summary table.
+
+    Rows are grouped by the model the benchmark ran on (its ``trained`` parameter).
+    """
+    model = benchmark.name.split("[", 1)[-1].rstrip("]") if "[" in benchmark.name else ""
     benchmark.extra_info.update({"raw_bytes": raw_bytes, "out_bytes": out_bytes})
-    _rows.append({"name": name, "raw": raw_bytes, "out": out_bytes, "stats": benchmark.stats})
+    _rows.append({"model": model, "name": name, "raw": raw_bytes, "out": out_bytes,
+                  "stats": benchmark.stats})
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print GB/s (from the fastest round) and ratios of every benchmark of the run."""
     rows = [r for r in _rows if r["stats"] is not None]
-    if not rows:
-        return
-    base = {r["name"]: r["raw"] / r["stats"].stats.min for r in rows}
     write = terminalreporter.write_line
-    write("")
-    write(f"deltackpt benchmarks ({MODEL_SIZE} TinyGPT trained {TRAIN_STEPS} steps; GB/s of raw state, "
-          "best round)")
-    write(f"{'benchmark':<40} {'raw MB':>9} {'GB/s':>7} {'vs memcpy':>10} {'ratio':>7}")
-    for r in rows:
-        rate = base[r["name"]]
-        rel = rate / base["memcpy"] if "memcpy" in base else float("nan")
-        ratio = f"{r['raw'] / r['out']:.3f}x" if r["out"] else "-"
-        write(f"{r['name']:<40} {r['raw'] / 1e6:>9.1f} {rate / 1e9:>7.3f} {rel:>9.3f}x {ratio:>7}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        group = [r for r in rows if r["model"] == model]
+        rate = {r["name"]: r["raw"] / r["stats"].stats.min for r in group}
+        write("")
+        write(f"deltackpt benchmarks, TinyGPT {model} (size-training steps); GB/s of raw state, best round")
+        write(f"{'benchmark':<40} {'raw MB':>9} {'GB/s':>7} {'vs memcpy':>10} {'ratio':>7}")
+        for r in group:
+            rel = rate[r["name"]] / rate["memcpy"] if "memcpy" in rate else float("nan")
+            ratio = f"{r['raw'] / r['out']:.3f}x" if r["out"] else "-"
+            write(f"{r['name']:<40} {r['raw'] / 1e6:>9.1f} {rate[r['name']] / 1e9:>7.3f} {rel:>9.3f}x "
+                  f"{ratio:>7}")

@@ -33,6 +33,7 @@ SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(context=64, d_model=64, n_layer=2, n_head=2),
     "small": GPTConfig(d_model=192, n_layer=4, n_head=4),
     "medium": GPTConfig(d_model=256, n_layer=6, n_head=8),
+    "large": GPTConfig(d_model=512, n_layer=8, n_head=8),
 }
 
 

@@ -1,20 +1,23 @@
-"""Writing one step: chunk, encode in parallel, write, fsync, commit (docs/FORMAT.md 1.1).
+"""Writing one step: chunk, encode and write in parallel, fsync, commit (docs/FORMAT.md 1.1).
 
-Chunks are encoded on a thread pool (the kernels and zstd release the GIL)
-and written in order by the calling thread, with a bounded number in flight
-so memory stays at a few chunks whatever the model size.
+Chunks are encoded on a thread pool (the kernels and zstd release the GIL);
+each thread appends what it encodes to its own data file. The calling thread
+only hands out chunks, a bounded number at a time so memory stays small
+whatever the model size, and collects their metadata in order.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import IO
 
 import numpy as np
 import torch
@@ -73,8 +76,58 @@ def _chunk_jobs(stored: list[tuple[TensorRecord, DTypeSpec, np.ndarray]],
             yield _Job(record, spec, start, raw[start : start + step])
 
 
-def _encode(job: _Job, encoder: Encoder) -> tuple[EncodedChunk, str]:
-    return encoder(job.raw, job.spec), xxhash.xxh3_64_hexdigest(job.raw)
+class _DataFiles:
+    """One append-only data file per encoding thread.
+
+    File systems serialize buffered writes to one file, so each thread
+    appends the chunks it encodes to a file of its own and the writes of a
+    save run in parallel.
+    """
+
+    def __init__(self, storage: Storage, step_dir: str, save_id: str) -> None:
+        self.storage, self.step_dir, self.save_id = storage, step_dir, save_id
+        self.names: list[str] = []
+        self.handles: list[IO[bytes]] = []
+        self.sizes: list[int] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def append(self, parts: list) -> tuple[int, int]:
+        """Write ``parts`` to this thread's file; returns the file's index and the offset."""
+        index = getattr(self._local, "index", None)
+        if index is None:
+            with self._lock:
+                index = len(self.names)
+                name = data_file_name(self.save_id, 0, index)
+                self.handles.append(self.storage.create(f"{self.step_dir}/{name}"))
+                self.names.append(name)
+                self.sizes.append(0)
+            self._local.index = index
+        offset = self.sizes[index]
+        for part in parts:
+            self.handles[index].write(part)
+            self.sizes[index] += memoryview(part).nbytes
+        return index, offset
+
+    def records(self) -> list[DataFile]:
+        """The files written, as metadata."""
+        return [DataFile(name, 0, size) for name, size in zip(self.names, self.sizes, strict=True)]
+
+    def abort(self) -> None:
+        """Close and delete every file (the save failed)."""
+        for handle, name in zip(self.handles, self.names, strict=True):
+            handle.close()
+            self.storage.remove(f"{self.step_dir}/{name}")
+
+
+def _encode_and_write(job: _Job, encoder: Encoder, files: _DataFiles) -> Chunk:
+    encoded = encoder(job.raw, job.spec)
+    digest = xxhash.xxh3_64()
+    for part in encoded.parts:
+        digest.update(part)
+    file, offset = files.append(encoded.parts)
+    return Chunk(file, offset, encoded.length, job.raw_offset, job.raw.size, encoded.codec,
+                 encoded.params, digest.hexdigest(), xxhash.xxh3_64_hexdigest(job.raw))
 
 
 def write_step(storage: Storage, step: int, captured: CapturedState, *,
@@ -103,47 +156,34 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
     step_dir = step_dir_name(step)
     storage.makedirs(step_dir)
     save_id = secrets.token_hex(8)
-    data_name = data_file_name(save_id, 0, 0)
-
-    handle = storage.create(f"{step_dir}/{data_name}")
-    offset = 0
+    files = _DataFiles(storage, step_dir, save_id)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-encode") as pool, \
                 progress_bar(raw_total, f"save step {step}", progress) as bar:
-            in_flight: deque[tuple[_Job, Future]] = deque()
+            in_flight: deque[tuple[_Job, Future[Chunk]]] = deque()
 
-            def write_oldest() -> None:
-                nonlocal offset
+            def collect_oldest() -> None:
                 job, future = in_flight.popleft()
-                encoded, raw_hash = future.result()
-                digest = xxhash.xxh3_64()
-                for part in encoded.parts:
-                    digest.update(part)
-                    handle.write(part)
-                job.record.fragments[0].chunks.append(Chunk(
-                    0, offset, encoded.length, job.raw_offset, job.raw.size,
-                    encoded.codec, encoded.params, digest.hexdigest(), raw_hash))
-                offset += encoded.length
+                job.record.fragments[0].chunks.append(future.result())
                 bar.update(job.raw.size)
 
             for job in _chunk_jobs(stored, chunk_bytes):
-                in_flight.append((job, pool.submit(_encode, job, encoder)))
-                if len(in_flight) >= 2 * workers:
-                    write_oldest()
+                in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
+                if len(in_flight) >= 4 * workers:
+                    collect_oldest()
             while in_flight:
-                write_oldest()
-        storage.finish(handle)
+                collect_oldest()
+            list(pool.map(storage.finish, files.handles))  # fsync the files in parallel
     except BaseException:
-        handle.close()
-        storage.remove(f"{step_dir}/{data_name}")
+        files.abort()
         raise
 
+    data_files = files.records()
     meta = StepMetadata(
         step=step, kind=kind, base_step=base_step, save_id=save_id,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__, world_size=1,
-        files=[DataFile(data_name, 0, offset)], tensors=records, state=captured.tree,
-        stats=StepStats(raw_total, offset, 0.0))
+        library_version=__version__, world_size=1, files=data_files, tensors=records,
+        state=captured.tree, stats=StepStats(raw_total, sum(f.size for f in data_files), 0.0))
     meta.stats.seconds = round(time.perf_counter() - started, 6)
     storage.commit_file(f"{step_dir}/{METADATA_FILE}", meta.to_json().encode())
     remove_unreferenced(storage, step_dir, meta)

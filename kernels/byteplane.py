@@ -72,13 +72,22 @@ def merge_planes(planes: np.ndarray, rotate: bool, words: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def sampled_histograms(planes: np.ndarray, stride: int) -> np.ndarray:
-    """Byte histogram of every plane over every ``stride``-th element."""
-    hist = np.zeros((planes.shape[0], 256), dtype=np.int64)
+def sampled_entropy_bits(planes: np.ndarray, stride: int) -> np.ndarray:
+    """Order-0 entropy, in bits per byte, of every plane over every ``stride``-th element.
+
+    Cheap enough to run before choosing a plane's codec (0 for an empty plane).
+    """
+    bits = np.zeros(planes.shape[0], dtype=np.float64)
+    hist = np.empty(256, dtype=np.int64)
     for p in range(planes.shape[0]):
+        hist[:] = 0
         for i in range(0, planes.shape[1], stride):
-            hist[p, planes[p, i]] += 1
-    return hist
+            hist[planes[p, i]] += 1
+        total = hist.sum()
+        for count in hist:
+            if count:
+                bits[p] -= count / total * np.log2(count / total)
+    return bits
 
 
 def numpy_split_planes(words: np.ndarray, rotate: bool) -> np.ndarray:
@@ -91,6 +100,16 @@ def numpy_split_planes(words: np.ndarray, rotate: bool) -> np.ndarray:
         x = ((x << np.uint64(1)) | (x >> np.uint64(bits - 1))) & mask
     shifts = np.array([8 * (n_planes - 1 - p) for p in range(n_planes)], dtype=np.uint64)
     return ((x[None, :] >> shifts[:, None]) & np.uint64(0xFF)).astype(np.uint8)
+
+
+def numpy_entropy_bits(planes: np.ndarray, stride: int) -> np.ndarray:
+    """Reference for :func:`sampled_entropy_bits`."""
+    bits = np.zeros(planes.shape[0])
+    for p in range(planes.shape[0]):
+        counts = np.bincount(planes[p, ::stride], minlength=256)
+        prob = counts[counts > 0] / max(1, counts.sum())
+        bits[p] = float(-(prob * np.log2(prob)).sum())
+    return bits
 
 
 def numpy_merge_planes(planes: np.ndarray, rotate: bool, dtype: np.dtype) -> np.ndarray:

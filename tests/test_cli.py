@@ -349,7 +349,9 @@ def test_verify(runs: Runs) -> None:
     assert damaged.code == 1
     lines = damaged.out.splitlines()
     assert lines[:2] == ["step 1: OK", "step 2: DAMAGED (1 problem)"]
-    data_file = next((runs.work / "damaged" / step_dir_name(2)).glob("d-*.bin"))
+    meta = CheckpointManager(runs.work / "damaged", read_only=True).metadata(2)
+    chunk = meta.tensor("optimizer/state/0.weight/exp_avg").fragments[0].chunks[0]
+    data_file = runs.work / "damaged" / step_dir_name(2) / meta.files[chunk.file].name
     assert lines[2].startswith(f"  step 2, tensor 'optimizer/state/0.weight/exp_avg', file {data_file}: "
                                "checksum mismatch")
     assert lines[3] == "2 steps checked: 1 damaged"

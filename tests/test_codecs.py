@@ -18,6 +18,7 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_huffman import reference_decode  # the huffman stream decoded bit by bit, from FORMAT.md 3.1
 
 from deltackpt import CorruptionError, DeltackptError, FormatError
 from deltackpt.codecs import CODECS, decode_into, encode_lossless
@@ -50,6 +51,9 @@ def spec_decode(codec: str, params: dict[str, Any], stored: bytes, raw_length: i
     if codec == "zstd":
         assert params == {}
         return _spec_zstd(stored, raw_length)
+    if codec == "huffman":
+        assert params == {}
+        return reference_decode(stored, raw_length)
     assert codec == "byteplane", codec
     assert set(params) >= {"elem", "rotate", "planes"}
     elem, rotate, planes = params["elem"], params["rotate"], params["planes"]
@@ -61,12 +65,8 @@ def spec_decode(codec: str, params: dict[str, Any], stored: bytes, raw_length: i
         piece = stored[pos : pos + length]
         assert len(piece) == length
         pos += length
-        if plane_codec == "raw":
-            assert len(piece) == n
-            plane_bytes.append(piece)
-        else:
-            assert plane_codec == "zstd", plane_codec
-            plane_bytes.append(_spec_zstd(piece, n))
+        assert plane_codec in ("raw", "zstd", "huffman"), plane_codec
+        plane_bytes.append(spec_decode(plane_codec, {}, piece, n))
     assert pos == len(stored), "stored bytes are exactly the planes one after another"
     # plane p holds byte E-1-p (little-endian position) of every rotated element
     table = np.zeros((n, elem), dtype=np.uint8)
@@ -164,7 +164,7 @@ def test_roundtrip_and_layout_follow_the_spec(chunk: tuple[DTypeSpec, np.ndarray
     stored = _stored(encoded)
     assert raw.tobytes() == original, "encoding must not modify its input"
     assert encoded.length == len(stored)
-    assert encoded.codec in ("raw", "zstd", "byteplane")
+    assert encoded.codec in ("raw", "zstd", "huffman", "byteplane")
     # params are written to JSON metadata and read back from it
     params = json.loads(json.dumps(encoded.params, allow_nan=False))
     assert _decode(encoded.codec, params, stored, raw.size) == original

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from deltackpt import CheckpointManager
-from deltackpt.kernels.byteplane import merge_planes, sampled_histograms, split_planes
+from deltackpt.kernels.byteplane import merge_planes, sampled_entropy_bits, split_planes
 
 # load the compiled kernels once, here, so that every forked writer starts warm (no threads yet)
 for dtype in (np.uint16, np.uint32, np.uint64):
@@ -60,7 +60,7 @@ for dtype in (np.uint16, np.uint32, np.uint64):
     planes = np.empty((words.itemsize, 8), dtype=np.uint8)
     split_planes(words, True, planes)
     merge_planes(planes, True, words)
-sampled_histograms(np.zeros((2, 8), dtype=np.uint8), 1)
+sampled_entropy_bits(np.zeros((2, 8), dtype=np.uint8), 1)
 
 CONTENT
 

@@ -313,7 +313,7 @@ def test_unknown_codec_names_codec_step_tensor_and_file(mgr: CheckpointManager, 
         mgr.restore(1)
     message = str(info.value)
     assert "hyperzip" in message and "step 1" in message and "'extra/t'" in message
-    assert meta.files[0].name in message
+    assert meta.files[meta.tensors[0].fragments[0].chunks[0].file].name in message
 
 
 def test_newer_major_root_marker_is_refused(ckpt_dir: Path) -> None:

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from deltackpt.kernels.byteplane import (
     merge_planes,
+    numpy_entropy_bits,
     numpy_merge_planes,
     numpy_split_planes,
-    sampled_histograms,
+    sampled_entropy_bits,
     split_planes,
 )
 from hypothesis import HealthCheck, given, settings
@@ -86,14 +87,20 @@ def test_merge_matches_numpy_reference_and_inverts_split(words: np.ndarray, rota
 @given(planes=st.integers(1, 8).flatmap(lambda e: hnp.arrays(
     np.uint8, st.tuples(st.just(e), st.integers(0, 3000)),
     elements=st.integers(0, 255) | st.sampled_from([0, 255]))), data=st.data())
-def test_sampled_histograms_match_bincount(planes: np.ndarray, data: st.DataObject) -> None:
-    """Each row of sampled_histograms counts the bytes at indices 0, stride, 2*stride, ... of its plane."""
+def test_sampled_entropy_matches_reference(planes: np.ndarray, data: st.DataObject) -> None:
+    """sampled_entropy_bits is the order-0 entropy of bytes 0, stride, 2*stride, ... of each plane."""
     stride = data.draw(st.integers(1, planes.shape[1] + 2))
-    hist = sampled_histograms(planes, stride)
-    assert hist.shape == (planes.shape[0], 256)
-    for p in range(planes.shape[0]):
-        np.testing.assert_array_equal(hist[p], np.bincount(planes[p, ::stride], minlength=256))
-    assert int(hist.sum()) == planes.shape[0] * len(range(0, planes.shape[1], stride))
+    bits = sampled_entropy_bits(planes, stride)
+    assert bits.shape == (planes.shape[0],)
+    np.testing.assert_allclose(bits, numpy_entropy_bits(planes, stride), atol=1e-9)
+    assert ((bits >= 0) & (bits <= 8 + 1e-9)).all()
+
+
+def test_sampled_entropy_known_values() -> None:
+    """Constant plane: 0 bits; two equally likely bytes: 1 bit; all 256 bytes once: 8 bits."""
+    planes = np.stack([np.zeros(256, np.uint8), np.tile([3, 9], 128).astype(np.uint8),
+                       np.arange(256, dtype=np.uint8)])
+    np.testing.assert_allclose(sampled_entropy_bits(planes, 1), [0.0, 1.0, 8.0], atol=1e-12)
 
 
 @pytest.mark.parametrize(("dtype", "word", "rotate", "planes"), [

@@ -780,11 +780,12 @@ def test_metadata_describes_the_step(mgr: CheckpointManager, ckpt_dir: Path) -> 
     assert meta.state == {"optimizer": None, "rng": None, "extra": {"note": "hi"}}
     chunks = [c for r in meta.tensors for f in r.fragments for c in f.chunks]
     assert sum(c.length for c in chunks) == meta.stats.stored_bytes
-    position = 0  # the chunks tile the data file: no gaps, no overlaps
-    for chunk in sorted(chunks, key=lambda c: c.offset):
-        assert chunk.file == 0 and chunk.offset == position
-        position += chunk.length
-    assert position == meta.files[0].size
+    for index, file in enumerate(meta.files):  # the chunks tile each data file: no gaps, no overlaps
+        position = 0
+        for chunk in sorted((c for c in chunks if c.file == index), key=lambda c: c.offset):
+            assert chunk.offset == position
+            position += chunk.length
+        assert position == file.size
 
 
 # -- universal checkpoint ---------------------------------------------------------------------------

@@ -1,9 +1,14 @@
-"""Lossless codecs: ``raw``, ``zstd`` and ``byteplane`` (docs/FORMAT.md, section 3).
+"""Lossless codecs: ``raw``, ``zstd``, ``huffman`` and ``byteplane`` (docs/FORMAT.md, section 3).
 
 Full checkpoints use :func:`encode_lossless`, which splits floats into byte
-planes and compresses only the planes worth compressing. Mantissa planes of
-trained fp32 values are close to random: trying zstd on them costs time and
-gains nothing, so a sampled histogram decides per plane before compressing.
+planes and codes each plane with the cheapest codec that pays off, judged
+from a sampled histogram before any coding is tried:
+
+* mantissa planes of trained fp32 values are close to random: ``raw``;
+* exponent planes (2.5-4 bits of entropy a byte) and the like: ``huffman``,
+  block-adaptive and several times faster than zstd at a similar size;
+* nearly constant planes (under 1 bit a byte, e.g. moments of unused
+  embedding rows): ``zstd``, whose matches go below Huffman's 1 bit a symbol.
 """
 
 from __future__ import annotations
@@ -14,19 +19,22 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from deltackpt.codecs.base import EncodedChunk, check_length, register
+from deltackpt.codecs.base import CODECS, EncodedChunk, check_length, register
 from deltackpt.dtypes import BY_NAME, DTypeSpec
 from deltackpt.errors import CorruptionError, FormatError
-from deltackpt.kernels.byteplane import merge_planes, sampled_histograms, split_planes
+from deltackpt.kernels.byteplane import merge_planes, sampled_entropy_bits, split_planes
+from deltackpt.kernels.huffman import huffman_decode, huffman_encode
 
 # Chunks below this size are stored raw: coding them costs more than it saves.
-MIN_CODED_BYTES = 256
-# A plane whose sampled entropy is above this many bits per byte is stored raw.
+MIN_CODED_BYTES = 4096
+# A stream whose sampled entropy is above this many bits per byte is stored raw,
 RAW_ENTROPY_BITS = 7.5
+# and one below this many goes to zstd rather than Huffman (which needs >= 1 bit a symbol).
+ZSTD_ENTROPY_BITS = 1.0
 # Compressed output must be at most this fraction of the input to be kept.
 KEEP_FRACTION = 0.97
-# About this many elements are sampled to estimate a plane's entropy.
-SAMPLE_ELEMENTS = 1 << 16
+# About this many elements are sampled to estimate a plane's entropy (enough to choose a codec).
+SAMPLE_ELEMENTS = 1 << 12
 
 # Exponent planes are short-range noisy: zstd's fast strategy with the longest
 # minimum match and a small hash table is both faster and smaller than level 1
@@ -67,45 +75,37 @@ def zstd_decompress(stored: memoryview, raw_length: int, what: str) -> bytes:
     return data
 
 
-def entropy_bits(hist: np.ndarray) -> float:
-    """Order-0 entropy in bits per symbol of a byte histogram."""
-    total = int(hist.sum())
-    if total == 0:
-        return 0.0
-    p = hist[hist > 0] / total
-    return float(-(p * np.log2(p)).sum())
-
-
-def _code_stream(stream: np.ndarray, hist: np.ndarray) -> tuple[str, Any]:
-    """``("zstd", frame)`` if compressing ``stream`` pays off, else ``("raw", stream)``."""
-    if entropy_bits(hist) > RAW_ENTROPY_BITS:
+def _code_stream(stream: np.ndarray, bits: float) -> tuple[str, Any]:
+    """The codec for a byte stream given its sampled entropy, and the coded bytes."""
+    if bits > RAW_ENTROPY_BITS:
         return "raw", stream
-    frame = zstd_compress(stream)
-    if len(frame) > KEEP_FRACTION * stream.nbytes:
+    codec, coded = ("zstd", zstd_compress(stream)) if bits < ZSTD_ENTROPY_BITS else \
+        ("huffman", huffman_encode(stream))
+    if memoryview(coded).nbytes > KEEP_FRACTION * stream.nbytes:
         return "raw", stream
-    return "zstd", frame
+    return codec, coded
 
 
 def encode_lossless(raw: np.ndarray, spec: DTypeSpec) -> EncodedChunk:
     """Encode the raw bytes of one chunk of ``spec``-typed elements, exactly.
 
     ``raw`` is a 1-d uint8 array whose length is a multiple of the element
-    size. Multi-byte elements go through ``byteplane``; single bytes through
-    ``zstd`` or ``raw``.
+    size. Multi-byte elements go through ``byteplane``; single bytes are one
+    stream coded like a plane.
     """
     if raw.nbytes < MIN_CODED_BYTES:
         return EncodedChunk("raw", {}, [raw])
     if spec.word == 1:
         stride = max(1, raw.size // SAMPLE_ELEMENTS)
-        codec, data = _code_stream(raw, sampled_histograms(raw[None, :], stride)[0])
+        codec, data = _code_stream(raw, sampled_entropy_bits(raw[None, :], stride)[0])
         return EncodedChunk(codec, {}, [data])
     words = raw.view(spec.word_numpy)
     planes = np.empty((spec.word, words.size), dtype=np.uint8)
     split_planes(words, spec.rotate, planes)
-    hist = sampled_histograms(planes, max(1, words.size // SAMPLE_ELEMENTS))
+    bits = sampled_entropy_bits(planes, max(1, words.size // SAMPLE_ELEMENTS))
     plane_meta, parts = [], []
     for p in range(spec.word):
-        codec, data = _code_stream(planes[p], hist[p])
+        codec, data = _code_stream(planes[p], bits[p])
         plane_meta.append([codec, memoryview(data).nbytes])
         parts.append(data)
     return EncodedChunk("byteplane", {"elem": spec.word, "rotate": spec.rotate,
@@ -131,8 +131,23 @@ class ZstdCodec:
         out[:] = np.frombuffer(zstd_decompress(stored, out.nbytes, "zstd chunk"), dtype=np.uint8)
 
 
+class HuffmanCodec:
+    """Block-adaptive canonical Huffman of the raw bytes (FORMAT.md 3.1)."""
+
+    name = "huffman"
+
+    def decode(self, stored: memoryview, params: dict[str, Any], out: np.ndarray) -> None:
+        try:
+            huffman_decode(stored, out.nbytes, out=out)
+        except ValueError as exc:
+            raise CorruptionError(f"huffman stream does not decode ({exc})") from None
+
+
+PLANE_CODECS = ("raw", "zstd", "huffman")
+
+
 class BytePlaneCodec:
-    """Elements rotated and split into byte planes, each stored raw or as zstd."""
+    """Elements rotated and split into byte planes, each coded with one of PLANE_CODECS."""
 
     name = "byteplane"
 
@@ -141,18 +156,14 @@ class BytePlaneCodec:
         if out.nbytes % elem:
             raise FormatError(f"byteplane chunk of {out.nbytes} bytes is not a multiple of "
                               f"its element size {elem}")
-        n = out.nbytes // elem
-        planes = np.empty((elem, n), dtype=np.uint8)
+        planes = np.empty((elem, out.nbytes // elem), dtype=np.uint8)
         pos = 0
         for p, (codec, length) in enumerate(plane_meta):
-            piece = stored[pos : pos + length]
+            try:
+                CODECS[codec].decode(stored[pos : pos + length], {}, planes[p])
+            except CorruptionError as exc:
+                raise CorruptionError(f"byteplane plane {p}: {exc}") from None
             pos += length
-            what = f"byteplane plane {p}"
-            if codec == "raw":
-                check_length(piece.nbytes, n, what)
-                planes[p] = np.frombuffer(piece, dtype=np.uint8)
-            else:
-                planes[p] = np.frombuffer(zstd_decompress(piece, n, what), dtype=np.uint8)
         check_length(stored.nbytes, pos, "byteplane chunk (stored bytes)")
         merge_planes(planes, rotate, out.view(np.dtype(f"<u{elem}")))
 
@@ -164,11 +175,11 @@ def _byteplane_params(params: dict[str, Any]) -> tuple[int, bool, list[tuple[str
     if elem not in words or not isinstance(rotate, bool) or not isinstance(planes, list):
         raise FormatError(f"byteplane params {params} are invalid")
     if len(planes) != elem or any(
-            not (isinstance(pl, list) and len(pl) == 2 and pl[0] in ("raw", "zstd")
+            not (isinstance(pl, list) and len(pl) == 2 and pl[0] in PLANE_CODECS
                  and isinstance(pl[1], int) and pl[1] >= 0) for pl in planes):
         raise FormatError(f"byteplane planes {planes} are invalid for element size {elem}")
     return elem, rotate, [(c, n) for c, n in planes]
 
 
-for _codec in (RawCodec(), ZstdCodec(), BytePlaneCodec()):
+for _codec in (RawCodec(), ZstdCodec(), HuffmanCodec(), BytePlaneCodec()):
     register(_codec)
