@@ -36,19 +36,15 @@ KEEP_FRACTION = 0.97
 # About this many elements are sampled to estimate a plane's entropy (enough to choose a codec).
 SAMPLE_ELEMENTS = 1 << 12
 
-# Exponent planes are short-range noisy: zstd's fast strategy with the longest
-# minimum match and a small hash table is both faster and smaller than level 1
-# on them (measured on a trained GPT's weights and Adam moments).
-_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
-    window_log=17, hash_log=12, chain_log=6, search_log=1, min_match=7,
-    strategy=zstandard.STRATEGY_FAST, write_content_size=True)
+# zstd only sees nearly constant streams, where level 1 is as small as any and fast.
+ZSTD_LEVEL = 1
 
 _local = threading.local()
 
 
 def _compressor() -> zstandard.ZstdCompressor:
     if not hasattr(_local, "cctx"):
-        _local.cctx = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS)
+        _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     return _local.cctx
 
 
