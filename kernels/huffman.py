@@ -353,6 +353,21 @@ def _flush(out: np.ndarray, pos: int, acc: np.uint64, nb: int) -> tuple[int, np.
 
 
 @njit(cache=True, nogil=True)
+def _encode_rest(src: np.ndarray, p: np.uint64, rest: int, codes: np.ndarray, lengths: np.ndarray,
+                 out: np.ndarray, pos: int, acc: np.uint64, nb: int) -> int:
+    """Code the last ``rest`` (< 4) symbols of a sub-stream one by one and flush; return the end."""
+    for j in range(rest):
+        s = src[p + np.uint64(8 * (j >> 1) + (j & 1))]
+        acc |= codes[s] << np.uint64(nb)
+        nb += np.int64(lengths[s])
+        pos, acc, nb = _flush(out, pos, acc, nb)
+    if nb:
+        _store64(out, np.uint64(pos), acc)
+        pos += 1
+    return pos
+
+
+@njit(cache=True, nogil=True)
 def _encode_single(src: np.ndarray, i: int, count: int, codes: np.ndarray, lengths: np.ndarray,
                    out: np.ndarray, pos: int) -> int:
     """Write the codewords of one sub-stream at ``out[pos:]``; return the end position.
@@ -373,15 +388,7 @@ def _encode_single(src: np.ndarray, i: int, count: int, codes: np.ndarray, lengt
             nb += np.int64(lengths[s])
         pos, acc, nb = _flush(out, pos, acc, nb)
         p += _U16
-    for j in range(count % 4):
-        s = src[p + np.uint64(8 * (j >> 1) + (j & 1))]
-        acc |= codes[s] << np.uint64(nb)
-        nb += np.int64(lengths[s])
-        pos, acc, nb = _flush(out, pos, acc, nb)
-    if nb:
-        _store64(out, np.uint64(pos), acc)
-        pos += 1
-    return pos
+    return _encode_rest(src, p, count % 4, codes, lengths, out, pos, acc, nb)
 
 
 @njit(cache=True, nogil=True)
@@ -404,15 +411,7 @@ def _encode_pairs(src: np.ndarray, i: int, count: int, pair_codes: np.ndarray, p
         nb += np.int64(pair_lengths[x])
         pos, acc, nb = _flush(out, pos, acc, nb)
         p += _U16
-    for j in range(count % 4):
-        s = src[p + np.uint64(8 * (j >> 1) + (j & 1))]
-        acc |= codes[s] << np.uint64(nb)
-        nb += np.int64(lengths[s])
-        pos, acc, nb = _flush(out, pos, acc, nb)
-    if nb:
-        _store64(out, np.uint64(pos), acc)
-        pos += 1
-    return pos
+    return _encode_rest(src, p, count % 4, codes, lengths, out, pos, acc, nb)
 
 
 @njit(cache=True, nogil=True)
