@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import warnings
 from dataclasses import dataclass
@@ -289,6 +290,11 @@ class CheckpointManager:
 
 
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    """``step`` as an int; any integer type (numpy, 0-d integer tensors) is accepted."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = None
+    if isinstance(step, bool) or value is None or value < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return int(step)
+    return value

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_bitwise_equal, assert_same_value, assert_state_dicts_equal, files_under, step_dir
@@ -102,6 +103,14 @@ def test_invalid_step_numbers(mgr: CheckpointManager, ckpt_dir: Path, step: Any)
     for call in calls:
         with pytest.raises(ValueError, match="step"):
             call(step)
+
+
+@pytest.mark.parametrize("step", [np.int64(7), torch.tensor(7)], ids=["numpy", "tensor"])
+def test_integer_like_steps_are_accepted(mgr: CheckpointManager, step: Any) -> None:
+    """A step held in a numpy integer or a 0-d integer tensor (as training loops often have) is an int."""
+    info = mgr.save(step, extra={"x": 1}, rng=False)
+    assert info.step == 7 and type(info.step) is int
+    assert mgr.steps() == [7] and mgr.restore(step).extra == {"x": 1}
 
 
 def test_manager_arguments_are_checked(ckpt_dir: Path) -> None:
