@@ -131,8 +131,9 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
     """Decode the tensors ``names`` (default: all) of a step; aliases share their target."""
     wanted = {r.name for r in meta.tensors} if names is None else set(names)
     records = {r.name: r for r in meta.tensors}
-    for name in wanted - records.keys():
-        raise KeyError(f"step {meta.step} has no tensor {name!r}")
+    unknown = sorted(wanted - records.keys())
+    if unknown:
+        raise KeyError(f"step {meta.step} has no tensor(s) {unknown}")
     targets = {records[n].alias_of or n for n in wanted}
     tensors: dict[str, torch.Tensor] = {}
     tasks: list[_Task] = []
