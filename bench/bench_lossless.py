@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from conftest import record
+from conftest import note, record
 
 from deltackpt import CheckpointManager
 from deltackpt.codecs import encode_lossless
@@ -146,3 +146,29 @@ def test_deltackpt_restore(benchmark, state, tmp_path) -> None:
     ckpt = benchmark.pedantic(mgr.restore, args=(0,), rounds=ROUNDS, warmup_rounds=1)
     assert torch.equal(ckpt.model["tok.weight"], objs["model"].tok.weight.detach())
     record(benchmark, "deltackpt restore (decode)", info.raw_bytes, info.stored_bytes)
+
+
+def test_entropy_bound(trained, state) -> None:
+    """What any order-0 coder of byte planes can reach: the ratio bound the codec is measured against.
+
+    Sums the entropy of every 32K-symbol block of every (rotated) byte plane of
+    weights and Adam moments; mantissa bytes are close to 8 bits, so the bound
+    sits near 1.21x however the exponents are coded.
+    """
+    _, buffers = state
+    bits = np.zeros(4)
+    for buffer in buffers:
+        words = buffer.view(np.uint32)
+        rotated = (words << np.uint32(1)) | (words >> np.uint32(31))
+        for p in range(4):
+            plane = ((rotated >> np.uint32(8 * (3 - p))) & np.uint32(0xFF)).astype(np.uint8)
+            for start in range(0, plane.size, 32768):
+                counts = np.bincount(plane[start : start + 32768], minlength=256)
+                prob = counts[counts > 0] / counts.sum()
+                bits[p] -= counts[counts > 0] @ np.log2(prob)
+    n_values = sum(b.size for b in buffers) // 4
+    per_plane = ", ".join(f"{b / n_values:.2f}" for b in bits)
+    params = sum(p.numel() for p in trained[0].parameters()) / 1e6
+    note(f"TinyGPT {params:.1f}M, order-0 entropy per value by plane (exponent first): {per_plane} bits; "
+         f"lossless bound {32 * n_values / bits.sum():.3f}x")
+    assert bits.sum() < 32 * n_values

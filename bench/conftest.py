@@ -32,6 +32,7 @@ MODELS = [(size, int(steps)) for size, steps in
                                                        "medium:200,large:40").split(","))]
 
 _rows: list[dict] = []
+_notes: list[str] = []
 
 
 @pytest.fixture(scope="session", params=MODELS, ids=[f"{size}-{steps}" for size, steps in MODELS])
@@ -67,6 +68,11 @@ def record(benchmark, name: str, raw_bytes: int, out_bytes: int | None = None) -
                   "stats": benchmark.stats})
 
 
+def note(text: str) -> None:
+    """A line for the summary that is not a timing (e.g. a bound the ratios are compared with)."""
+    _notes.append(text)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print GB/s (from the fastest round) and ratios of every benchmark of the run."""
     rows = [r for r in _rows if r["stats"] is not None]
@@ -82,3 +88,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
             ratio = f"{r['raw'] / r['out']:.3f}x" if r["out"] else "-"
             write(f"{r['name']:<40} {r['raw'] / 1e6:>9.1f} {rate[r['name']] / 1e9:>7.3f} {rel:>9.3f}x "
                   f"{ratio:>7}")
+    for text in _notes:
+        write(text)
