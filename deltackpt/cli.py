@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from deltackpt import __version__
-from deltackpt.errors import DeltackptError, FormatError, StepNotFoundError
+from deltackpt.errors import DeltackptError, FormatError
 from deltackpt.format import METADATA_FILE, ROLES, ROOT_MARKER, StepMetadata, step_dir_name, tensor_name
 from deltackpt.manager import CheckpointManager
 from deltackpt.storage import Storage
@@ -127,19 +127,6 @@ def _open(path: str) -> CheckpointManager:
     return CheckpointManager(path, read_only=True)
 
 
-def _resolve_step(mgr: CheckpointManager, step: int | None) -> int:
-    """``step`` if it is committed, else the latest; the error lists the available steps."""
-    steps = mgr.steps()
-    if step is None:
-        if not steps:
-            raise StepNotFoundError(f"{mgr.path} has no committed steps")
-        return steps[-1]
-    if step not in steps:
-        raise StepNotFoundError(f"step {step} not found in {mgr.path}; available steps: "
-                                f"{', '.join(map(str, steps)) if steps else 'none'}")
-    return step
-
-
 def _show_progress(args: argparse.Namespace) -> bool:
     """Progress bars go to stderr: on when asked or when stderr is a terminal, never with --json."""
     return not args.json and (args.progress or sys.stderr.isatty())
@@ -207,7 +194,7 @@ def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
-    meta = mgr.metadata(_resolve_step(mgr, args.step))
+    meta = mgr.metadata(mgr.resolve_step(args.step))
     tensors = [{"name": r.name, "role": r.role, "fqn": r.fqn, "state_key": r.state_key, "dtype": r.dtype,
                 "shape": r.shape, "alias_of": r.alias_of, "codecs": r.codecs, "raw_bytes": r.nbytes,
                 "stored_bytes": r.stored_bytes,
@@ -396,7 +383,7 @@ def _export_universal(ckpt: UniversalCheckpoint, out: Path, force: bool) -> list
 
 def _cmd_restore(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
-    step = _resolve_step(mgr, args.step)
+    step = mgr.resolve_step(args.step)
     out = _prepare_out(Path(args.out), Path(mgr.path), args.force)
     ckpt = mgr.restore(step, progress=_show_progress(args))
     left_out: list[str] = []
@@ -423,8 +410,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
-    step = None if args.step is None else _resolve_step(mgr, args.step)
-    report = mgr.verify(step, deep=args.deep, progress=_show_progress(args))
+    report = mgr.verify(args.step, deep=args.deep, progress=_show_progress(args))
     damaged = [s for s, problems in report.items() if problems]
     if args.json:
         _print_json({"path": mgr.path, "deep": args.deep, "ok": not damaged,

@@ -30,8 +30,7 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
-from deltackpt.loading import load_into
-from deltackpt.reader import list_steps, read_metadata, read_tensors, verify_step
+from deltackpt.reader import list_steps, read_metadata, read_tensors, step_not_found, verify_step
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
 from deltackpt.universal import UniversalCheckpoint
@@ -231,17 +230,24 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------------------
 
-    def _resolve(self, step: int | None) -> int:
-        if step is not None:
-            return _check_step(step)
-        latest = self.latest_step()
-        if latest is None:
-            raise StepNotFoundError(f"{self.path} has no committed steps")
-        return latest
+    def resolve_step(self, step: int | None = None) -> int:
+        """``step`` if it is committed, the latest step if ``step`` is None.
+
+        Raises :class:`StepNotFoundError` listing the committed steps otherwise.
+        """
+        if step is None:
+            latest = self.latest_step()
+            if latest is None:
+                raise StepNotFoundError(f"{self.path} has no committed steps")
+            return latest
+        step = _check_step(step)
+        if not self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
+            raise step_not_found(self.storage, step)
+        return step
 
     def restore(self, step: int | None = None, *, progress: bool = False) -> UniversalCheckpoint:
         """Rebuild ``step`` (default: the latest) as a :class:`UniversalCheckpoint`."""
-        meta = self.metadata(self._resolve(step))
+        meta = self.metadata(self.resolve_step(step))
         tensors = read_tensors(self.storage, meta, workers=self.workers, progress=progress)
         return UniversalCheckpoint(meta.step, tensors, meta)
 
@@ -260,12 +266,10 @@ class CheckpointManager:
         Returns the ``extra`` saved with the step.
         """
         ckpt = self.restore(step, progress=progress)
-        report = load_into(model, optimizer, saved_model=ckpt.model,
-                           saved_optimizer=ckpt.optimizer, saved_rng=ckpt.rng,
-                           strict=strict, rng=rng, copy=False)
+        report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
-        return ckpt.extra
+        return report.extra
 
     def verify(self, step: int | None = None, *, deep: bool = False,
                progress: bool = False) -> dict[int, list[str]]:
@@ -274,13 +278,11 @@ class CheckpointManager:
         Returns ``{step: [problem, ...]}`` for every checked step; an empty
         list means the step is intact. ``deep`` also decodes every chunk.
         """
-        steps = [self._resolve(step)] if step is not None else self.steps()
+        steps = [self.resolve_step(step)] if step is not None else self.steps()
         report = {}
         for s in steps:
             try:
                 meta = self.metadata(s)
-            except StepNotFoundError:
-                raise
             except DeltackptError as exc:  # unreadable metadata is damage to report
                 report[s] = [str(exc)]
                 continue

@@ -46,15 +46,19 @@ def list_steps(storage: Storage) -> list[int]:
     return sorted(steps)
 
 
+def step_not_found(storage: Storage, step: int) -> StepNotFoundError:
+    """The error for a step that was never committed, listing the ones that were."""
+    available = ", ".join(map(str, list_steps(storage))) or "none"
+    return StepNotFoundError(f"step {step} not found in {storage.url}; available steps: {available}")
+
+
 def read_metadata(storage: Storage, step: int) -> StepMetadata:
     """Parsed and validated metadata of ``step``."""
     rel = f"{step_dir_name(step)}/{METADATA_FILE}"
     try:
         text = storage.read_bytes(rel)
     except FileNotFoundError:
-        available = list_steps(storage)
-        raise StepNotFoundError(f"step {step} not found in {storage.url}; available steps: "
-                                f"{available if available else 'none'}") from None
+        raise step_not_found(storage, step) from None
     meta = parse_step_metadata(text, f"{storage.url}/{rel}")
     if meta.step != step:
         raise CorruptionError(f"{storage.url}/{rel}: records step {meta.step}, not {step}")

@@ -57,17 +57,19 @@ class UniversalCheckpoint:
 
     def load_into(self, model: nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | None = None, *,
-                  strict: bool = True, rng: bool = True) -> LoadReport:
+                  strict: bool = True, rng: bool = True, copy: bool = True) -> LoadReport:
         """Copy this checkpoint into ``model`` and ``optimizer`` (and the RNGs).
 
         Optimizer state is matched by parameter name, so the optimizer may
         list its parameters in another order or in other param groups. In
         strict mode any mismatch raises before anything changes; otherwise
         what matches is loaded and the report lists the rest. ``report.extra``
-        holds the saved ``extra``.
+        holds the saved ``extra``. ``copy=False`` hands the optimizer this
+        checkpoint's state tensors instead of copies (saves memory and time
+        when the checkpoint is not used again).
         """
         report = load_into(model, optimizer, saved_model=self.model, saved_optimizer=self.optimizer,
-                           saved_rng=self.rng, strict=strict, rng=rng, copy=True)
+                           saved_rng=self.rng, strict=strict, rng=rng, copy=copy)
         report.extra = self.extra
         return report
 
