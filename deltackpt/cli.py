@@ -1,11 +1,13 @@
-"""The ``deltackpt`` command: list, inspect, verify, measure and export checkpoint directories.
+"""The ``deltackpt`` command: list, inspect, verify, measure, export and prune checkpoint directories.
 
-Every command that takes a checkpoint PATH opens it with
-``CheckpointManager(path, read_only=True)``, so it never creates, locks or
-cleans up anything there and is safe to run while a training job writes to
-the same directory. ``--json`` prints one JSON document on stdout instead of
-tables, for scripts. Errors go to stderr as ``deltackpt: error: ...`` with
-exit code 2; ``verify`` exits 1 when it finds damage.
+Every command that takes a checkpoint PATH, except ``gc`` without
+``--dry-run``, opens it with ``CheckpointManager(path, read_only=True)``, so
+it never creates, locks or cleans up anything there and is safe to run while
+a training job writes to the same directory. ``gc`` deletes steps: it takes
+the writer lock and refuses to run while another writer holds it.
+``--json`` prints one JSON document on stdout instead of tables, for
+scripts. Errors go to stderr as ``deltackpt: error: ...`` with exit code 2;
+``verify`` exits 1 when it finds damage.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import numpy as np
 import torch
 
 from deltackpt import __version__
-from deltackpt.errors import DeltackptError, FormatError
+from deltackpt.errors import DeltackptError, FormatError, WriterLockedError
 from deltackpt.format import METADATA_FILE, ROLES, ROOT_MARKER, StepMetadata, step_dir_name, tensor_name
 from deltackpt.manager import CheckpointManager
+from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
 from deltackpt.universal import UniversalCheckpoint
 
@@ -137,7 +140,59 @@ def _step_row(meta: StepMetadata) -> dict[str, Any]:
     return {"step": meta.step, "kind": meta.kind, "base_step": meta.base_step,
             "raw_bytes": stats.raw_bytes, "stored_bytes": stats.stored_bytes,
             "ratio": ratio(stats.raw_bytes, stats.stored_bytes), "seconds": stats.seconds,
-            "created": meta.created}
+            "created": meta.created, "classes": _classes(meta), "compression": stats.compression}
+
+
+CLASS_ORDER = ("weights", "exp_avg", "exp_avg_sq", "optimizer_other", "exact")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` if it is a (non-bool) number, else None: the class stats are informative only
+    (docs/FORMAT.md 2), so a field another writer left out or spelled otherwise shows as missing."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _classes(meta: StepMetadata) -> dict[str, dict[str, Any]] | None:
+    """The per-class statistics of a step (known classes first), each with its ``ratio`` and
+    ``nonzero_fraction`` (non-zero symbols per quantized element; None when nothing is quantized)."""
+    classes = meta.stats.classes
+    if classes is None:
+        return None
+    out = {}
+    for name in sorted(classes, key=lambda c: (CLASS_ORDER.index(c) if c in CLASS_ORDER
+                                               else len(CLASS_ORDER), c)):
+        stats = classes[name]
+        if not isinstance(stats, dict):
+            continue
+        raw, stored = _number(stats.get("raw_bytes")), _number(stats.get("stored_bytes"))
+        quantized = _quantized(stats)
+        nonzero = _number(stats.get("nonzero"))
+        out[name] = {**stats, "ratio": ratio(raw, stored) if raw is not None and stored is not None
+                     else None,
+                     "nonzero_fraction": nonzero / quantized if quantized and nonzero is not None
+                     else None}
+    return out
+
+
+def _quantized(stats: dict[str, Any]) -> int:
+    """Elements of a class that were quantized (not stored exactly)."""
+    elements, exact = _number(stats.get("elements")), _number(stats.get("exact_elements"))
+    return max(0, int(elements - (exact or 0))) if elements is not None else 0
+
+
+def _error_text(value: Any) -> str:
+    value = _number(value)
+    return "-" if value is None else "0" if value == 0 else f"{value:.1e}"
+
+
+def _weights_error(classes: dict[str, dict[str, Any]] | None) -> str:
+    """The compact error column of ``ls``: the weights' relative RMS and largest absolute error,
+    or ``-`` when no weight was quantized (full steps)."""
+    weights = (classes or {}).get("weights")
+    if weights is None or not _quantized(weights):
+        return "-"
+    return (f"rms {_error_text(weights.get('rms_rel_error'))} "
+            f"max {_error_text(weights.get('max_abs_error'))}")
 
 
 # -- ls --------------------------------------------------------------------------------------
@@ -162,11 +217,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     else:
         table = [[r["step"], r["kind"], "-" if r["base_step"] is None else r["base_step"],
                   human_bytes(r["raw_bytes"]), human_bytes(r["stored_bytes"]), _ratio_text(r["ratio"]),
-                  f"{r['seconds']:.2f}", _created_text(r["created"])] for r in rows]
+                  _weights_error(r["classes"]), f"{r['seconds']:.2f}", _created_text(r["created"])]
+                 for r in rows]
         table.append([f"total ({len(rows)})", "", "", human_bytes(raw), human_bytes(stored),
-                      _ratio_text(total["ratio"]), f"{total['seconds']:.2f}", ""])
-        _print_lines(_table(["STEP", "KIND", "BASE", "RAW", "STORED", "RATIO", "SECONDS", "CREATED (UTC)"],
-                            table, right={0, 3, 4, 5, 6}))
+                      _ratio_text(total["ratio"]), "", f"{total['seconds']:.2f}", ""])
+        _print_lines(_table(["STEP", "KIND", "BASE", "RAW", "STORED", "RATIO", "WEIGHTS ERROR", "SECONDS",
+                             "CREATED (UTC)"], table, right={0, 3, 4, 5, 7}))
     for item in unreadable:
         print(f"deltackpt: step {item['step']} is unreadable: {item['error']}", file=sys.stderr)
     return 1 if unreadable else 0
@@ -190,6 +246,31 @@ def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
             "extra": None if extra is None else {
                 "summary": _summary(extra),
                 "keys": {k: _summary(v) for k, v in extra.items()} if isinstance(extra, dict) else None}}
+
+
+def _compression_text(compression: dict[str, Any]) -> str:
+    """The preset name, scale and target ratio a delta step was coded with."""
+    scale, target = _number(compression.get("scale")), _number(compression.get("target_ratio"))
+    return (f"{compression.get('name', '?')}, scale {'?' if scale is None else f'{scale:.3g}'}, "
+            f"target ratio {'-' if target is None else f'{target:g}x'}")
+
+
+def _class_table(classes: dict[str, dict[str, Any]]) -> list[str]:
+    """``info``'s table of the per-class statistics of a step."""
+    def size(value: Any) -> str:
+        value = _number(value)
+        return "-" if value is None else human_bytes(int(value))
+
+    rows = []
+    for name, c in classes.items():
+        quantized = _quantized(c)
+        fraction = c["nonzero_fraction"]
+        rows.append([name, c.get("tensors", "-"), size(c.get("raw_bytes")), size(c.get("stored_bytes")),
+                     _ratio_text(c["ratio"]), "-" if fraction is None else f"{100 * fraction:.1f}%",
+                     *(_error_text(c.get(k)) if quantized else "-"
+                       for k in ("max_abs_error", "max_rel_error", "rms_rel_error"))])
+    return _table(["CLASS", "TENSORS", "RAW", "STORED", "RATIO", "NONZERO", "MAX ABS ERR", "MAX REL ERR",
+                   "RMS REL ERR"], rows, right=set(range(1, 9)))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -220,8 +301,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"created         {_created_text(meta.created)} UTC",
         f"size            raw {human_bytes(s.raw_bytes)}, stored {human_bytes(s.stored_bytes)}, "
         f"ratio {_ratio_text(ratio(s.raw_bytes, s.stored_bytes))}, saved in {s.seconds:.2f} s",
-        "",
     ]
+    if s.compression is not None:
+        lines.append(f"compression     {_compression_text(s.compression)}")
+    lines.append("")
+    if document["classes"]:
+        lines += _class_table(document["classes"])
+        lines.append("")
     rows = [[t["name"], t["role"], t["dtype"], str(t["shape"]),
              f"alias of {t['alias_of']}" if t["alias_of"] else ",".join(t["codecs"]) or "-",
              human_bytes(t["raw_bytes"]), "-" if t["alias_of"] else human_bytes(t["stored_bytes"]),
@@ -506,6 +592,49 @@ def _cmd_du(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- gc --------------------------------------------------------------------------------------
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    try:
+        policy = RetentionPolicy.parse(args.keep)
+    except ValueError as exc:
+        raise ValueError(f"--keep: {exc}") from None
+    reader = _open(args.path)  # refuses what is not a checkpoint directory, creates nothing
+    if args.dry_run:
+        report = reader.gc(policy, dry_run=True)
+        path = reader.path
+    else:
+        with CheckpointManager(args.path) as mgr:
+            try:
+                report = mgr.gc(policy)
+            except WriterLockedError as exc:
+                raise WriterLockedError(f"{exc}; gc deletes steps and needs the writer lock: run it "
+                                        "when that writer has finished (--dry-run works meanwhile), "
+                                        "or pass keep= to the writer's CheckpointManager") from None
+            path = mgr.path
+    if args.json:
+        _print_json({"path": path, "policy": str(policy), **report.as_dict()})
+        return 0
+
+    def steps(items: list[int]) -> str:
+        return ", ".join(map(str, items)) if items else "-"
+
+    lines = [f"{'dry run, nothing changed: ' if report.dry_run else ''}gc of {path} with --keep {policy}",
+             f"  kept       {len(report.kept):>5}  {steps(report.kept)}",
+             f"  removed    {len(report.removed):>5}  {steps(report.removed)}",
+             f"  rewritten  {len(report.rewritten):>5}  {steps(report.rewritten)}"
+             + ("  (delta steps made full: their base is removed)" if report.rewritten else "")]
+    if report.skipped:
+        lines.append(f"  left alone {len(report.skipped):>5}  {steps(report.skipped)}  "
+                     "(unreadable metadata or broken chain; run deltackpt verify)")
+    freed, added = human_bytes(report.freed_bytes), human_bytes(report.added_bytes)
+    lines.append(f"would free {freed}; the rewrites would write about {added}" if report.dry_run
+                 else f"freed {freed}; the rewrites wrote {added}")
+    _print_lines(lines)
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------
 
 
@@ -559,11 +688,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``deltackpt`` command and all its subcommands."""
     parser = argparse.ArgumentParser(
         prog="deltackpt",
-        description="Inspect, verify and export deltackpt checkpoint directories. Commands that take "
-                    "PATH only read it: they never create, lock or change anything there.",
+        description="Inspect, verify, export and prune deltackpt checkpoint directories. Commands that "
+                    "take PATH only read it (they never create, lock or change anything there), "
+                    "except gc, which deletes the steps a retention policy does not keep.",
         epilog="examples:\n  deltackpt ls runs/ckpt\n  deltackpt info runs/ckpt --step 100\n"
                "  deltackpt verify runs/ckpt --deep\n"
-               "  deltackpt restore runs/ckpt --format safetensors --out export/\n\n"
+               "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
+               "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
                "exit codes: 0 success, 1 damage found (verify, ls), 2 error",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
@@ -582,14 +713,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(sub, "ls", "list the steps of a checkpoint directory",
                  "One row per committed step: kind (full or delta), the step it depends on, raw and "
-                 "stored size, compression ratio (raw/stored), save time and commit time, then a "
-                 "total. Exits 1 if the metadata of a step cannot be read.",
+                 "stored size, compression ratio (raw/stored), the error of its weights (relative "
+                 "RMS and largest absolute error against the saved values; '-' when stored "
+                 "losslessly), save time and commit time, then a total. Exits 1 if the metadata of "
+                 "a step cannot be read.",
                  "  deltackpt ls runs/ckpt\n  deltackpt ls runs/ckpt --json | jq '.total'",
                  _cmd_ls, [path])
     _add_command(sub, "info", "describe one step: header, every tensor, the non-tensor state",
                  "The step's header (kind, base step, format and library version, world size, files, "
-                 "sizes), a table of its tensors (role, dtype, shape, codecs, raw and stored bytes, "
-                 "ratio; tied weights show as 'alias of X') and the non-tensor state it holds "
+                 "sizes, the compression preset, scale and target ratio of a delta step), a table of "
+                 "the tensor classes (raw and stored bytes, ratio, fraction of non-zero quantized "
+                 "symbols, largest absolute and relative error, relative RMS error), a table of its "
+                 "tensors (role, dtype, shape, codecs, raw and stored bytes, ratio; tied weights "
+                 "show as 'alias of X') and the non-tensor state it holds "
                  "(optimizer class and param groups, RNG sources, top-level keys of extra).",
                  "  deltackpt info runs/ckpt\n  deltackpt info runs/ckpt --step 100 --json",
                  _cmd_info, [path, one_step])
@@ -640,6 +776,27 @@ def build_parser() -> argparse.ArgumentParser:
                  "role (param, buffer, optimizer, rng, extra).",
                  "  deltackpt du runs/ckpt\n  deltackpt du runs/ckpt --json",
                  _cmd_du, [path])
+    gc = _add_command(
+        sub, "gc", "delete the steps a retention policy does not keep",
+        "Delete every step that --keep does not keep; the latest step is always kept.\n\n"
+        "A kept delta step whose base would be deleted is first rewritten as a full step\n"
+        "holding exactly the values it restores to, so every kept step stays restorable and\n"
+        "restores to the same tensors. Nothing is deleted unless every rewrite succeeded.\n"
+        "Steps whose metadata cannot be read are left alone.\n\n"
+        "--keep SPEC is a comma-separated list of rules; a step is kept if any rule keeps it:\n\n"
+        "  last=K         the K highest steps\n"
+        "  every=M        every step whose number is a multiple of M\n"
+        "  full_within=T  every full step above (latest step - T)\n\n"
+        "Unlike the other commands gc changes PATH: it takes the writer lock and fails while a\n"
+        "training job (or another gc) writes there. --dry-run only reads PATH and reports what\n"
+        "would be removed, rewritten and freed.",
+        "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n"
+        "  deltackpt gc runs/ckpt --keep last=3,full_within=5000 --json",
+        _cmd_gc, [path])
+    gc.add_argument("--keep", required=True, metavar="SPEC",
+                    help="retention policy, e.g. last=5,every=1000,full_within=5000")
+    gc.add_argument("--dry-run", action="store_true",
+                    help="change nothing; report what would be removed, rewritten and freed")
     _add_demo(sub)
     return parser
 

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps [%(default)s]")
     parser.add_argument("--every", type=int, default=10, help="save every N steps [%(default)s]")
     parser.add_argument("--size", choices=sorted(SIZES), default="medium",
-                        help="model size: tiny (~0.1M params), small (~1.9M), medium (~4.8M), large (~25M) "
+                        help="model size: tiny (~0.1M params), small (~1.9M), medium (~4.8M), large (~25M), "
+                             "xl (~50M) "
                              "[%(default)s]")
     parser.add_argument("--batch", type=int, default=16, help="sequences per batch [%(default)s]")
     parser.add_argument("--resume-from", type=int, default=None,

@@ -81,3 +81,19 @@ def spec_named(name: str, what: str = "tensor") -> DTypeSpec:
         return BY_NAME[name]
     except KeyError:
         raise FormatError(f"{what}: unknown dtype {name!r} in metadata") from None
+
+
+def float32_values(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw bytes of a ``float32``/``bfloat16``/``float16`` array as float32 values (exact;
+    a view for float32)."""
+    if dtype == "float32":
+        return raw.view(np.float32)
+    return torch.from_numpy(raw).view(spec_named(dtype).torch_dtype).float().numpy()
+
+
+def dtype_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``values`` rounded to the nearest value of ``dtype``, as raw bytes (a view for
+    float32)."""
+    if dtype == "float32":
+        return values.view(np.uint8)
+    return torch.from_numpy(values).to(spec_named(dtype).torch_dtype).view(torch.uint8).numpy()

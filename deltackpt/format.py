@@ -17,7 +17,7 @@ from deltackpt.dtypes import spec_named
 from deltackpt.errors import FormatError
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
@@ -125,6 +125,8 @@ class StepStats:
     raw_bytes: int
     stored_bytes: int
     seconds: float
+    classes: dict[str, dict[str, Any]] | None = None  # per tensor class of a delta (FORMAT.md 2.4)
+    compression: dict[str, Any] | None = None  # the config, scale and target of a delta
 
 
 @dataclass
@@ -307,4 +309,6 @@ def _file_fields(obj: Any, where: str) -> dict[str, Any]:
 def _stats_fields(obj: Any, where: str) -> dict[str, Any]:
     f = _Fields(obj, where)
     return {"raw_bytes": f.nonneg("raw_bytes"), "stored_bytes": f.nonneg("stored_bytes"),
-            "seconds": float(f.get("seconds", (int, float)))}
+            "seconds": float(f.get("seconds", (int, float))),
+            "classes": f.get("classes", dict, optional=True),
+            "compression": f.get("compression", dict, optional=True)}

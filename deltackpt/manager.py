@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import operator
 import os
 import warnings
@@ -13,6 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltackpt.chain import Reconstruction, chain_of, restore_chain
+from deltackpt.compression import CompressionConfig, ScaleController, as_config
+from deltackpt.delta import StepEncoder, captured_layout
 from deltackpt.errors import (
     DeltackptError,
     NotACheckpointError,
@@ -30,11 +34,17 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
-from deltackpt.reader import list_steps, read_metadata, read_tensors, step_not_found, verify_step
+from deltackpt.reader import list_steps, read_metadata, step_not_found, verify_step
+from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
 from deltackpt.universal import UniversalCheckpoint
 from deltackpt.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced, write_step
+
+log = logging.getLogger("deltackpt")
+
+# A delta within this factor of target_ratio counts as meeting it.
+TARGET_TOLERANCE = 1.15
 
 
 @dataclass(frozen=True)
@@ -47,17 +57,27 @@ class SaveInfo:
     raw_bytes: int
     stored_bytes: int
     seconds: float
+    target_ratio: float | None = None
 
     @property
     def ratio(self) -> float:
         """Raw bytes of the state per stored byte."""
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else float("inf")
 
+    @property
+    def target_met(self) -> bool | None:
+        """Whether a delta reached the configured ``target_ratio`` (within 15%); None without one."""
+        if self.target_ratio is None:
+            return None
+        return self.ratio >= self.target_ratio / TARGET_TOLERANCE
+
     @classmethod
     def of(cls, meta: StepMetadata) -> SaveInfo:
         """The save summary recorded in a step's metadata."""
+        target = (meta.stats.compression or {}).get("target_ratio")
         return cls(meta.step, meta.kind, meta.base_step, meta.stats.raw_bytes,
-                   meta.stats.stored_bytes, meta.stats.seconds)
+                   meta.stats.stored_bytes, meta.stats.seconds,
+                   float(target) if isinstance(target, (int, float)) else None)
 
 
 class CheckpointManager:
@@ -72,29 +92,49 @@ class CheckpointManager:
     directory (it takes an exclusive lock at its first save, released by
     :meth:`close`); any number may read, even while it writes.
 
+    Saves alternate between full steps (lossless) and delta steps, coded
+    against the reconstruction of the previous save, so a restored step
+    carries the error of one delta however long its chain. A manager keeps
+    that reconstruction in memory (about the size of the saved state): the
+    first save of a manager is full, and so is the first after any change
+    of the set of tensors, a shape or a dtype. After :meth:`load`, the next
+    save continues the chain of the loaded step.
+
     Args:
         path: directory of the checkpoints (created if missing), or ``file://`` URL.
-        full_every: a full checkpoint every this many saves, deltas in
-            between. Every save is full in this version.
+        full_every: a full checkpoint every this many saves, deltas in between
+            (1: every save is full).
+        compression: ``"balanced"`` (default), ``"aggressive"``,
+            ``"lossless"`` (every save full) or a :class:`CompressionConfig`.
+        keep: a retention policy (:class:`RetentionPolicy` or its string
+            form, e.g. ``"last=5,every=100"``) applied after every save;
+            ``None`` keeps every step. See :meth:`gc`.
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
         workers: threads used to encode and decode (default: usable CPUs).
         read_only: never create, clean up or write anything.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
+                 compression: str | CompressionConfig = "balanced",
+                 keep: str | RetentionPolicy | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
                  read_only: bool = False) -> None:
-        if not isinstance(full_every, int) or full_every < 1:
+        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
         self.storage: Storage = open_storage(path)
         self.path = self.storage.url
         self.full_every = full_every
+        self.compression = as_config(compression)
+        self.keep = RetentionPolicy.parse(keep) if keep is not None else None
         self.chunk_bytes = chunk_bytes
         self.workers = workers
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
+        self._recon: Reconstruction | None = None
+        target = self.compression.target_ratio
+        self._controller = ScaleController(target) if target is not None else None
         self._open_directory()
 
     def __repr__(self) -> str:
@@ -221,12 +261,70 @@ class CheckpointManager:
         :meth:`UniversalCheckpoint.save_universal`)."""
         step = _check_step(step)
         self._acquire_writer()
-        if not overwrite and self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
-            raise StepExistsError(f"step {step} already exists in {self.path}; "
-                                  "pass overwrite=True to replace it")
-        meta = write_step(self.storage, step, captured, chunk_bytes=self.chunk_bytes,
+        if self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
+            if not overwrite:
+                raise StepExistsError(f"step {step} already exists in {self.path}; "
+                                      "pass overwrite=True to replace it")
+            dependents = self.dependents(step)
+            if dependents:
+                raise StepExistsError(
+                    f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
+                    "against it; remove them first (gc) or overwrite them")
+        base = self._delta_base(step, captured)
+        encoder = StepEncoder(captured, self.compression, base, self._controller,
+                              keep=self.compression.deltas and self.full_every > 1)
+        self._recon = None  # a failed save leaves it half updated; the next save is then full
+        meta = write_step(self.storage, step, captured, kind="delta" if base else "full",
+                          base_step=base.step if base else None, encoder=encoder,
+                          summary=encoder.summary, chunk_bytes=self.chunk_bytes,
                           workers=self.workers, progress=progress)
-        return SaveInfo.of(meta)
+        encoder.learn(meta.stats.stored_bytes)
+        self._recon = encoder.reconstruction(step, meta.save_id)
+        info = SaveInfo.of(meta)
+        if info.target_met is False:
+            log.warning("step %d: target_ratio %.1f not met, achieved %.1f (steps scaled by %.3g)",
+                        step, info.target_ratio, info.ratio, encoder.scale)
+        if self.keep is not None:
+            self.gc(self.keep)
+        return info
+
+    def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
+        """Delete the steps a retention policy does not keep (default: the manager's ``keep``).
+
+        No kept step ever becomes unrestorable: a kept delta step whose chain
+        loses a step is first rewritten as a full step holding exactly the
+        values it restored to (so its error does not change). ``dry_run``
+        only reports what would be removed, rewritten and freed.
+        """
+        policy = RetentionPolicy.parse(keep) if keep is not None else self.keep
+        if policy is None:
+            raise ValueError("gc needs a retention policy: pass keep= here or to the manager")
+        if not dry_run:
+            self._acquire_writer()
+        report = collect_garbage(self, policy, dry_run=dry_run)
+        return report
+
+    def _delta_base(self, step: int, captured: CapturedState) -> Reconstruction | None:
+        """The reconstruction to code ``step`` against, or None when it must be a full step."""
+        recon = self._recon
+        if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
+                or step <= recon.step or recon.layout != captured_layout(captured)):
+            return None
+        try:  # the base must still be the step this reconstruction came from
+            base_meta = read_metadata(self.storage, recon.step)
+        except DeltackptError:
+            return None
+        return recon if base_meta.save_id == recon.save_id else None
+
+    def dependents(self, step: int) -> list[int]:
+        """Committed delta steps coded directly against ``step``."""
+        out = []
+        for s in self.steps():
+            if s > step:
+                with contextlib.suppress(DeltackptError):
+                    if self.metadata(s).base_step == step:
+                        out.append(s)
+        return out
 
     # -- restore -----------------------------------------------------------------------
 
@@ -246,10 +344,18 @@ class CheckpointManager:
         return step
 
     def restore(self, step: int | None = None, *, progress: bool = False) -> UniversalCheckpoint:
-        """Rebuild ``step`` (default: the latest) as a :class:`UniversalCheckpoint`."""
+        """Rebuild ``step`` (default: the latest) as a :class:`UniversalCheckpoint`.
+
+        A delta step is rebuilt from the nearest full step before it and the
+        deltas in between, each chunk checked; a missing or damaged link
+        raises an error naming the step and what is missing.
+        """
+        return self._restore(step, progress)[0]
+
+    def _restore(self, step: int | None, progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
         meta = self.metadata(self.resolve_step(step))
-        tensors = read_tensors(self.storage, meta, workers=self.workers, progress=progress)
-        return UniversalCheckpoint(meta.step, tensors, meta)
+        tensors, recon = restore_chain(self.storage, meta, workers=self.workers, progress=progress)
+        return UniversalCheckpoint(meta.step, tensors, meta), recon
 
     def load(self, step: int | None = None, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
@@ -263,9 +369,15 @@ class CheckpointManager:
         ``restore(step).load_into(...)`` to get the report as an object.
         ``rng`` restores the RNG states saved with the step.
 
+        The next :meth:`save` of this manager is a delta on the loaded step
+        (while ``full_every`` allows), coded against the same reconstruction.
+
         Returns the ``extra`` saved with the step.
         """
-        ckpt = self.restore(step, progress=progress)
+        ckpt, recon = self._restore(step, progress)
+        if not self.read_only:  # the loaded tensors go to the optimizer: keep our own copy
+            recon.values = {name: values.copy() for name, values in recon.values.items()}
+            self._recon = recon
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
@@ -273,21 +385,39 @@ class CheckpointManager:
 
     def verify(self, step: int | None = None, *, deep: bool = False,
                progress: bool = False) -> dict[int, list[str]]:
-        """Check stored bytes of one step (or all) against their checksums.
+        """Check one step (or all) against their checksums, with their delta chains.
 
         Returns ``{step: [problem, ...]}`` for every checked step; an empty
-        list means the step is intact. ``deep`` also decodes every chunk.
+        list means the step can be restored. A delta step also lists the
+        damage of every step of its chain, and a missing base. ``deep``
+        also decodes every chunk (a delta step by restoring its chain).
         """
         steps = [self.resolve_step(step)] if step is not None else self.steps()
+        own: dict[int, list[str]] = {}
+
+        def problems_of(meta: StepMetadata) -> list[str]:
+            if meta.step not in own:
+                own[meta.step] = verify_step(self.storage, meta, deep=deep, workers=self.workers,
+                                             progress=progress)
+            return own[meta.step]
+
         report = {}
         for s in steps:
             try:
                 meta = self.metadata(s)
-            except DeltackptError as exc:  # unreadable metadata is damage to report
+                chain = chain_of(self.storage, meta)
+            except DeltackptError as exc:  # unreadable metadata or a broken link is damage
                 report[s] = [str(exc)]
                 continue
-            report[s] = verify_step(self.storage, meta, deep=deep, workers=self.workers,
-                                    progress=progress)
+            report[s] = list(problems_of(meta))
+            for link in chain[:-1]:
+                report[s] += [f"depends on step {link.step}, which is damaged: {p}"
+                              for p in problems_of(link)]
+            if deep and not report[s] and meta.kind == "delta":
+                try:
+                    restore_chain(self.storage, meta, workers=self.workers, progress=progress)
+                except DeltackptError as exc:
+                    report[s].append(str(exc))
         return report
 
 

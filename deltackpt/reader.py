@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from deltackpt.codecs import decode_into
+from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.dtypes import spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
 from deltackpt.format import (
@@ -65,7 +66,7 @@ def read_metadata(storage: Storage, step: int) -> StepMetadata:
     return meta
 
 
-class _ChunkSource:
+class ChunkSource:
     """Opens each data file of a step once and reads verified chunks from it."""
 
     def __init__(self, storage: Storage, meta: StepMetadata) -> None:
@@ -104,7 +105,12 @@ class _ChunkSource:
             decode_into(chunk.codec, chunk.params, stored, out)
         except DeltackptError as exc:
             raise type(exc)(f"{where}: {exc}") from None
+        self.check_raw(record, chunk, out)
+
+    def check_raw(self, record: TensorRecord, chunk: Chunk, out: np.ndarray) -> None:
+        """Raise unless ``out`` (a decoded chunk) matches the chunk's ``raw_xxh3``."""
         if xxhash.xxh3_64_hexdigest(out) != chunk.raw_xxh3:
+            where = f"step {self.meta.step}, tensor {record.name!r}, file {self.path(chunk)}"
             raise CorruptionError(f"{where}: decoded bytes do not match their checksum")
 
     def close(self) -> None:
@@ -153,9 +159,9 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
             flat = _flat_bytes(dest)
             tasks.extend(_Task(record, c, flat[c.raw_offset : c.raw_offset + c.raw_length])
                          for c in frag.chunks)
-    source = _ChunkSource(storage, meta)
+    source = ChunkSource(storage, meta)
     try:
-        _run(tasks, lambda t: source.decode(t.record, t.chunk, t.out), workers,
+        run_chunk_tasks(tasks, lambda t: source.decode(t.record, t.chunk, t.out), workers,
              f"restore step {meta.step}", progress)
     finally:
         source.close()
@@ -167,8 +173,9 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
     return {n: tensors[n] for n in (r.name for r in meta.tensors) if n in wanted}
 
 
-def _run(tasks: list[_Task], fn, workers: int | None, description: str, progress: bool) -> None:
-    """Run ``fn`` over tasks on a thread pool; the first error propagates."""
+def run_chunk_tasks(tasks: list, fn, workers: int | None, description: str,
+                    progress: bool) -> None:
+    """Run ``fn`` over tasks (each with a ``chunk``) on a thread pool; the first error propagates."""
     total = sum(t.chunk.raw_length for t in tasks)
     with progress_bar(total, description, progress) as bar, \
             ThreadPoolExecutor(workers or default_workers(),
@@ -182,14 +189,16 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
     """Problems found in a step's data: missing or truncated files, checksum mismatches.
 
     Checks stored bytes against their checksums; with ``deep`` also decodes
-    every chunk and checks the result. Returns one message per damaged chunk.
+    every chunk that decodes on its own (not the ``quant`` chunks of a delta,
+    which need their chain: see ``CheckpointManager.verify``) and checks the
+    result. Returns one message per damaged chunk.
     """
     problems: list[str] = []
-    source = _ChunkSource(storage, meta)
+    source = ChunkSource(storage, meta)
 
     def check(task: _Task) -> None:
         try:
-            if deep:
+            if deep and task.chunk.codec != QUANT:  # quant chunks decode only on their chain
                 source.decode(task.record, task.chunk, np.empty(task.chunk.raw_length, np.uint8))
             else:
                 source.stored(task.record, task.chunk)
@@ -198,7 +207,7 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
 
     tasks = [_Task(r, c, np.empty(0, np.uint8)) for r, c in _all_chunks(meta)]
     try:
-        _run(tasks, check, workers, f"verify step {meta.step}", progress)
+        run_chunk_tasks(tasks, check, workers, f"verify step {meta.step}", progress)
     finally:
         source.close()
     return problems

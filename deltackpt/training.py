@@ -34,6 +34,7 @@ SIZES: dict[str, GPTConfig] = {
     "small": GPTConfig(d_model=192, n_layer=4, n_head=4),
     "medium": GPTConfig(d_model=256, n_layer=6, n_head=8),
     "large": GPTConfig(d_model=512, n_layer=8, n_head=8),
+    "xl": GPTConfig(d_model=768, n_layer=7, n_head=12),  # ~50M parameters, 600 MB of training state
 }
 
 

@@ -43,7 +43,14 @@ from deltackpt.storage import Storage
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
-Encoder = Callable[[np.ndarray, DTypeSpec], EncodedChunk]
+ChunkEncoder = Callable[[TensorRecord, DTypeSpec, int, np.ndarray], tuple[EncodedChunk, np.ndarray]]
+"""Codes one chunk: ``(record, spec, raw_offset, raw) -> (stored form, bytes a reader will decode)``."""
+
+
+def encode_exact(record: TensorRecord, spec: DTypeSpec, raw_offset: int,
+                 raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
+    """The chunk encoder of full steps: lossless."""
+    return encode_lossless(raw, spec), raw
 
 
 def default_workers() -> int:
@@ -120,21 +127,26 @@ class _DataFiles:
             self.storage.remove(f"{self.step_dir}/{name}")
 
 
-def _encode_and_write(job: _Job, encoder: Encoder, files: _DataFiles) -> Chunk:
-    encoded = encoder(job.raw, job.spec)
+def _encode_and_write(job: _Job, encoder: ChunkEncoder, files: _DataFiles) -> Chunk:
+    encoded, decoded = encoder(job.record, job.spec, job.raw_offset, job.raw)
     digest = xxhash.xxh3_64()
     for part in encoded.parts:
         digest.update(part)
     file, offset = files.append(encoded.parts)
     return Chunk(file, offset, encoded.length, job.raw_offset, job.raw.size, encoded.codec,
-                 encoded.params, digest.hexdigest(), xxhash.xxh3_64_hexdigest(job.raw))
+                 encoded.params, digest.hexdigest(), xxhash.xxh3_64_hexdigest(decoded))
 
 
 def write_step(storage: Storage, step: int, captured: CapturedState, *,
                kind: str = "full", base_step: int | None = None,
-               encoder: Encoder = encode_lossless, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               workers: int | None = None, progress: bool = False) -> StepMetadata:
+               encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+               progress: bool = False) -> StepMetadata:
     """Write ``captured`` as step ``step`` and commit it; returns its metadata.
+
+    ``encoder`` codes each chunk (default: losslessly); ``summary``, called
+    once every chunk is coded, gives what the step's ``stats`` record about
+    the coding (a delta's error statistics).
 
     The step only becomes visible at the final rename of ``metadata.json``.
     An existing version of the step stays intact until that moment, and its
@@ -183,7 +195,8 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
         step=step, kind=kind, base_step=base_step, save_id=save_id,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         library_version=__version__, world_size=1, files=data_files, tensors=records,
-        state=captured.tree, stats=StepStats(raw_total, sum(f.size for f in data_files), 0.0))
+        state=captured.tree, stats=StepStats(raw_total, sum(f.size for f in data_files), 0.0,
+                                             **(summary() if summary else {})))
     meta.stats.seconds = round(time.perf_counter() - started, 6)
     storage.commit_file(f"{step_dir}/{METADATA_FILE}", meta.to_json().encode())
     remove_unreferenced(storage, step_dir, meta)

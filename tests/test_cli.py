@@ -100,7 +100,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 @dataclass
 class Checkpoint:
-    """Steps 1 and 2 of a short training run, the live state that step 2 saved, and the files."""
+    """Steps 1 and 2 (full steps) of a short training run, the live state that step 2 saved, and the files."""
 
     path: Path
     model: dict[str, torch.Tensor]
@@ -115,7 +115,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     model, optimizer = make_model()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)
     path = tmp_path_factory.mktemp("cli") / "ckpt"
-    with CheckpointManager(path) as mgr:
+    with CheckpointManager(path, full_every=1) as mgr:  # full (lossless) steps: exact restores
         for step in (1, 2):
             tokens = torch.randint(0, 16, (8,))
             nn.functional.cross_entropy(model(tokens), torch.roll(tokens, 1)).backward()

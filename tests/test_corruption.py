@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bitwise_equal, assert_state_dicts_equal, step_dir
+from torch import nn
 
 from deltackpt import CheckpointManager, CorruptionError, FormatError
 from deltackpt.format import Chunk, StepMetadata
@@ -34,7 +35,7 @@ def _content(step: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:
     path = tmp_path / "ckpt"
-    with CheckpointManager(path, chunk_bytes=4096) as mgr:
+    with CheckpointManager(path, full_every=1, chunk_bytes=4096) as mgr:  # independent full steps
         for step in STEPS:
             mgr.save(step, extra=_content(step), rng=False)
     return path
@@ -42,7 +43,7 @@ def ckpt_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def mgr(ckpt_dir: Path) -> Iterator[CheckpointManager]:
-    manager = CheckpointManager(ckpt_dir, chunk_bytes=4096)
+    manager = CheckpointManager(ckpt_dir, full_every=1, chunk_bytes=4096)
     yield manager
     manager.close()
 
@@ -178,12 +179,49 @@ def test_damaged_metadata(mgr: CheckpointManager, ckpt_dir: Path, damage: str) -
     # A writer opened afterwards (it cleans up leftovers) must cope with the damaged step too:
     # report it, keep its files, restore and save the others.
     files_before = sorted(p.name for p in step_dir(ckpt_dir, DAMAGED).iterdir())
-    with CheckpointManager(ckpt_dir, chunk_bytes=4096) as writer:
+    with CheckpointManager(ckpt_dir, full_every=1, chunk_bytes=4096) as writer:
         assert writer.verify() == report
         assert sorted(p.name for p in step_dir(ckpt_dir, DAMAGED).iterdir()) == files_before
         _assert_intact(writer, (0, 2))
         writer.save(3, extra=_content(3), rng=False)
         _assert_intact(writer, (3,))
+
+
+def test_damage_reaches_the_deltas_coded_against_it(tmp_path: Path) -> None:
+    """In a delta chain (full step 0, delta 1 on 0, delta 2 on 1), one flipped byte in step 1 makes step 1
+    and step 2 unrestorable, both errors naming step 1, the tensor and the file; verify (shallow and deep)
+    reports the damage for step 1 and, as a dependency, for step 2; step 0 stays intact."""
+    root = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    model = nn.Linear(100, 40)
+    with CheckpointManager(root, chunk_bytes=4096) as writer:  # default: deltas between full steps
+        for step in STEPS:
+            with torch.no_grad():
+                model.weight.add_(torch.randn(model.weight.shape) * 1e-3)
+            writer.save(step, model=model, rng=False)
+    mgr = CheckpointManager(root, read_only=True)
+    assert [(mgr.metadata(s).kind, mgr.metadata(s).base_step) for s in STEPS] == [
+        ("full", None), ("delta", 0), ("delta", 1)]
+    step0 = mgr.restore(0).model["weight"]
+    meta = mgr.metadata(DAMAGED)
+    chunk = _chunk(meta, "model/weight", 0)
+    path = _data_path(root, meta, chunk)
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + chunk.length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    for step in (DAMAGED, 2):
+        with pytest.raises(CorruptionError) as info:
+            mgr.restore(step)
+        _assert_names_step_tensor_file(str(info.value), DAMAGED, "model/weight", path)
+    for deep in (False, True):
+        report = mgr.verify(deep=deep)
+        assert report[0] == []
+        (problem,) = report[DAMAGED]
+        _assert_names_step_tensor_file(problem, DAMAGED, "model/weight", path)
+        assert report[2] == [f"depends on step {DAMAGED}, which is damaged: {problem}"]
+        assert mgr.verify(2, deep=deep) == {2: report[2]}
+    assert_bitwise_equal(mgr.restore(0).model["weight"], step0)
 
 
 def test_undamaged_checkpoint_verifies_clean(mgr: CheckpointManager) -> None:

@@ -74,7 +74,8 @@ def say(text):
 
 def writer(command):
     torch.set_num_threads(1)
-    mgr = CheckpointManager(ROOT, chunk_bytes=4096)
+    # full steps only: the overwrite rounds replace steps that deltas would depend on
+    mgr = CheckpointManager(ROOT, full_every=1, chunk_bytes=4096)
     say("ready")
     if command[0] == "new":
         step = int(command[1])

@@ -25,6 +25,7 @@ from deltackpt import (
     StepNotFoundError,
     WriterLockedError,
 )
+from deltackpt.format import FORMAT_VERSION
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ def ckpt_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def mgr(ckpt_dir: Path) -> Iterator[CheckpointManager]:
-    manager = CheckpointManager(ckpt_dir, chunk_bytes=4096)
+    # lossless: every step full and independent (deltas: test_delta_base_cannot_be_overwritten)
+    manager = CheckpointManager(ckpt_dir, compression="lossless", chunk_bytes=4096)
     yield manager
     manager.close()
 
@@ -90,6 +92,28 @@ def test_existing_step_needs_overwrite(mgr: CheckpointManager, ckpt_dir: Path) -
     assert extra["new"] is True
     assert_bitwise_equal(extra["v"], torch.full((3000,), 2.0))
     assert mgr.steps() == [4]
+
+
+def test_delta_base_cannot_be_overwritten(ckpt_dir: Path) -> None:
+    """Overwriting a step that a delta step is coded against raises StepExistsError naming the delta and
+    changes neither step; once no delta depends on it, the step can be overwritten."""
+    with CheckpointManager(ckpt_dir, chunk_bytes=4096) as mgr:  # default: deltas between full steps
+        mgr.save(1, extra={"v": torch.full((3000,), 1.0)}, rng=False)
+        mgr.save(2, extra={"v": torch.full((3000,), 2.0)}, rng=False)
+        assert (mgr.metadata(2).kind, mgr.metadata(2).base_step) == ("delta", 1)
+        assert mgr.dependents(1) == [2]
+        before = files_under(ckpt_dir)
+        with pytest.raises(StepExistsError, match=r"step 1 .*\[2\]"):
+            mgr.save(1, extra={"v": torch.full((3000,), 3.0)}, rng=False, overwrite=True)
+        assert files_under(ckpt_dir) == before
+        assert_bitwise_equal(mgr.restore(1).extra["v"], torch.full((3000,), 1.0))
+        assert_bitwise_equal(mgr.restore(2).extra["v"], torch.full((3000,), 2.0))
+    with CheckpointManager(ckpt_dir, compression="lossless", chunk_bytes=4096) as mgr:
+        mgr.save(2, extra={"v": torch.full((3000,), 4.0)}, rng=False, overwrite=True)  # now a full step
+        assert mgr.dependents(1) == []
+        mgr.save(1, extra={"v": torch.full((3000,), 3.0)}, rng=False, overwrite=True)
+        assert_bitwise_equal(mgr.restore(1).extra["v"], torch.full((3000,), 3.0))
+        assert_bitwise_equal(mgr.restore(2).extra["v"], torch.full((3000,), 4.0))
 
 
 @pytest.mark.parametrize("step", [-1, -100, 1.0, 2.5, "3", None, True, False])
@@ -271,7 +295,7 @@ def test_newer_major_metadata_is_refused(mgr: CheckpointManager, ckpt_dir: Path)
         with pytest.raises(FormatError) as info:
             manager.restore(1)
         message = str(info.value)
-        assert "2.0" in message and "1.0" in message and str(path) in message
+        assert "2.0" in message and FORMAT_VERSION in message and str(path) in message
         assert manager.restore(2).extra == {"a": 2}
 
 
@@ -300,7 +324,7 @@ def test_newer_minor_metadata_with_a_new_role_is_read(mgr: CheckpointManager, ck
     mgr.save(1, extra={"t": torch.arange(10.0)}, rng=False)
 
     def edit(m: dict[str, Any]) -> None:
-        m["format_version"] = "1.1"
+        m["format_version"] = "1.2"
         m["tensors"][0]["role"] = "activation_statistics"
 
     _edit_metadata(ckpt_dir, 1, edit)
@@ -314,7 +338,7 @@ def test_unknown_codec_names_codec_step_tensor_and_file(mgr: CheckpointManager, 
     meta = mgr.metadata(1)
 
     def edit(m: dict[str, Any]) -> None:
-        m["format_version"] = "1.1"
+        m["format_version"] = "1.2"
         m["tensors"][0]["fragments"][0]["chunks"][0]["codec"] = "hyperzip"
 
     _edit_metadata(ckpt_dir, 1, edit)
@@ -335,7 +359,7 @@ def test_newer_major_root_marker_is_refused(ckpt_dir: Path) -> None:
     for read_only in (False, True):
         with pytest.raises(FormatError) as info:
             CheckpointManager(ckpt_dir, read_only=read_only)
-        assert "3.2" in str(info.value) and "1.0" in str(info.value)
+        assert "3.2" in str(info.value) and FORMAT_VERSION in str(info.value)
     assert files_under(ckpt_dir) == before
 
 
@@ -380,7 +404,7 @@ def test_empty_directory_becomes_a_checkpoint(tmp_path: Path) -> None:
     with CheckpointManager(path) as mgr:
         assert mgr.steps() == []
     assert json.loads((path / "deltackpt.json").read_text()) == {"format": "deltackpt",
-                                                                  "format_version": "1.0"}
+                                                                  "format_version": "1.1"}
 
 
 def test_file_url_and_unknown_scheme(tmp_path: Path) -> None:

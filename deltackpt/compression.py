@@ -1,0 +1,303 @@
+"""Compression policy: which tensors a delta step quantizes, how finely, and to what ratio.
+
+A delta step codes each tensor by its class (:func:`tensor_class`):
+
+* ``weights`` (float parameters and buffers): closed-loop residual against
+  the reconstruction of the previous step, linear domain;
+* ``exp_avg`` (Adam's first moment): directly (it forgets its past within
+  a few dozen steps), linear domain;
+* ``exp_avg_sq`` (Adam's second moment, positive, many orders of
+  magnitude): ordinal domain, i.e. bounded relative error, predicted from
+  the previous reconstruction;
+* ``optimizer_other`` (SGD momentum, Adagrad sums, any state of unknown
+  meaning): ordinal domain at a fine step, a safe generic codec;
+* everything else (integers, scalars such as Adam's ``step``, RNG states,
+  ``extra``, tensors with non-finite values) is stored exactly.
+
+A :class:`Quantizer` gives a class its step. In the linear domain the step
+is relative to the root mean square of what is coded (sampled, never a
+full pass or sort), so one setting suits every tensor and every interval;
+in the ordinal domain it is a fraction of a binade (1.0: one power of two).
+With ``target_ratio`` the library scales every step by one factor, chosen
+per save from the sampled entropy of the symbols it would produce and
+corrected by what the previous save actually achieved.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from deltackpt.dtypes import DTypeSpec
+from deltackpt.kernels.quant import MAX_KEY, numpy_keys
+
+CLASSES = ("weights", "exp_avg", "exp_avg_sq", "optimizer_other")
+LOSSY_DTYPES = ("float32", "bfloat16", "float16")
+# Tensors smaller than this are stored exactly: coding them saves nothing.
+MIN_LOSSY_ELEMENTS = 16
+BINADE_KEYS = 1 << 23  # ordinal keys between one power of two and the next
+SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate sizes
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """How one class of tensors is coded in delta steps.
+
+    Args:
+        step: quantization step. Linear domain: a multiple of the root mean
+            square of the coded values (residuals for ``pred="base"``);
+            values within half a step of the prediction become zero, the
+            rest are rounded to the step. Ordinal domain: a fraction of a
+            binade, so the relative error is at most about ``step / 2``.
+        density: instead of ``step``, the fraction of coded values that
+            should stay non-zero (linear domain); the step is then set from
+            a sampled quantile of the values.
+        domain: ``"linear"`` (absolute error <= step / 2) or ``"ordinal"``
+            (relative error; for positive or wide-ranging values).
+        pred: ``"base"`` codes the residual against the previous step's
+            reconstruction (closed loop), ``"zero"`` codes the value itself.
+        exact: store the class losslessly in every step instead.
+    """
+
+    step: float | None = 1.0
+    density: float | None = None
+    domain: Literal["linear", "ordinal"] = "linear"
+    pred: Literal["base", "zero"] = "base"
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.domain not in ("linear", "ordinal"):
+            raise ValueError(f"Quantizer domain must be 'linear' or 'ordinal', got {self.domain!r}")
+        if self.pred not in ("base", "zero"):
+            raise ValueError(f"Quantizer pred must be 'base' or 'zero', got {self.pred!r}")
+        if self.exact:
+            return
+        if (self.step is None) == (self.density is None):
+            raise ValueError("give a Quantizer exactly one of step= and density=")
+        if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
+            raise ValueError(f"Quantizer step must be a positive number, got {self.step!r}")
+        if self.density is not None:
+            if not 0 < self.density <= 1:
+                raise ValueError(f"Quantizer density must be in (0, 1], got {self.density!r}")
+            if self.domain != "linear":
+                raise ValueError("Quantizer density= needs the linear domain")
+
+
+EXACT = Quantizer(exact=True)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """What delta steps keep: a quantizer per tensor class, overrides, and an optional target.
+
+    Use a preset (``CompressionConfig.preset("balanced")``, or just the
+    name where an API takes a config) and adjust it with
+    :func:`dataclasses.replace`, or build one from scratch.
+
+    Args:
+        weights, exp_avg, exp_avg_sq, optimizer_other: the quantizer of each class.
+        overrides: ``{pattern: quantizer}``; a tensor whose universal name
+            (``model/<fqn>``, ``optimizer/state/<fqn>/<key>``) or FQN
+            matches the shell-style ``pattern`` uses that quantizer
+            (first match wins). E.g. ``{"model/tok.*": EXACT}``.
+        target_ratio: aim for this ratio of raw to stored bytes on every
+            delta step by scaling all steps by one factor (1/16 to 16 times
+            the configured ones); the achieved ratio is recorded per step.
+        deltas: False makes every save a full lossless checkpoint.
+        block: elements per block of the packed symbol stream.
+        name: the preset this config came from (recorded in the metadata).
+    """
+
+    weights: Quantizer = Quantizer(step=3.0)
+    exp_avg: Quantizer = Quantizer(step=4.0, pred="zero")
+    exp_avg_sq: Quantizer = Quantizer(step=2.0, domain="ordinal")
+    optimizer_other: Quantizer = Quantizer(step=2.0**-10, domain="ordinal")
+    overrides: Mapping[str, Quantizer] = field(default_factory=dict)
+    target_ratio: float | None = None
+    deltas: bool = True
+    block: int = 1024
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.target_ratio is not None and not (math.isfinite(self.target_ratio)
+                                                  and self.target_ratio > 1):
+            raise ValueError(f"target_ratio must be a number above 1, got {self.target_ratio!r}")
+        if not isinstance(self.block, int) or not 64 <= self.block <= 1 << 20:
+            raise ValueError(f"block must be an integer in [64, 2**20], got {self.block!r}")
+        for pattern, quantizer in self.overrides.items():
+            if not isinstance(pattern, str) or not isinstance(quantizer, Quantizer):
+                raise TypeError(f"overrides maps name patterns to Quantizer, got "
+                                f"{pattern!r}: {quantizer!r}")
+
+    @classmethod
+    def preset(cls, name: str) -> CompressionConfig:
+        """``"lossless"``, ``"balanced"`` (the default) or ``"aggressive"``."""
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown compression preset {name!r}; "
+                             f"choose one of {sorted(PRESETS)}") from None
+
+    def quantizer_for(self, name: str, fqn: str | None, cls: str | None) -> Quantizer:
+        """The quantizer of one tensor: an override that matches it, else its class's."""
+        for pattern, quantizer in self.overrides.items():
+            if fnmatch.fnmatchcase(name, pattern) or (fqn is not None
+                                                       and fnmatch.fnmatchcase(fqn, pattern)):
+                return quantizer
+        return EXACT if cls is None else getattr(self, cls)
+
+    def describe(self) -> dict:
+        """A JSON summary for step metadata."""
+        def q(quantizer: Quantizer) -> dict:
+            return {k: v for k, v in vars(quantizer).items() if v is not None and v is not False}
+        out = {"name": self.name, "block": self.block,
+               **{c: q(getattr(self, c)) for c in CLASSES}}
+        if self.overrides:
+            out["overrides"] = {p: q(v) for p, v in self.overrides.items()}
+        if self.target_ratio is not None:
+            out["target_ratio"] = self.target_ratio
+        return out
+
+
+PRESETS = {
+    "lossless": CompressionConfig(deltas=False, name="lossless"),
+    "balanced": CompressionConfig(name="balanced"),
+    "aggressive": CompressionConfig(
+        weights=Quantizer(step=4.0), exp_avg=Quantizer(step=8.0, pred="zero"),
+        exp_avg_sq=Quantizer(step=4.0, domain="ordinal"), name="aggressive"),
+}
+
+
+def as_config(compression: str | CompressionConfig) -> CompressionConfig:
+    """A config from a preset name or a config."""
+    if isinstance(compression, CompressionConfig):
+        return compression
+    if isinstance(compression, str):
+        return CompressionConfig.preset(compression)
+    raise TypeError(f"compression must be a preset name or a CompressionConfig, "
+                    f"got {type(compression).__name__}")
+
+
+def tensor_class(role: str, state_key: str | None, spec: DTypeSpec, numel: int) -> str | None:
+    """The class a tensor is coded by in delta steps, or None if it is always stored exactly."""
+    if spec.name not in LOSSY_DTYPES or numel < MIN_LOSSY_ELEMENTS:
+        return None
+    if role in ("param", "buffer"):
+        return "weights"
+    if role != "optimizer" or state_key in (None, "step"):
+        return None
+    if state_key == "exp_avg":
+        return "exp_avg"
+    if state_key in ("exp_avg_sq", "max_exp_avg_sq"):
+        return "exp_avg_sq"
+    return "optimizer_other"
+
+
+@dataclass
+class StepChoice:
+    """The step of one tensor for one save, with the sampled size estimate behind it."""
+
+    ordinal: bool
+    pred: bool
+    step: float | int
+    est_bits: float  # estimated stored bits per element
+
+
+def sample_values(x: np.ndarray, pred: np.ndarray | None, ordinal: bool) -> np.ndarray:
+    """Strided sample of what the quantizer codes: residuals (float64 or ordinal keys)."""
+    stride = max(1, x.size // SAMPLE_ELEMENTS)
+    xs = x[::stride]
+    if ordinal:
+        ks = numpy_keys(xs)
+        return ks - numpy_keys(pred[::stride]) if pred is not None else ks
+    xs = xs.astype(np.float64)
+    return xs - pred[::stride] if pred is not None else xs
+
+
+def _symbol_bits(sample: np.ndarray, step: float) -> float:
+    """Order-0 entropy, bits per element, of the symbols ``sample`` quantizes to at ``step``."""
+    q = np.rint(sample / step)
+    q = q[np.isfinite(q)]
+    if q.size == 0:
+        return 0.0
+    q = np.clip(q, -4096, 4096).astype(np.int64) + 4096
+    counts = np.bincount(q)
+    p = counts[counts > 0] / q.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def base_step(quantizer: Quantizer, sample: np.ndarray, carried_error: float = 0.0) -> float:
+    """The step ``quantizer`` asks for, before any target-ratio scaling.
+
+    ``carried_error`` is the mean squared error the previous save left in
+    the prediction. A closed-loop residual is the change since that save
+    plus this error; the step follows the change alone, so the error a
+    delta leaves does not feed back into the next delta's step and stays
+    the same however long the chain.
+    """
+    if quantizer.domain == "ordinal":
+        return quantizer.step * BINADE_KEYS
+    finite = sample[np.isfinite(sample)]
+    if finite.size == 0:
+        return 0.0
+    if quantizer.density is not None:
+        mags = np.abs(finite)
+        k = min(mags.size - 1, int(mags.size * (1 - quantizer.density)))
+        return 2 * float(np.partition(mags, k)[k])
+    mean_sq = float(np.mean(finite * finite))
+    change_sq = max(mean_sq - carried_error, mean_sq / 16)
+    return quantizer.step * change_sq ** 0.5
+
+
+def finalize_step(step: float, ordinal: bool) -> float | int:
+    """A step the kernels accept: an integer key count, or a positive float32 value."""
+    if ordinal:
+        return int(min(max(round(step), 1), MAX_KEY))
+    step32 = float(np.float32(step))
+    if not (math.isfinite(step32) and step32 > 0):
+        step32 = float(np.finfo(np.float32).tiny)
+    return step32
+
+
+@dataclass
+class ScaleController:
+    """Chooses the factor on every step that meets ``target_ratio``, save after save.
+
+    Estimates come from sampled symbol entropies; the ratio between what
+    the last save stored and what was estimated for it corrects the next
+    estimate, so the target is met within a few saves even where order-0
+    entropy misjudges the coder.
+    """
+
+    target_ratio: float
+    correction: float = 1.25
+    SCALES: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-16, 17))
+
+    def choose(self, samples: list[tuple[np.ndarray, float, int]], raw_bytes: int,
+               fixed_bytes: int) -> tuple[float, float]:
+        """The smallest factor whose estimated size meets the target, and that estimate.
+
+        ``samples`` holds, per quantized tensor, its sample, its unscaled
+        step and its element count. ``fixed_bytes`` is what the step stores
+        whatever the factor (exact tensors, metadata).
+        """
+        budget = raw_bytes / self.target_ratio
+        estimate = math.inf
+        for scale in self.SCALES:
+            bits = sum(_symbol_bits(s, step * scale) * n for s, step, n in samples if step > 0)
+            estimate = fixed_bytes + self.correction * bits / 8
+            if estimate <= budget:
+                return scale, estimate
+        return self.SCALES[-1], estimate
+
+    def update(self, estimated_bytes: float, fixed_bytes: int, actual_bytes: int) -> None:
+        """Learn from what the last save stored against its estimate."""
+        coded_est = estimated_bytes - fixed_bytes
+        if coded_est > 0 and actual_bytes > fixed_bytes:
+            observed = self.correction * (actual_bytes - fixed_bytes) / coded_est
+            self.correction = min(4.0, max(0.5, 0.5 * self.correction + 0.5 * observed))

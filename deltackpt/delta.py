@@ -1,0 +1,232 @@
+"""The encoder side of a save: full or delta, and the writer's running reconstruction.
+
+:class:`StepEncoder` codes the chunks of one save for :func:`writer.write_step`.
+For a full step it stores every tensor losslessly and starts a new
+:class:`~deltackpt.chain.Reconstruction`. For a delta step it quantizes each
+tensor as its :class:`~deltackpt.compression.Quantizer` says, against the
+reconstruction of the previous save (closed loop), updating that
+reconstruction in place to exactly what a reader will decode; tensors
+marked exact, too small, not of a float dtype, or holding non-finite values
+in a chunk, are stored losslessly. It also gathers the per-class error
+statistics that the step's metadata records.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltackpt.chain import Layout, Reconstruction
+from deltackpt.codecs import EncodedChunk, encode_lossless
+from deltackpt.codecs.quant import encode_quant
+from deltackpt.compression import (
+    CompressionConfig,
+    Quantizer,
+    ScaleController,
+    base_step,
+    finalize_step,
+    sample_values,
+    tensor_class,
+)
+from deltackpt.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for
+from deltackpt.format import TensorRecord
+from deltackpt.kernels.quant import (
+    STAT_MAX_ABS,
+    STAT_MAX_REL,
+    STAT_NONZERO,
+    STAT_SUM_SQ,
+    STAT_SUM_SQ_ERR,
+)
+from deltackpt.state import CapturedState
+
+# Stored bytes a chunk costs in metadata, for the size estimate behind target_ratio.
+METADATA_BYTES_PER_CHUNK = 320
+
+
+def captured_layout(captured: CapturedState) -> Layout:
+    """Role, dtype and shape of every stored tensor of a capture (as ``chain.layout_of``)."""
+    return {t.name: (t.role, spec_for(t.tensor.dtype, t.name).name, tuple(t.tensor.shape))
+            for t in captured.tensors if t.alias_of is None}
+
+
+@dataclass
+class _Plan:
+    """How one tensor is coded in this save."""
+
+    cls: str | None
+    quantizer: Quantizer
+    step: float | int = 0
+    pred: bool = False
+
+
+@dataclass
+class _ClassStats:
+    tensors: int = 0
+    elements: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    exact_elements: int = 0
+    nonzero: int = 0
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    sum_sq_err: float = 0.0
+    sum_sq: float = 0.0
+
+    def as_json(self) -> dict:
+        rms = (self.sum_sq_err / self.sum_sq) ** 0.5 if self.sum_sq > 0 else 0.0
+        return {"tensors": self.tensors, "elements": self.elements, "raw_bytes": self.raw_bytes,
+                "stored_bytes": self.stored_bytes, "exact_elements": self.exact_elements,
+                "nonzero": self.nonzero, "max_abs_error": self.max_abs_error,
+                "max_rel_error": self.max_rel_error, "rms_rel_error": rms}
+
+
+class StepEncoder:
+    """Codes the chunks of one save and keeps the reconstruction a reader will have.
+
+    Args:
+        captured: the state being saved.
+        config: the compression config.
+        base: reconstruction of the previous save for a delta step, or
+            ``None`` for a full step. A delta updates its arrays in place.
+        controller: meets ``config.target_ratio`` from save to save.
+    """
+
+    def __init__(self, captured: CapturedState, config: CompressionConfig,
+                 base: Reconstruction | None, controller: ScaleController | None, *,
+                 keep: bool = True) -> None:
+        self.config, self.base, self.controller, self.keep = config, base, controller, keep
+        self.layout = captured_layout(captured)
+        self.scale = 1.0
+        self.estimate: tuple[float, int] | None = None
+        self._lock = threading.Lock()
+        self._stats: dict[str, _ClassStats] = {}
+        self._errors: dict[str, float] = {}  # summed squared error per tensor
+        self._plans: dict[str, _Plan] = {}
+        self._numel: dict[str, int] = {}
+        self._values: dict[str, np.ndarray] = {} if base is None else base.values
+        self._plan(captured)
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether this save is a delta step."""
+        return self.base is not None
+
+    def _plan(self, captured: CapturedState) -> None:
+        samples = []
+        fixed = 0
+        for item in captured.tensors:
+            if item.alias_of is not None:
+                continue
+            spec = spec_for(item.tensor.dtype, item.name)
+            numel = item.tensor.numel()
+            cls = tensor_class(item.role, item.state_key, spec, numel)
+            quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
+                exact=True)
+            plan = self._plans[item.name] = _Plan(cls, quantizer)
+            self._numel[item.name] = numel
+            chunks = -(-numel * spec.itemsize // (8 << 20)) or 1
+            fixed += chunks * METADATA_BYTES_PER_CHUNK
+            if quantizer.exact or not self.is_delta:
+                fixed += numel * spec.itemsize
+                continue
+            ordinal = quantizer.domain == "ordinal"
+            plan.pred = quantizer.pred == "base"
+            flat = item.tensor.detach().reshape(-1)
+            stride = max(1, numel // 8192)
+            xs = flat[::stride].float().cpu().numpy()
+            ps = self._values[item.name][::stride] if plan.pred else None
+            sample = sample_values(xs, ps, ordinal)
+            carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
+            plan.step = base_step(quantizer, sample, carried)
+            samples.append((sample, plan.step, numel, plan, ordinal))
+        if samples and self.controller is not None:
+            raw = sum(t.tensor.numel() * t.tensor.element_size() for t in captured.tensors
+                      if t.alias_of is None)
+            self.scale, est = self.controller.choose(
+                [(s, step, n) for s, step, n, _, _ in samples], raw, fixed)
+            self.estimate = (est, fixed)
+        for _, step, _, plan, ordinal in samples:
+            plan.step = finalize_step(step * self.scale, ordinal)
+
+    def __call__(self, record: TensorRecord, spec: DTypeSpec, raw_offset: int,
+                 raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
+        plan = self._plans[record.name]
+        lo, hi = raw_offset // spec.itemsize, (raw_offset + raw.size) // spec.itemsize
+        if plan.quantizer.exact or plan.cls is None:
+            chunk, decoded = encode_lossless(raw, spec), raw
+            self._keep_exact(record, plan, raw, lo, hi)
+            self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+            return chunk, decoded
+        if not self.is_delta:
+            chunk = encode_lossless(raw, spec)
+            self._keep_exact(record, plan, raw, lo, hi)
+            self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+            return chunk, raw
+        x = float32_values(raw, record.dtype)
+        recon = self._values[record.name][lo:hi]
+        chunk, stats = encode_quant(x, recon if plan.pred else None, recon,
+                                    ordinal=plan.quantizer.domain == "ordinal", step=plan.step,
+                                    block=self.config.block)
+        if chunk is None:  # non-finite values: this chunk is stored exactly
+            recon[:] = x
+            chunk = encode_lossless(raw, spec)
+            self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+            return chunk, raw
+        self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+        with self._lock:
+            self._errors[record.name] = self._errors.get(record.name, 0.0) + float(
+                stats[:, STAT_SUM_SQ_ERR].sum())
+        return chunk, dtype_bytes(recon, record.dtype)
+
+    def _keep_exact(self, record: TensorRecord, plan: _Plan, raw: np.ndarray, lo: int,
+                    hi: int) -> None:
+        """Record exactly stored values of a tensor later deltas may code against."""
+        if plan.cls is None or plan.quantizer.exact or not self.keep:
+            return
+        with self._lock:
+            if record.name not in self._values:
+                self._values[record.name] = np.empty(record.numel, np.float32)
+            values = self._values[record.name]
+        values[lo:hi] = float32_values(raw, record.dtype)
+
+    def _count(self, plan: _Plan, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
+               elements: int, *, exact: bool = False, stats: np.ndarray | None = None) -> None:
+        key = plan.cls if plan.cls is not None and not plan.quantizer.exact else "exact"
+        with self._lock:
+            c = self._stats.setdefault(key, _ClassStats())
+            c.tensors += raw_offset == 0
+            c.elements += elements
+            c.raw_bytes += raw_bytes
+            c.stored_bytes += chunk.length
+            if exact:
+                c.exact_elements += elements
+            if stats is not None:
+                c.nonzero += int(stats[:, STAT_NONZERO].sum())
+                c.max_abs_error = max(c.max_abs_error, float(stats[:, STAT_MAX_ABS].max()))
+                c.max_rel_error = max(c.max_rel_error, float(stats[:, STAT_MAX_REL].max()))
+                c.sum_sq_err += float(stats[:, STAT_SUM_SQ_ERR].sum())
+                c.sum_sq += float(stats[:, STAT_SUM_SQ].sum())
+
+    def summary(self) -> dict:
+        """What the step's ``stats`` record: per-class statistics and, for a delta, the config."""
+        out: dict = {"classes": {k: v.as_json() for k, v in sorted(self._stats.items())}}
+        if self.is_delta:
+            compression = self.config.describe()
+            compression["scale"] = self.scale
+            out["compression"] = compression
+        return out
+
+    def reconstruction(self, step: int, save_id: str) -> Reconstruction | None:
+        """The reconstruction a reader has after this save, once it is committed."""
+        if not self.keep:
+            return None
+        deltas = self.base.deltas + 1 if self.base is not None else 0
+        errors = {name: total / self._numel[name] for name, total in self._errors.items()}
+        return Reconstruction(step, deltas, self.layout, self._values, save_id, errors)
+
+    def learn(self, stored_bytes: int) -> None:
+        """Tell the target-ratio controller what this save stored."""
+        if self.controller is not None and self.estimate is not None:
+            self.controller.update(self.estimate[0], self.estimate[1], stored_bytes)

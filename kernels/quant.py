@@ -1,0 +1,381 @@
+"""Quantization kernels: where a tensor is quantized for a delta step (docs/FORMAT.md 3.2).
+
+A value ``x`` is coded against a prediction ``p`` (the reconstruction a
+reader already has, or zero) as an integer ``q``; the reader rebuilds
+``s = p + q * step``. Two domains make that sum exact and portable:
+
+* ``linear``: float32 arithmetic, ``s = f32(p + f32(f32(q) * step))``. The
+  error ``|s - x|`` is at most ``step / 2``. Used for weight residuals and
+  signed moments.
+* ``ordinal``: the float's bit pattern read as an integer key that orders
+  like the float (``bits`` for ``x >= 0``, ``-(bits & 0x7fffffff)`` below
+  zero); ``key(s) = key(p) + q * step``. A step of ``2**k`` keys is a
+  relative error of at most ``2**(k - 24)``: the right domain for Adam's
+  ``exp_avg_sq``, which spans many orders of magnitude, and for optimizer
+  states of unknown meaning. Pure integer arithmetic, so every
+  implementation agrees bit for bit.
+
+Symbols are zigzag-mapped (0, -1, 1, -2, ... to 0, 1, 2, 3, ...) and packed
+LSB first at a width chosen per block of ``block`` elements: the width of
+the block's largest symbol, 0 for an all-zero block, at most 16. The
+packed stream is the block widths (one byte each) followed by every block's
+bits, each block starting on a byte boundary.
+
+:func:`encode_block_stream` is the fused encoder: one parallel pass reads
+each input once and computes residual, symbol, block width, packed bits,
+the new reconstruction and error statistics. :func:`decode_block_stream`
+unpacks, dequantizes and adds into the running reconstruction in place.
+The ``numpy_*`` functions are the executable spec the tests hold the
+kernels to, bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import njit, prange
+
+# Numba's portable "workqueue" threading layer must not run two parallel kernels at once;
+# callers on several threads take turns (each kernel uses every core anyway).
+_PARALLEL = threading.Lock()
+
+MAX_WIDTH = 16
+Q_MIN, Q_MAX = -(1 << (MAX_WIDTH - 1)), (1 << (MAX_WIDTH - 1)) - 1
+MAX_KEY = 0x7F7FFFFF  # the largest finite float32's bit pattern
+# Per-block statistics returned by the encoder, one row per block.
+STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO, STAT_CLIPPED, STAT_BAD = range(7)
+N_STATS = 7
+
+
+@njit(inline="always")
+def _key(bits: np.int64) -> np.int64:
+    """Order-preserving integer key of a float32 bit pattern."""
+    return bits if bits < 0x80000000 else -(bits & 0x7FFFFFFF)
+
+
+@njit(inline="always")
+def _from_key(key: np.int64) -> np.int64:
+    """The float32 bit pattern of a key (the inverse of ``_key``, clamped to finite values)."""
+    if key > MAX_KEY:
+        key = MAX_KEY
+    elif key < -MAX_KEY:
+        key = -MAX_KEY
+    return key if key >= 0 else (-key) | 0x80000000
+
+
+@njit(inline="always")
+def _zigzag(q: np.int64) -> np.int64:
+    return (q << 1) ^ (q >> 63)
+
+
+@njit(inline="always")
+def _unzigzag(z: np.int64) -> np.int64:
+    return (z >> 1) ^ -(z & 1)
+
+
+@njit(inline="always")
+def _bit_width(z: np.int64) -> np.int64:
+    w = 0
+    while z:
+        w += 1
+        z >>= 1
+    return w
+
+
+@njit(inline="always")
+def _pack(sym, width, slot):
+    """Pack ``sym`` at ``width`` bits each, LSB first, into ``slot`` (needs 4 spare bytes)."""
+    acc = np.uint64(0)
+    filled = 0
+    pos = 0
+    for j in range(sym.shape[0]):
+        acc |= np.uint64(sym[j]) << np.uint64(filled)
+        filled += width
+        if filled >= 32:
+            for k in range(4):
+                slot[pos + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
+            acc >>= np.uint64(32)
+            filled -= 32
+            pos += 4
+    for k in range((filled + 7) // 8):
+        slot[pos + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
+
+
+@njit(inline="always")
+def _finite(v: np.float32) -> bool:
+    return (np.float32(v).view(np.uint32) & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _block_stats(x, out, sym, row):
+    """Error statistics of one block (not part of the format: reassociated sums are fine)."""
+    max_abs, max_rel, sum_sq_err, sum_sq = np.float32(0), np.float32(0), 0.0, 0.0
+    nonzero, clipped = 0, 0
+    for j in range(x.shape[0]):
+        xi = x[j]
+        err = abs(out[j] - xi)
+        max_abs = max(max_abs, err)
+        ax = abs(xi)
+        max_rel = max(max_rel, err / ax if ax > 0 else np.float32(0))
+        sum_sq_err += np.float64(err) * np.float64(err)
+        sum_sq += np.float64(xi) * np.float64(xi)
+        z = sym[j]
+        nonzero += z != 0
+        clipped += z >= 0xFFFE
+    row[STAT_MAX_ABS] = max_abs
+    row[STAT_MAX_REL] = max_rel
+    row[STAT_SUM_SQ_ERR] = sum_sq_err
+    row[STAT_SUM_SQ] = sum_sq
+    row[STAT_NONZERO] = nonzero
+    row[STAT_CLIPPED] = clipped
+
+
+def _make_encoder(ordinal: bool):
+    """The fused encode kernel for one domain (a compile-time constant, so no branch per element)."""
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def encode(x, pred, use_pred, out, step_f, step_i, block, widths, slots, stats):
+        n = x.shape[0]
+        step64 = np.float64(step_i) if ordinal else np.float64(step_f)
+        for b in prange(widths.shape[0]):
+            start = b * block
+            stop = min(start + block, n)
+            xb = x[start:stop]
+            pb = pred[start:stop]
+            ob = out[start:stop]
+            m = stop - start
+            bad = 0
+            for j in range(m):
+                bad += not (_finite(xb[j]) and (not use_pred or _finite(pb[j])))
+            stats[b, STAT_BAD] = bad
+            if bad:
+                widths[b] = 0
+                continue
+            sym = np.empty(m, np.uint32)
+            zmax = np.uint32(0)
+            for j in range(m):
+                p = pb[j] if use_pred else np.float32(0.0)
+                if ordinal:
+                    kp = _key(np.int64(np.float32(p).view(np.uint32)))
+                    r = np.float64(_key(np.int64(np.float32(xb[j]).view(np.uint32))) - kp)
+                else:
+                    r = np.float64(np.float32(xb[j] - p))
+                qf = min(max(np.rint(r / step64), np.float64(Q_MIN)), np.float64(Q_MAX))
+                q = np.int64(qf)
+                if ordinal:
+                    ob[j] = np.uint32(_from_key(kp + q * step_i)).view(np.float32)
+                else:
+                    ob[j] = np.float32(p + np.float32(np.float32(q) * step_f))
+                    bad += not _finite(ob[j])  # overflow: only with absurd steps
+                z = np.uint32(_zigzag(q))
+                sym[j] = z
+                zmax = max(zmax, z)
+            if bad:
+                stats[b, STAT_BAD] = bad
+                widths[b] = 0
+                continue
+            width = _bit_width(np.int64(zmax))
+            widths[b] = width
+            _pack(sym, width, slots[b])
+            _block_stats(xb, ob, sym, stats[b])
+
+    return encode
+
+
+_ENCODERS = {ordinal: _make_encoder(ordinal) for ordinal in (False, True)}
+
+
+@njit(cache=True, nogil=True)
+def _block_offsets(widths, n, block, base):
+    """Byte offset of each block's bits in the stream, and the stream's total length."""
+    offsets = np.empty(widths.shape[0] + 1, np.int64)
+    pos = base
+    for b in range(widths.shape[0]):
+        offsets[b] = pos
+        count = min(block, n - b * block)
+        pos += (count * np.int64(widths[b]) + 7) // 8
+    offsets[widths.shape[0]] = pos
+    return offsets
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _compact(slots, widths, offsets, stream):
+    n_blocks = widths.shape[0]
+    for b in prange(n_blocks):
+        stream[b] = widths[b]
+        length = offsets[b + 1] - offsets[b]
+        stream[offsets[b] : offsets[b + 1]] = slots[b, :length]
+
+
+def n_blocks_of(n: int, block: int) -> int:
+    """Number of blocks of ``block`` elements that cover ``n`` elements."""
+    return -(-n // block)
+
+
+def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
+                        ordinal: bool, step: float | int, block: int,
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
+
+    Writes the reconstruction a reader will get into ``out`` (float32, may
+    be ``pred`` itself: the encoder's reconstruction is updated in place).
+    Returns the packed stream (uint8) and per-block statistics
+    (``float64[n_blocks, N_STATS]``, columns ``STAT_*``). Elements that
+    cannot be coded (non-finite inputs, or a reconstruction that would
+    overflow) are counted in ``STAT_BAD``; such a block is skipped, its
+    ``out`` and other statistics left undefined, and the caller must store
+    the chunk exactly.
+    """
+    n = x.shape[0]
+    n_blocks = n_blocks_of(n, block)
+    widths = np.empty(n_blocks, np.uint8)
+    slots = np.empty((n_blocks, 2 * block + 4), np.uint8)
+    stats = np.empty((n_blocks, N_STATS), np.float64)
+    step_f, step_i = _steps(ordinal, step)
+    with _PARALLEL:
+        _ENCODERS[ordinal](x, out if pred is None else pred, pred is not None, out, step_f,
+                           step_i, block, widths, slots, stats)
+        offsets = _block_offsets(widths, n, block, n_blocks)
+        stream = np.empty(offsets[-1], np.uint8)
+        _compact(slots, widths, offsets, stream)
+    return stream, stats
+
+
+def _make_decoder(ordinal: bool):
+    """The decode kernel for one domain."""
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def decode(stream, offsets, pred, use_pred, out, step_f, step_i, block):
+        n = out.shape[0]
+        for b in prange(offsets.shape[0] - 1):
+            start = b * block
+            stop = min(start + block, n)
+            width = np.int64(stream[b])
+            mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+            acc = np.uint64(0)
+            filled = 0
+            pos = offsets[b]
+            for i in range(start, stop):
+                if filled < width:  # the stream is padded: reading 4 bytes is always safe
+                    word = (np.uint64(stream[pos]) | (np.uint64(stream[pos + 1]) << np.uint64(8))
+                            | (np.uint64(stream[pos + 2]) << np.uint64(16))
+                            | (np.uint64(stream[pos + 3]) << np.uint64(24)))
+                    acc |= word << np.uint64(filled)
+                    pos += 4
+                    filled += 32
+                q = _unzigzag(np.int64(acc & mask))
+                acc >>= np.uint64(width)
+                filled -= width
+                p = pred[i] if use_pred else np.float32(0.0)
+                if ordinal:
+                    kp = _key(np.int64(np.float32(p).view(np.uint32)))
+                    out[i] = np.uint32(_from_key(kp + q * step_i)).view(np.float32)
+                else:
+                    out[i] = np.float32(p + np.float32(np.float32(q) * step_f))
+
+    return decode
+
+
+_DECODERS = {ordinal: _make_decoder(ordinal) for ordinal in (False, True)}
+
+
+def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
+                        ordinal: bool, step: float | int, block: int) -> None:
+    """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
+
+    Raises ``ValueError`` when the stream's length does not match its block
+    widths, or a width is over 16, so damaged streams never index out of bounds.
+    """
+    n = out.shape[0]
+    n_blocks = n_blocks_of(n, block)
+    if stream.shape[0] < n_blocks:
+        raise ValueError(f"stream of {stream.shape[0]} bytes is shorter than its "
+                         f"{n_blocks} block widths")
+    widths = stream[:n_blocks]
+    if n_blocks and int(widths.max()) > MAX_WIDTH:
+        raise ValueError(f"block width {int(widths.max())} is over {MAX_WIDTH}")
+    offsets = _block_offsets(widths, n, block, n_blocks)
+    if offsets[-1] != stream.shape[0]:
+        raise ValueError(f"stream is {stream.shape[0]} bytes, its block widths need {offsets[-1]}")
+    step_f, step_i = _steps(ordinal, step)
+    padded = np.zeros(stream.shape[0] + 4, np.uint8)
+    padded[: stream.shape[0]] = stream
+    with _PARALLEL:
+        _DECODERS[ordinal](padded, offsets, out if pred is None else pred, pred is not None, out,
+                           step_f, step_i, block)
+
+
+def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
+    if ordinal:
+        if int(step) != step or not 1 <= step <= MAX_KEY:
+            raise ValueError(f"ordinal step must be an integer in [1, {MAX_KEY}], got {step!r}")
+        return np.float32(1), np.int64(step)
+    if not (np.isfinite(step) and step > 0 and float(np.float32(step)) == step):
+        raise ValueError(f"linear step must be a positive float32 value, got {step!r}")
+    return np.float32(step), np.int64(1)
+
+
+# -- numpy references (the executable spec) ---------------------------------------------
+
+def numpy_keys(values: np.ndarray) -> np.ndarray:
+    """Order-preserving int64 keys of float32 values."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.int64)
+    return np.where(bits < 0x80000000, bits, -(bits & 0x7FFFFFFF))
+
+
+def numpy_from_keys(keys: np.ndarray) -> np.ndarray:
+    """float32 values of int64 keys, clamped to finite values."""
+    keys = np.clip(keys, -MAX_KEY, MAX_KEY)
+    return np.where(keys >= 0, keys, (-keys) | 0x80000000).astype(np.uint32).view(np.float32)
+
+
+def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
+                   step: float | int) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols ``q`` (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
+    p = np.zeros_like(x) if pred is None else pred
+    if ordinal:
+        r = (numpy_keys(x) - numpy_keys(p)).astype(np.float64)
+        q = np.clip(np.rint(r / np.float64(step)), Q_MIN, Q_MAX).astype(np.int64)
+        return q, numpy_from_keys(numpy_keys(p) + q * step)
+    r = (x - p).astype(np.float32)
+    q = np.clip(np.rint(r.astype(np.float64) / np.float64(step)), Q_MIN, Q_MAX).astype(np.int64)
+    return q, (p + q.astype(np.float32) * np.float32(step)).astype(np.float32)
+
+
+def numpy_pack(q: np.ndarray, block: int) -> np.ndarray:
+    """The packed stream of symbols ``q`` (widths, then each block's bits LSB first)."""
+    z = ((q << 1) ^ (q >> 63)).astype(np.int64)
+    widths, bodies = [], []
+    for start in range(0, z.size, block):
+        zb = z[start : start + block]
+        width = int(zb.max()).bit_length() if zb.size else 0
+        widths.append(width)
+        bits = ((zb[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
+        bodies.append(np.packbits(bits, bitorder="little"))
+    return np.concatenate([np.array(widths, np.uint8), *bodies]) if widths else \
+        np.zeros(0, np.uint8)
+
+
+def numpy_unpack(stream: np.ndarray, n: int, block: int) -> np.ndarray:
+    """Symbols ``q`` (int64) of a packed stream of ``n`` elements."""
+    n_blocks = n_blocks_of(n, block)
+    widths, pos, out = stream[:n_blocks], n_blocks, []
+    for b in range(n_blocks):
+        count, width = min(block, n - b * block), int(widths[b])
+        nbytes = (count * width + 7) // 8
+        bits = np.unpackbits(stream[pos : pos + nbytes], bitorder="little")[: count * width]
+        z = (bits.reshape(count, width).astype(np.int64) << np.arange(width)).sum(axis=1) \
+            if width else np.zeros(count, np.int64)
+        out.append((z >> 1) ^ -(z & 1))
+        pos += nbytes
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
+                     step: float | int) -> np.ndarray:
+    """Reconstruction from symbols ``q`` and ``pred`` (or zero)."""
+    p = np.zeros(q.shape, np.float32) if pred is None else pred
+    if ordinal:
+        return numpy_from_keys(numpy_keys(p) + q * step)
+    return (p + q.astype(np.float32) * np.float32(step)).astype(np.float32)

@@ -1,0 +1,599 @@
+"""The quantization kernels (deltackpt.kernels.quant) against their numpy references, bit for bit."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from deltackpt.kernels.quant import (
+    MAX_KEY,
+    MAX_WIDTH,
+    N_STATS,
+    Q_MAX,
+    Q_MIN,
+    STAT_BAD,
+    STAT_CLIPPED,
+    STAT_MAX_ABS,
+    STAT_MAX_REL,
+    STAT_NONZERO,
+    STAT_SUM_SQ,
+    STAT_SUM_SQ_ERR,
+    decode_block_stream,
+    encode_block_stream,
+    n_blocks_of,
+    numpy_dequantize,
+    numpy_from_keys,
+    numpy_keys,
+    numpy_pack,
+    numpy_quantize,
+    numpy_unpack,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(SETTINGS, max_examples=25)
+BLOCKS = [64, 1000, 1024, 1, 7]
+LINEAR_STEPS = [float(np.float32(s)) for s in (2.0**-20, 1e-4, 1e-3, 0.1, 0.5, 1.0, 3.0, 1000.0)]
+ORDINAL_STEPS = [1, 2, 3, 255, 256, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 30, MAX_KEY]
+PATTERNS = ["normal", "wide", "zeros", "neg_zeros", "const", "ints", "subnormal", "bits"]
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+def _values(n: int, seed: int, pattern: str) -> np.ndarray:
+    """``n`` finite float32 values following a named pattern."""
+    rng = np.random.default_rng(seed)
+    if pattern == "normal":
+        return (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 4)).astype(np.float32)
+    if pattern == "wide":  # many orders of magnitude, both signs
+        return (rng.choice([-1.0, 1.0], n) * 10.0 ** rng.uniform(-30, 30, n)).astype(np.float32)
+    if pattern == "zeros":
+        return np.zeros(n, np.float32)
+    if pattern == "neg_zeros":
+        return np.full(n, -0.0, np.float32)
+    if pattern == "const":
+        return np.full(n, rng.standard_normal(), np.float32)
+    if pattern == "ints":
+        return rng.integers(-5, 6, n).astype(np.float32)
+    if pattern == "subnormal":  # subnormals and zeros of both signs
+        bits = rng.integers(0, 0x800000, n, dtype=np.uint32) | (rng.integers(0, 2, n, dtype=np.uint32) << 31)
+        return np.where(rng.random(n) < 0.1, 0, bits).astype(np.uint32).view(np.float32)
+    assert pattern == "bits"  # any finite bit pattern
+    bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    return np.where((bits & 0x7F800000) == 0x7F800000, bits & 0x807FFFFF, bits).astype(np.uint32) \
+        .view(np.float32)
+
+
+def _pred(x: np.ndarray, seed: int, kind: str) -> np.ndarray | None:
+    """A prediction for ``x``: none, close to ``x``, unrelated to it, or equal to it."""
+    rng = np.random.default_rng(seed + 1)
+    if kind == "none":
+        return None
+    if kind == "equal":
+        return x.copy()
+    if kind == "near":
+        noise = rng.standard_normal(x.size) * 10.0 ** rng.integers(-8, 1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            p = (x * (1 + noise) + noise * 1e-3).astype(np.float32)
+        return np.where(np.isfinite(p), p, x).astype(np.float32)
+    assert kind == "far"
+    return _values(x.size, seed + 2, str(rng.choice(["normal", "wide", "ints", "subnormal"])))
+
+
+class Case(NamedTuple):
+    x: np.ndarray
+    pred: np.ndarray | None
+    ordinal: bool
+    step: float | int
+    block: int
+    inplace: bool
+
+
+@st.composite
+def cases(draw: st.DrawFn, ordinal: bool | None = None, max_n: int = 3000) -> Case:
+    ordinal = draw(st.booleans()) if ordinal is None else ordinal
+    block = draw(st.sampled_from(BLOCKS))
+    n = draw(st.one_of(
+        st.sampled_from([1, 2, 7, block - 1, block, block + 1, 3 * block + 5]),
+        st.integers(0, max_n)))
+    n = min(n, 5000)
+    seed = draw(st.integers(0, 2**32 - 1))
+    x = _values(n, seed, draw(st.sampled_from(PATTERNS)))
+    pred = _pred(x, seed, draw(st.sampled_from(["none", "near", "far", "equal"])))
+    step = draw(st.sampled_from(ORDINAL_STEPS if ordinal else LINEAR_STEPS))
+    return Case(x, pred, ordinal, step, block, draw(st.booleans()))
+
+
+def _encode(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stream, stats and reconstruction; in place (``out`` is a copy of ``pred``) when asked."""
+    if c.inplace and c.pred is not None:
+        pred = out = c.pred.copy()
+    else:
+        pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
+    stream, stats = encode_block_stream(c.x, pred, out, ordinal=c.ordinal, step=c.step, block=c.block)
+    if c.pred is not None and not c.inplace:
+        assert pred.tobytes() == c.pred.tobytes(), "the encoder wrote to pred"
+    return stream, stats, out
+
+
+def _decode(c: Case, stream: np.ndarray) -> np.ndarray:
+    if c.inplace and c.pred is not None:
+        pred = out = c.pred.copy()
+    else:
+        pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
+    decode_block_stream(stream, pred, out, ordinal=c.ordinal, step=c.step, block=c.block)
+    return out
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def assert_bits_equal(actual: np.ndarray, expected: np.ndarray, what: str = "values") -> None:
+    assert actual.dtype == expected.dtype == np.float32, what
+    assert actual.shape == expected.shape, what
+    diff = np.flatnonzero(_bits(actual) != _bits(expected))
+    assert diff.size == 0, (f"{what}: {diff.size} elements differ, first at {diff[0]}: "
+                            f"{actual[diff[0]]!r} != {expected[diff[0]]!r}")
+
+
+def assert_stream_equal(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.dtype == np.uint8
+    assert np.array_equal(actual, expected), \
+        f"streams differ: {actual.size} vs {expected.size} bytes, widths {actual[:8]} vs {expected[:8]}"
+
+
+def _expected_stats(x: np.ndarray, recon: np.ndarray, q: np.ndarray, block: int) -> np.ndarray:
+    rows = []
+    for start in range(0, x.size, block):
+        xb, rb, qb = x[start:start + block], recon[start:start + block], q[start:start + block]
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            err = np.abs(rb - xb)  # float32, as the kernel computes it
+            ax = np.abs(xb)
+            rel = np.where(ax > 0, err / np.where(ax > 0, ax, 1), 0)
+        row = np.zeros(N_STATS)
+        row[STAT_MAX_ABS] = err.max()
+        row[STAT_MAX_REL] = rel.max()
+        row[STAT_SUM_SQ_ERR] = np.sum(err.astype(np.float64) ** 2)
+        row[STAT_SUM_SQ] = np.sum(xb.astype(np.float64) ** 2)
+        row[STAT_NONZERO] = np.count_nonzero(qb)
+        row[STAT_CLIPPED] = np.count_nonzero((qb == Q_MIN) | (qb == Q_MAX))
+        rows.append(row)
+    return np.array(rows).reshape(-1, N_STATS)
+
+
+def _check_stats(stats: np.ndarray, x: np.ndarray, recon: np.ndarray, q: np.ndarray, block: int) -> None:
+    assert stats.shape == (n_blocks_of(x.size, block), N_STATS)
+    assert stats.dtype == np.float64
+    expected = _expected_stats(x, recon, q, block)
+    assert (stats[:, STAT_BAD] == 0).all()
+    np.testing.assert_array_equal(stats[:, STAT_NONZERO], expected[:, STAT_NONZERO])
+    np.testing.assert_array_equal(stats[:, STAT_CLIPPED], expected[:, STAT_CLIPPED])
+    for col in (STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ):
+        np.testing.assert_allclose(stats[:, col], expected[:, col], rtol=1e-6, atol=0, err_msg=f"stat {col}")
+
+
+def _check_error_bound(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, q: np.ndarray, *,
+                       ordinal: bool, step: float | int) -> None:
+    """Unclipped elements are within half a step (linear: plus float32 rounding; ordinal: exactly)."""
+    ok = (q != Q_MIN) & (q != Q_MAX)
+    if ordinal:
+        d = np.abs(numpy_keys(recon) - numpy_keys(x))[ok]
+        assert (d <= step // 2).all(), f"key error {d.max()} over {step // 2}"
+        # relative error of normal values: at most step * 2**-23 (steps small enough not to span binades)
+        if step <= 1 << 16:
+            normal = ok & (np.abs(x) >= np.finfo(np.float32).tiny)
+            rel = np.abs(recon[normal].astype(np.float64) - x[normal]) / np.abs(x[normal].astype(np.float64))
+            assert (rel <= step * 2.0**-23).all(), f"relative error {rel.max()}"
+        return
+    p = np.zeros_like(x) if pred is None else pred
+    mag = np.maximum(np.maximum(np.abs(x), np.abs(p)), np.abs(recon))
+    bound = step / 2 * (1 + 1e-6) + 4 * np.spacing(mag).astype(np.float64)
+    err = np.abs(recon.astype(np.float64) - x.astype(np.float64))
+    bad = np.flatnonzero(ok & ~(err <= bound))
+    assert bad.size == 0, f"error {err[bad[0]]} over {bound[bad[0]]} at x={x[bad[0]]!r}, p={p[bad[0]]!r}"
+
+
+# -- 1. encoder vs numpy reference --------------------------------------------------------
+
+@SETTINGS
+@given(c=cases())
+def test_encoder_matches_numpy_reference(c: Case) -> None:
+    """Stream == numpy_pack(numpy_quantize symbols); reconstruction and stats match the reference."""
+    stream, stats, recon = _encode(c)
+    q, expected_recon = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step)
+    assert_stream_equal(stream, numpy_pack(q, c.block))
+    assert_bits_equal(recon, expected_recon, "reconstruction")
+    _check_stats(stats, c.x, recon, q, c.block)
+    _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step)
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize("block", [64, 1000, 1024])
+def test_encoder_odd_lengths(ordinal: bool, block: int) -> None:
+    """Every awkward length around the block size, with and without pred, in place and into a separate out."""
+    step = (1 << 12) if ordinal else float(np.float32(1e-3))
+    for k, n in enumerate([1, 2, 7, block - 1, block, block + 1, 3 * block + 5]):
+        x = (np.random.default_rng(k).standard_normal(n) * 0.05).astype(np.float32)
+        for j, pred_kind in enumerate(["none", "near", "far"]):
+            c = Case(x, _pred(x, 100 + k, pred_kind), ordinal, step, block, inplace=(j + k) % 2 == 1)
+            stream, stats, recon = _encode(c)
+            q, expected_recon = numpy_quantize(c.x, c.pred, ordinal=ordinal, step=step)
+            assert_stream_equal(stream, numpy_pack(q, block))
+            assert_bits_equal(recon, expected_recon, f"reconstruction n={n}")
+            np.testing.assert_array_equal(stats[:, STAT_NONZERO], [np.count_nonzero(q[b:b + block])
+                                                                   for b in range(0, n, block)])
+            assert_bits_equal(_decode(c, stream), recon, f"decoded n={n}")
+
+
+# -- 2. decode(encode(x)) -----------------------------------------------------------------
+
+@SETTINGS
+@given(c=cases())
+def test_decode_reproduces_encoder_reconstruction(c: Case) -> None:
+    """The reader rebuilds exactly what the writer computed, and what the numpy references decode."""
+    stream, _, recon = _encode(c)
+    assert_bits_equal(_decode(c, stream), recon, "decoded")
+    q = numpy_unpack(stream, c.x.size, c.block)
+    assert_bits_equal(numpy_dequantize(q, c.pred, ordinal=c.ordinal, step=c.step), recon, "numpy decoded")
+
+
+@FEW
+@given(c=cases(max_n=1500), steps=st.integers(2, 4))
+def test_chained_in_place_updates(c: Case, steps: int) -> None:
+    """Several delta steps updating one running reconstruction in place stay in lockstep with a reader."""
+    writer = np.zeros(c.x.size, np.float32) if c.pred is None else c.pred.copy()
+    reader = writer.copy()
+    rng = np.random.default_rng(c.x.size)
+    x = c.x
+    for _ in range(steps):
+        stream, _ = encode_block_stream(x, writer, writer, ordinal=c.ordinal, step=c.step, block=c.block)
+        decode_block_stream(stream, reader, reader, ordinal=c.ordinal, step=c.step, block=c.block)
+        assert_bits_equal(reader, writer, "running reconstruction")
+        x = np.where(rng.random(x.size) < 0.5, x, -x).astype(np.float32)
+
+
+# -- 3. packing ---------------------------------------------------------------------------
+
+def _symbols_of_width(n: int, width: int, seed: int) -> np.ndarray:
+    """``n`` symbols whose zigzag codes need exactly ``width`` bits (at least one of them does)."""
+    rng = np.random.default_rng(seed)
+    z = rng.integers(0, 1 << width, n, dtype=np.int64) if width else np.zeros(n, np.int64)
+    if width and n:
+        z[rng.integers(0, n)] = rng.integers(1 << (width - 1), 1 << width)
+    return (z >> 1) ^ -(z & 1)
+
+
+@SETTINGS
+@given(width=st.integers(0, MAX_WIDTH), n=st.integers(0, 2000) | st.sampled_from([1, 2, 7, 63, 65, 129]),
+       block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**32 - 1))
+def test_unpack_inverts_pack(width: int, n: int, block: int, seed: int) -> None:
+    """numpy_unpack(numpy_pack(q)) == q, and each block's width byte is its largest code's bit length."""
+    q = _symbols_of_width(n, width, seed)
+    assert q.min(initial=0) >= Q_MIN and q.max(initial=0) <= Q_MAX
+    stream = numpy_pack(q, block)
+    n_blocks = n_blocks_of(n, block)
+    z = (q << 1) ^ (q >> 63)
+    widths = [int(z[b * block:(b + 1) * block].max()).bit_length() for b in range(n_blocks)]
+    np.testing.assert_array_equal(stream[:n_blocks], widths)
+    assert stream.size == n_blocks + sum((min(block, n - b * block) * w + 7) // 8
+                                         for b, w in enumerate(widths))
+    np.testing.assert_array_equal(numpy_unpack(stream, n, block), q)
+    # The kernel unpacks the same symbols: step 1, no prediction, so out == float32(q).
+    out = np.empty(n, np.float32)
+    decode_block_stream(stream, None, out, ordinal=False, step=1.0, block=block)
+    assert_bits_equal(out, q.astype(np.float32), "kernel-unpacked symbols")
+
+
+@FEW
+@given(n=st.integers(0, 3000), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**32 - 1))
+def test_unpack_inverts_pack_full_range(n: int, block: int, seed: int) -> None:
+    """Random symbols over the whole range [-32768, 32767], extremes included."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(Q_MIN, Q_MAX, n, dtype=np.int64, endpoint=True)
+    q[rng.random(n) < 0.05] = Q_MIN
+    q[rng.random(n) < 0.05] = Q_MAX
+    stream = numpy_pack(q, block)
+    np.testing.assert_array_equal(numpy_unpack(stream, n, block), q)
+    out = np.empty(n, np.float32)
+    decode_block_stream(stream, None, out, ordinal=True, step=1, block=block)
+    assert_bits_equal(out, numpy_from_keys(q), "kernel-unpacked keys")
+
+
+def test_pack_known_bytes() -> None:
+    """Hand-computed: zigzag 0,-1,1,-2 -> 0,1,2,3 at width 2, LSB first: 0b11_10_01_00."""
+    q = np.array([0, -1, 1, -2, 2], np.int64)
+    np.testing.assert_array_equal(numpy_pack(q, 4), [2, 3, 0b11100100, 0b100])
+    x = q.astype(np.float32)
+    out = np.empty(5, np.float32)
+    stream, _ = encode_block_stream(x, None, out, ordinal=False, step=1.0, block=4)
+    np.testing.assert_array_equal(stream, [2, 3, 0b11100100, 0b100])
+    assert_bits_equal(out, x)
+
+
+# -- 4. edge cases ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 3005])
+@pytest.mark.parametrize("zero", [0.0, -0.0])
+def test_all_zero_input(ordinal: bool, n: int, zero: float) -> None:
+    """Zeros against no prediction: only zero widths in the stream, reconstruction +0.0 exactly."""
+    block = 64
+    x = np.full(n, zero, np.float32)
+    out = np.full(n, np.nan, np.float32)
+    step = 1 if ordinal else 0.5
+    stream, stats = encode_block_stream(x, None, out, ordinal=ordinal, step=step, block=block)
+    assert_stream_equal(stream, np.zeros(n_blocks_of(n, block), np.uint8))
+    assert (_bits(out) == 0).all()
+    assert (stats[:, STAT_NONZERO] == 0).all() and (stats[:, STAT_MAX_ABS] == 0).all()
+    decoded = np.full(n, np.nan, np.float32)
+    decode_block_stream(stream, None, decoded, ordinal=ordinal, step=step, block=block)
+    assert (_bits(decoded) == 0).all()
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize("pattern", ["normal", "wide", "ints", "subnormal", "bits", "zeros"])
+def test_input_equal_to_prediction(ordinal: bool, pattern: str) -> None:
+    """x == pred: all symbols zero, stream is zero widths only, reconstruction == x.
+
+    The one change: -0.0 becomes +0.0 (linear: -0.0 + 0.0; ordinal: both zeros are key 0).
+    """
+    x = _values(2500, 7, pattern)
+    if pattern == "zeros":
+        x[::2] = -0.0
+    for inplace in (False, True):
+        c = Case(x, x.copy(), ordinal, 256 if ordinal else 0.25, 1000, inplace)
+        stream, stats, recon = _encode(c)
+        assert_stream_equal(stream, np.zeros(3, np.uint8))
+        assert (stats[:, STAT_NONZERO] == 0).all() and (stats[:, STAT_MAX_ABS] == 0).all()
+        expected = np.where(x == 0, np.float32(0), x).astype(np.float32)
+        assert_bits_equal(recon, expected)
+        assert_bits_equal(_decode(c, stream), expected, "decoded")
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_constant_input(ordinal: bool) -> None:
+    """A constant tensor: every full block has the same width and the same body bytes."""
+    block, n = 64, 64 * 5 + 3
+    x = np.full(n, np.float32(1.2345), np.float32)
+    step = 1 << 8 if ordinal else float(np.float32(2.0**-10))
+    out = np.empty(n, np.float32)
+    stream, stats = encode_block_stream(x, None, out, ordinal=ordinal, step=step, block=block)
+    q, expected = numpy_quantize(x, None, ordinal=ordinal, step=step)
+    assert_stream_equal(stream, numpy_pack(q, block))
+    assert_bits_equal(out, expected)
+    assert len(set(stream[: n_blocks_of(n, block)].tolist())) == 1
+    assert (out == out[0]).all()
+    assert stats[:, STAT_NONZERO].tolist() == [64] * 5 + [3]
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize("with_pred", [False, True])
+def test_empty_input(ordinal: bool, with_pred: bool) -> None:
+    x = np.zeros(0, np.float32)
+    pred = x.copy() if with_pred else None
+    stream, stats = encode_block_stream(x, pred, x.copy(), ordinal=ordinal, step=1, block=64)
+    assert stream.dtype == np.uint8 and stream.size == 0
+    assert stats.shape == (0, N_STATS)
+    decode_block_stream(stream, pred, x.copy(), ordinal=ordinal, step=1, block=64)
+    with pytest.raises(ValueError):
+        decode_block_stream(np.zeros(1, np.uint8), pred, x.copy(), ordinal=ordinal, step=1, block=64)
+
+
+@pytest.mark.parametrize(("ordinal", "step", "value", "q_expected"), [
+    (False, float(np.float32(1e-3)), 1e6, Q_MAX),
+    (False, float(np.float32(1e-3)), -1e6, Q_MIN),
+    (False, 1.0, 3e38, Q_MAX),
+    (True, 1, 1.0, Q_MAX),
+    (True, 1 << 10, -1.0, Q_MIN),
+    (True, 3, 3e38, Q_MAX),
+])
+def test_huge_residuals_are_clipped(ordinal: bool, step: float | int, value: float, q_expected: int) -> None:
+    """Residuals beyond the symbol range clamp to [-32768, 32767] and are counted in STAT_CLIPPED."""
+    n, block = 300, 128
+    x = np.full(n, value, np.float32)
+    x[::3] = 0  # some unclipped elements in every block
+    out = np.empty(n, np.float32)
+    stream, stats = encode_block_stream(x, None, out, ordinal=ordinal, step=step, block=block)
+    q, expected = numpy_quantize(x, None, ordinal=ordinal, step=step)
+    assert set(np.unique(q).tolist()) == {0, q_expected}
+    assert_stream_equal(stream, numpy_pack(q, block))
+    assert (stream[:3] == MAX_WIDTH).all()
+    assert_bits_equal(out, expected)
+    assert stats[:, STAT_CLIPPED].tolist() == [np.count_nonzero(q[b:b + block]) for b in range(0, n, block)]
+    assert (stats[:, STAT_CLIPPED] > 0).all()
+    if ordinal:
+        np.testing.assert_array_equal(numpy_keys(out[x != 0]), q_expected * step)
+    else:
+        assert_bits_equal(out[x != 0], np.full(n - 100, np.float32(q_expected) * np.float32(step)))
+    decoded = np.empty(n, np.float32)
+    decode_block_stream(stream, None, decoded, ordinal=ordinal, step=step, block=block)
+    assert_bits_equal(decoded, out)
+
+
+def test_ordinal_special_values() -> None:
+    """Negatives, both zeros, subnormals, the normal/subnormal boundary and the largest finite values."""
+    f32 = np.finfo(np.float32)
+    specials = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, float(f32.tiny), -float(f32.tiny),
+                float(f32.tiny) * (1 - 2**-23), 1.0, -1.0, -2.5, 3.4028235e38, -3.4028235e38, 1e-30, -7e12]
+    x = np.array(specials * 9, np.float32)
+    preds = [None, np.roll(x, 1), -x, x[::-1].copy(), np.zeros_like(x), np.full_like(x, -0.0)]
+    for step in (1, 3, 1 << 8, 1 << 24, MAX_KEY):
+        for pred in preds:
+            for inplace in (False, True) if pred is not None and step == 1 << 8 else (pred is not None,):
+                c = Case(x, pred, True, step, 16, inplace)
+                stream, stats, recon = _encode(c)
+                q, expected = numpy_quantize(x, pred, ordinal=True, step=step)
+                assert_stream_equal(stream, numpy_pack(q, 16))
+                assert_bits_equal(recon, expected, f"step {step}")
+                assert np.isfinite(recon).all()
+                _check_stats(stats, x, recon, q, 16)
+                _check_error_bound(x, pred, recon, q, ordinal=True, step=step)
+                assert_bits_equal(_decode(c, stream), recon, "decoded")
+
+
+def test_keys_order_like_floats() -> None:
+    """numpy_keys is order-preserving and numpy_from_keys inverts it (zeros map to +0.0)."""
+    x = _values(4000, 11, "bits")
+    x = np.concatenate([x, _values(1000, 12, "subnormal"), [0.0, -0.0]]).astype(np.float32)
+    keys = numpy_keys(x)
+    order = np.argsort(x, kind="stable")
+    assert (np.diff(keys[order]) >= 0).all()
+    back = numpy_from_keys(keys)
+    assert_bits_equal(back, np.where(x == 0, np.float32(0), x).astype(np.float32))
+
+
+# -- 5. error bounds (also checked in test_encoder_matches_numpy_reference) ---------------
+
+@FEW
+@given(c=cases())
+def test_error_within_half_a_step(c: Case) -> None:
+    """Unclipped: linear |s - x| <= step/2 (+rounding), ordinal keys within step//2; STAT_MAX_ABS agrees."""
+    _, stats, recon = _encode(c)
+    q, _ = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step)
+    _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step)
+    ok = (q != Q_MIN) & (q != Q_MAX)
+    if not c.ordinal and c.x.size and ok.all():
+        assert stats[:, STAT_MAX_ABS].max() <= c.step / 2 * (1 + 1e-6) + 4 * float(np.spacing(
+            np.abs(np.concatenate([c.x, recon, c.x if c.pred is None else c.pred])).max()))
+
+
+def test_linear_reconstruction_that_would_overflow_is_bad() -> None:
+    """x = largest float32, step = 2e38: q = rint(1.7) = 2 and f32(2 * 2e38) = inf, so the
+    block cannot be coded and is reported bad (the caller stores the chunk exactly)."""
+    x = np.array([3.4028235e38], np.float32)
+    step = float(np.float32(2e38))
+    _, stats = encode_block_stream(x, None, np.empty(1, np.float32), ordinal=False, step=step,
+                                   block=64)
+    assert stats[0, STAT_BAD] == 1
+
+
+# -- 6. non-finite inputs -----------------------------------------------------------------
+
+NONFINITE_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFFFFFFFF, 0x7F800000, 0xFF800000]
+
+
+@FEW
+@given(c=cases(max_n=2000), data=st.data())
+def test_non_finite_inputs_are_counted_per_block(c: Case, data: st.DataObject) -> None:
+    """NaN (any payload), +inf and -inf in x or pred: STAT_BAD per block; other blocks code normally."""
+    n = c.x.size
+    if n == 0:
+        return
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = c.x.copy()
+    pred = None if c.pred is None else c.pred.copy()
+    k = data.draw(st.integers(1, min(n, 20)))
+    where = rng.integers(0, n, k)
+    in_pred = rng.random(k) < 0.5 if pred is not None else np.zeros(k, bool)
+    values = np.array(NONFINITE_BITS, np.uint32)[rng.integers(0, len(NONFINITE_BITS), k)].view(np.float32)
+    x[where[~in_pred]] = values[~in_pred]
+    if pred is not None:
+        pred[where[in_pred]] = values[in_pred]
+    bad = ~np.isfinite(x) | (False if pred is None else ~np.isfinite(pred))
+    assert bad.any()
+    c = c._replace(x=x, pred=pred)
+    stream, stats, recon = _encode(c)
+    n_blocks = n_blocks_of(n, c.block)
+    bad_per_block = np.add.reduceat(bad.astype(np.int64), np.arange(0, n, c.block))
+    np.testing.assert_array_equal(stats[:, STAT_BAD], bad_per_block)
+    # Blocks without bad elements are coded exactly as the reference codes them; bad blocks are width 0.
+    good = np.repeat(bad_per_block == 0, c.block)[:n]
+    safe_x = np.where(good, x, 0).astype(np.float32)
+    safe_p = None if pred is None else np.where(good, pred, 0).astype(np.float32)
+    q, expected = numpy_quantize(safe_x, safe_p, ordinal=c.ordinal, step=c.step)
+    q[~good] = 0
+    assert_stream_equal(stream, numpy_pack(q, c.block))
+    assert (stream[:n_blocks][bad_per_block > 0] == 0).all()
+    assert_bits_equal(recon[good], expected[good], "reconstruction of good blocks")
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize("in_pred", [False, True])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_single_non_finite_value(ordinal: bool, in_pred: bool, value: float) -> None:
+    block, n = 64, 64 * 4 + 10
+    x = _values(n, 5, "normal")
+    pred = (x * np.float32(0.9)).astype(np.float32)
+    for i in (0, 64, n - 1):
+        xi, pi = x.copy(), pred.copy()
+        (pi if in_pred else xi)[i] = value
+        _, stats = encode_block_stream(xi, pi, np.empty(n, np.float32), ordinal=ordinal,
+                                       step=4 if ordinal else 0.5, block=block)
+        expected = np.zeros(n_blocks_of(n, block))
+        expected[i // block] = 1
+        np.testing.assert_array_equal(stats[:, STAT_BAD], expected)
+    # A bad value in both x and pred at the same element counts once.
+    xi, pi = x.copy(), pred.copy()
+    xi[5] = pi[5] = value
+    _, stats = encode_block_stream(xi, pi, pi, ordinal=ordinal, step=4 if ordinal else 0.5, block=block)
+    assert stats[:, STAT_BAD].tolist() == [1, 0, 0, 0, 0]
+
+
+# -- 8. damaged streams -------------------------------------------------------------------
+
+def _valid_stream(ordinal: bool, n: int = 1000, block: int = 64) -> np.ndarray:
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    stream, _ = encode_block_stream(x, None, np.empty(n, np.float32), ordinal=ordinal,
+                                    step=1 << 16 if ordinal else float(np.float32(1e-3)), block=block)
+    assert (stream[:n_blocks_of(n, block)] > 0).all()
+    return stream
+
+
+def _decode_damaged(stream: np.ndarray, ordinal: bool, n: int = 1000, block: int = 64) -> None:
+    decode_block_stream(stream, None, np.empty(n, np.float32), ordinal=ordinal,
+                        step=1 << 16 if ordinal else float(np.float32(1e-3)), block=block)
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_damaged_streams_raise(ordinal: bool) -> None:
+    stream = _valid_stream(ordinal)
+    _decode_damaged(stream, ordinal)  # the undamaged stream decodes
+    n_blocks = n_blocks_of(1000, 64)
+    with pytest.raises(ValueError, match="shorter"):
+        _decode_damaged(stream[: n_blocks - 1].copy(), ordinal)
+    with pytest.raises(ValueError, match="shorter"):
+        _decode_damaged(np.zeros(0, np.uint8), ordinal)
+    for b in (0, 7, n_blocks - 1):
+        for width in (17, 32, 255):
+            bad = stream.copy()
+            bad[b] = width
+            with pytest.raises(ValueError, match="over 16"):
+                _decode_damaged(bad, ordinal)
+    with pytest.raises(ValueError, match="bytes"):
+        _decode_damaged(stream[:-1].copy(), ordinal)
+    with pytest.raises(ValueError, match="bytes"):
+        _decode_damaged(np.concatenate([stream, np.zeros(1, np.uint8)]), ordinal)
+    # A width changed within range no longer matches the stream's length.
+    bad = stream.copy()
+    bad[3] = stream[3] - 1
+    with pytest.raises(ValueError, match="bytes"):
+        _decode_damaged(bad, ordinal)
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_damaged_all_zero_stream(ordinal: bool) -> None:
+    """Only widths: one byte less is too short, one byte more does not match."""
+    stream = np.zeros(n_blocks_of(1000, 64), np.uint8)
+    _decode_damaged(stream, ordinal)
+    for damaged in (stream[:-1].copy(), np.zeros(stream.size + 1, np.uint8)):
+        with pytest.raises(ValueError):
+            _decode_damaged(damaged, ordinal)
+
+
+# -- step validation ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("ordinal", "step"), [
+    (True, 0), (True, -1), (True, 1.5), (True, MAX_KEY + 1),
+    (False, 0.0), (False, -1.0), (False, float("nan")), (False, float("inf")), (False, float("-inf")),
+    (False, 0.1), (False, 1 / 3), (False, 1e39), (False, 1e-46),
+])
+def test_invalid_steps_raise(ordinal: bool, step: float | int) -> None:
+    x = np.ones(10, np.float32)
+    with np.errstate(over="ignore"), pytest.raises(ValueError, match="step"):
+        encode_block_stream(x, None, np.empty(10, np.float32), ordinal=ordinal, step=step, block=4)
+    with np.errstate(over="ignore"), pytest.raises(ValueError, match="step"):
+        decode_block_stream(np.zeros(3, np.uint8), None, np.empty(10, np.float32), ordinal=ordinal,
+                            step=step, block=4)

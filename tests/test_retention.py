@@ -1,0 +1,550 @@
+"""Retention policies and garbage collection (deltackpt.retention, ``CheckpointManager.gc``,
+``keep=``, ``deltackpt gc``), and the error statistics ``ls`` and ``info`` show for delta steps.
+
+The property every test checks: after gc every kept step is restorable and
+restores to the very same bytes as before, whatever the policy and the
+shape of the delta chains.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from deltackpt import CheckpointManager, CorruptionError
+from deltackpt.cli import main
+from deltackpt.format import step_dir_name
+from deltackpt.retention import GCReport, RetentionPolicy
+from deltackpt.writer import write_step
+
+STEPS = list(range(1, 11))
+
+# -- building checkpoint directories ---------------------------------------------------------------
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    for _ in range(2):
+        x = torch.randn(8, 8, dtype=dtype)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _model(dtype: torch.dtype) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)).to(dtype)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def build(path: Path, full_every: int, dtype: torch.dtype = torch.float32, steps: list[int] = STEPS,
+          **kwargs: object) -> Path:
+    """A directory with ``steps`` saved from a short training run (a few optimizer steps apart)."""
+    model, optimizer = _model(dtype)
+    with CheckpointManager(path, full_every=full_every, **kwargs) as mgr:
+        for step in steps:
+            _train(model, optimizer, dtype)
+            mgr.save(step, model, optimizer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, torch.dtype, Path], Path]:
+    """``copy(full_every, dtype, to)``: a fresh copy of a directory of steps 1..10, built once."""
+    built: dict[tuple[int, torch.dtype], Path] = {}
+
+    def copy(full_every: int, dtype: torch.dtype, to: Path) -> Path:
+        key = (full_every, dtype)
+        if key not in built:
+            name = f"f{full_every}-{str(dtype).removeprefix('torch.')}"
+            built[key] = build(tmp_path_factory.mktemp(name) / "ckpt", full_every, dtype)
+        shutil.copytree(built[key], to)
+        return to
+
+    return copy
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def restored(mgr: CheckpointManager, step: int) -> dict[str, tuple[torch.dtype, bytes]]:
+    return {name: (t.dtype, raw(t)) for name, t in mgr.restore(step).tensors.items()}
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Size and modification time of every file under ``root``."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def chains(mgr: CheckpointManager) -> dict[int, tuple[str, int | None]]:
+    return {s: (mgr.metadata(s).kind, mgr.metadata(s).base_step) for s in mgr.steps()}
+
+
+def expected_rewrites(before: dict[int, tuple[str, int | None]], kept: set[int]) -> list[int]:
+    """Kept float32 delta steps whose base is not kept (no cascade: every tensor is float32)."""
+    return sorted(s for s in kept if before[s][0] == "delta" and before[s][1] not in kept)
+
+
+# -- RetentionPolicy ---------------------------------------------------------------------------------
+
+
+def test_parse() -> None:
+    policy = RetentionPolicy.parse("last=5,every=100,full_within=1000")
+    assert policy == RetentionPolicy(last=5, every=100, full_within=1000)
+    assert str(policy) == "last=5,every=100,full_within=1000"
+    assert RetentionPolicy.parse(str(policy)) == policy
+    assert RetentionPolicy.parse(" every = 7 , full-within=3 ") == RetentionPolicy(every=7, full_within=3)
+    assert RetentionPolicy.parse("last=1") == RetentionPolicy(last=1)
+    assert RetentionPolicy.parse(policy) is policy
+    assert str(RetentionPolicy(every=10)) == "every=10"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("", "is empty"),
+    ("  ", "is empty"),
+    ("last", "'last' is not KEY=N"),
+    ("last=0", "last must be a positive integer, got '0'"),
+    ("last=-3", "last must be a positive integer, got '-3'"),
+    ("every=1.5", "every must be a positive integer, got '1.5'"),
+    ("every=ten", "every must be a positive integer, got 'ten'"),
+    ("last=", "last must be a positive integer, got ''"),
+    ("keep=5", "unknown key 'keep'; expected one of last, every, full_within"),
+    ("last=2,last=3", "last is given twice"),
+    ("last=2,", "entry '' is not KEY=N"),
+    ("last=2;every=3", "last must be a positive integer, got '2;every=3'"),
+])
+def test_parse_errors(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        RetentionPolicy.parse(spec)
+    assert repr(spec) in str(info.value)  # the message names the spec
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({}, "set at least one of last, every and full_within"),
+    ({"last": 0}, "last must be a positive integer, got 0"),
+    ({"every": -1}, "every must be a positive integer, got -1"),
+    ({"full_within": True}, "full_within must be a positive integer, got True"),
+    ({"last": "3"}, "last must be a positive integer, got '3'"),
+    ({"last": 2.0}, "last must be a positive integer, got 2.0"),
+])
+def test_policy_validation(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RetentionPolicy(**fields)
+
+
+def test_parse_rejects_other_types() -> None:
+    with pytest.raises(TypeError, match="RetentionPolicy or a string"):
+        RetentionPolicy.parse(5)  # type: ignore[arg-type]
+
+
+def test_select() -> None:
+    steps = list(range(21))
+    kinds = {s: "full" if s % 4 == 0 else "delta" for s in steps}
+    assert RetentionPolicy(last=3).select(steps, kinds) == {18, 19, 20}
+    assert RetentionPolicy(every=5).select(steps, kinds) == {0, 5, 10, 15, 20}
+    assert RetentionPolicy(every=6).select(steps, kinds) == {0, 6, 12, 18, 20}  # latest always kept
+    assert RetentionPolicy(full_within=6).select(steps, kinds) == {16, 20}  # fulls above 20 - 6
+    assert RetentionPolicy(full_within=5).select(steps, kinds) == {16, 20}
+    assert RetentionPolicy(full_within=4).select(steps, kinds) == {20}
+    assert RetentionPolicy(last=2, every=10, full_within=9).select(steps, kinds) == {0, 10, 12, 16, 19, 20}
+    assert RetentionPolicy(last=100).select(steps, kinds) == set(steps)
+    assert RetentionPolicy(last=2).select([7, 3, 5], {}) == {5, 7}  # order does not matter
+    assert RetentionPolicy(full_within=100).select([1, 2, 3], {1: "full", 2: "delta"}) == {1, 3}
+    assert RetentionPolicy(last=1).select([], {}) == set()
+
+
+# -- gc ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("full_every", "keep"), [
+    # full_every=3: 1 full, 2 and 3 deltas, 4 full, ..., 10 full
+    (3, "last=2"),  # 9 loses its base 8
+    (3, "every=3"),  # 3, 6, 9: deltas whose bases go
+    (3, "last=1"),
+    # full_every=5: 1 full, 2..5 deltas, 6 full, 7..10 deltas
+    (5, "every=3"),  # 3 and 9: deltas in the middle of a chain; 10 stays a delta on rewritten 9
+    (5, "last=3,every=4"),
+    (5, "full_within=4"),
+    (5, "full_within=10,every=7"),
+    (1, "every=2"),  # only full steps: nothing to rewrite
+])
+def test_gc_keeps_kept_steps_bit_identical(templates, tmp_path: Path, full_every: int, keep: str) -> None:
+    path = templates(full_every, torch.float32, tmp_path / "ckpt")
+    mgr = CheckpointManager(path)
+    before = chains(mgr)
+    assert list(before) == STEPS
+    values = {s: restored(mgr, s) for s in STEPS}
+    policy = RetentionPolicy.parse(keep)
+    kept = policy.select(STEPS, {s: k for s, (k, _) in before.items()})
+    sizes = {s: dir_bytes(path / step_dir_name(s)) for s in STEPS}
+
+    files = snapshot(path)
+    dry = mgr.gc(keep, dry_run=True)
+    assert snapshot(path) == files  # a dry run changes nothing
+    assert dry.dry_run
+    assert dry.kept == sorted(kept)
+    assert dry.removed == sorted(set(STEPS) - kept)
+    assert dry.rewritten == expected_rewrites(before, kept)
+    assert dry.freed_bytes == sum(sizes[s] for s in dry.removed)
+    assert dry.added_bytes == sum(int(mgr.metadata(s).stats.raw_bytes / 1.2) for s in dry.rewritten)
+    assert dry.skipped == []
+
+    report = mgr.gc(keep)
+    assert not report.dry_run
+    assert (report.kept, report.removed, report.rewritten, report.freed_bytes) == (
+        dry.kept, dry.removed, dry.rewritten, dry.freed_bytes)
+    assert mgr.steps() == report.kept
+    assert sorted(p.name for p in path.glob("step-*")) == [step_dir_name(s) for s in report.kept]
+    for s in report.rewritten:
+        assert mgr.metadata(s).kind == "full" and mgr.metadata(s).base_step is None
+    assert report.added_bytes == sum(dir_bytes(path / step_dir_name(s)) for s in report.rewritten)
+    after = chains(mgr)
+    for s in report.kept:  # every kept step restores to the very same bytes
+        if s not in report.rewritten:
+            assert after[s] == before[s]
+        if after[s][0] == "delta":
+            assert after[s][1] in report.kept
+        assert restored(mgr, s) == values[s], f"step {s} restores to other values after gc({keep!r})"
+    assert all(not problems for problems in mgr.verify(deep=True).values())
+    mgr.close()
+
+
+def test_chain_shapes(templates, tmp_path: Path) -> None:
+    """The cases the parametrized test covers, spelled out on known chains."""
+    path = templates(5, torch.float32, tmp_path / "f5")
+    mgr = CheckpointManager(path)
+    assert chains(mgr) == {1: ("full", None), 2: ("delta", 1), 3: ("delta", 2), 4: ("delta", 3),
+                           5: ("delta", 4), 6: ("full", None), 7: ("delta", 6), 8: ("delta", 7),
+                           9: ("delta", 8), 10: ("delta", 9)}
+    report = mgr.gc("every=3")
+    assert (report.kept, report.removed, report.rewritten) == ([3, 6, 9, 10], [1, 2, 4, 5, 7, 8], [3, 9])
+    # 3 and 9 sat in the middle of chains whose lower steps are gone: now full; 10 (float32
+    # only) stays a delta, on the rewritten 9
+    assert chains(mgr) == {3: ("full", None), 6: ("full", None), 9: ("full", None), 10: ("delta", 9)}
+    mgr.close()
+
+    path = templates(3, torch.float32, tmp_path / "f3")
+    with CheckpointManager(path) as mgr:
+        report = mgr.gc("last=2")  # 9 is a delta on 8, which goes; 10 is full
+        assert (report.kept, report.removed, report.rewritten) == ([9, 10], [1, 2, 3, 4, 5, 6, 7, 8], [9])
+        assert chains(mgr) == {9: ("full", None), 10: ("full", None)}
+        report = mgr.gc("last=1")
+        assert (report.kept, report.removed, report.rewritten) == ([10], [9], [])
+        # nothing left to do: a second run is a no-op
+        again = mgr.gc("last=1")
+        assert (again.kept, again.removed, again.rewritten, again.freed_bytes, again.added_bytes) == (
+            [10], [], [], 0, 0)
+
+
+def test_bfloat16_rewrites_cascade(templates, tmp_path: Path) -> None:
+    """A bfloat16 delta coded against a rewritten step must be rewritten too (its float32 running
+    values are gone); float32 deltas need not."""
+    path = templates(5, torch.bfloat16, tmp_path / "bf16")
+    mgr = CheckpointManager(path)
+    metas = {s: mgr.metadata(s) for s in mgr.steps()}
+    assert any(r.dtype == "bfloat16" and c.codec == "quant" and c.params["pred"] == "base"
+               for r in metas[4].tensors for f in r.fragments for c in f.chunks)
+    values = {s: restored(mgr, s) for s in mgr.steps()}
+
+    dry = mgr.gc("last=3", dry_run=True)
+    report = mgr.gc("last=3")
+    assert (dry.kept, dry.removed, dry.rewritten) == (report.kept, report.removed, report.rewritten)
+    # 8 loses its base 7; 9 and 10 are coded against 8 and 9 in bfloat16
+    assert (report.kept, report.rewritten) == ([8, 9, 10], [8, 9, 10])
+    for s in report.kept:
+        assert mgr.metadata(s).kind == "full"
+        assert restored(mgr, s) == values[s], s
+    mgr.close()
+
+    path = templates(5, torch.float32, tmp_path / "f32")
+    with CheckpointManager(path) as mgr:
+        assert mgr.gc("last=3").rewritten == [8]
+
+
+def test_bfloat16_without_cascade_would_break(templates, tmp_path: Path) -> None:
+    """Why the cascade: rewrite only the base of a bfloat16 delta and that delta restores to other
+    values (caught by its checksums)."""
+    path = templates(5, torch.bfloat16, tmp_path / "bf16")
+    mgr = CheckpointManager(path)
+    expected = restored(mgr, 9)
+    write_step(mgr.storage, 8, mgr.restore(8).captured(), kind="full")
+    try:
+        assert restored(mgr, 9) != expected
+    except CorruptionError as exc:
+        assert "step 9" in str(exc)
+
+
+def test_dry_run_on_a_read_only_manager(templates, tmp_path: Path) -> None:
+    path = templates(3, torch.float32, tmp_path / "ckpt")
+    files = snapshot(path)
+    reader = CheckpointManager(path, read_only=True)
+    report = reader.gc("every=5", dry_run=True)
+    assert isinstance(report, GCReport)
+    assert (report.kept, report.removed, report.rewritten) == ([5, 10], [1, 2, 3, 4, 6, 7, 8, 9], [5])
+    assert snapshot(path) == files
+    assert ("would remove 8 steps (1, 2, 3, 4, 6, 7, 8, 9), rewrite 1 delta step as full (5)"
+            in report.describe())
+    with pytest.raises(PermissionError, match="read_only"):
+        reader.gc("every=5")
+    assert snapshot(path) == files
+    with pytest.raises(ValueError, match="needs a retention policy"):
+        reader.gc(dry_run=True)
+
+
+def test_describe() -> None:
+    report = GCReport(kept=[9, 10], removed=[*range(1, 9), 11, 12], rewritten=[9], freed_bytes=3 << 20,
+                      added_bytes=1536, dry_run=False)
+    assert report.describe() == ("removed 10 steps (1, 2, 3, 4, 5, 6, 7, ..., 12), rewrote 1 delta step as "
+                                 "full (9), kept 2 steps; freed 3.0 MiB, wrote 1.5 KiB")
+    assert report.as_dict()["rewritten"] == [9]
+
+
+def test_unreadable_steps_are_left_alone(templates, tmp_path: Path) -> None:
+    path = templates(5, torch.float32, tmp_path / "ckpt")
+    (path / step_dir_name(2) / "metadata.json").write_text("{not json")
+    mgr = CheckpointManager(path)
+    values = {s: restored(mgr, s) for s in (9, 10)}
+    report = mgr.gc("last=2,every=5")
+    # 2 is unreadable: kept as is. 5 depends on 4 -> 3 -> 2: its chain is broken already, so it is
+    # neither rewritten nor able to protect anything. 10 is a delta on 9, kept.
+    assert report.kept == [2, 5, 9, 10]
+    assert report.skipped == [2, 5]
+    assert report.rewritten == [9]
+    assert report.removed == [1, 3, 4, 6, 7, 8]
+    assert mgr.steps() == [2, 5, 9, 10]
+    assert (path / step_dir_name(2) / "metadata.json").read_text() == "{not json"
+    assert restored(mgr, 9) == values[9] and restored(mgr, 10) == values[10]
+    assert "left alone 2 steps that cannot be read or restored (2, 5)" in report.describe()
+    mgr.close()
+
+
+def test_kept_steps_with_a_missing_base_are_left_alone(templates, tmp_path: Path) -> None:
+    path = templates(5, torch.float32, tmp_path / "ckpt")
+    shutil.rmtree(path / step_dir_name(7))  # 8, 9 and 10 cannot be restored any more
+    with CheckpointManager(path) as mgr:
+        values = restored(mgr, 6)
+        dry = mgr.gc("last=3,every=6", dry_run=True)
+        report = mgr.gc("last=3,every=6")
+        assert (report.kept, report.removed, report.rewritten, report.skipped) == (
+            [6, 8, 9, 10], [1, 2, 3, 4, 5], [], [8, 9, 10])
+        assert (dry.kept, dry.removed, dry.rewritten, dry.skipped) == (
+            report.kept, report.removed, report.rewritten, report.skipped)
+        assert mgr.steps() == [6, 8, 9, 10]
+        assert restored(mgr, 6) == values
+
+
+def test_damaged_chain_stops_gc_before_deleting(templates, tmp_path: Path) -> None:
+    path = templates(5, torch.float32, tmp_path / "ckpt")
+    mgr = CheckpointManager(path)
+    meta = mgr.metadata(6)
+    chunk = meta.tensor("model/0.weight").fragments[0].chunks[0]
+    data = path / step_dir_name(6) / meta.files[chunk.file].name
+    damaged = bytearray(data.read_bytes())
+    damaged[chunk.offset] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    steps = mgr.steps()
+    with pytest.raises(CorruptionError, match="gc stopped before deleting anything: kept step 8 must be "
+                                              "rewritten as a full step, but it cannot be restored"):
+        mgr.gc("last=3")  # 8 loses its base 7 and must be restored through the damaged 6
+    assert mgr.steps() == steps
+    mgr.close()
+
+
+# -- keep= on the manager ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_applies_after_every_save(tmp_path: Path, dtype: torch.dtype) -> None:
+    """gc after every save; with bfloat16 it rewrites the step the manager's next delta would be
+    coded against, which must then not be used (the save after it starts a new chain)."""
+    model, optimizer = _model(dtype)
+    restored_at: dict[int, dict] = {}
+    with CheckpointManager(tmp_path / "ckpt", full_every=4, keep="last=2,every=5") as mgr:
+        assert mgr.keep == RetentionPolicy(last=2, every=5)
+        for step in range(1, 12):
+            _train(model, optimizer, dtype)
+            mgr.save(step, model, optimizer)
+            restored_at[step] = restored(mgr, step)
+            expected = sorted({s for s in range(1, step + 1) if s % 5 == 0} | {step - 1, step} - {0})
+            assert mgr.steps() == expected, step
+            for s in mgr.steps():  # gc never changes what a kept step restores to
+                assert restored(mgr, s) == restored_at[s], (step, s)
+                meta = mgr.metadata(s)
+                assert meta.kind == "full" or meta.base_step in mgr.steps()
+        kinds = chains(mgr)
+        assert any(kind == "delta" for kind, _ in kinds.values())  # deltas are still written
+    with pytest.raises(ValueError, match="unknown key 'lats'"):
+        CheckpointManager(tmp_path / "other", keep="lats=2")
+
+
+# -- the CLI -----------------------------------------------------------------------------------------
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_gc(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = templates(5, torch.float32, tmp_path / "ckpt")
+    mgr = CheckpointManager(path, read_only=True)
+    values = {s: restored(mgr, s) for s in (3, 9, 10)}
+    files = snapshot(path)
+
+    code, out, err = cli(capsys, "gc", path, "--keep", "every=3", "--dry-run", "--json")
+    assert (code, err) == (0, "")
+    dry = json.loads(out)
+    assert dry == {"path": str(path), "policy": "every=3", "kept": [3, 6, 9, 10],
+                   "removed": [1, 2, 4, 5, 7, 8], "rewritten": [3, 9], "freed_bytes": dry["freed_bytes"],
+                   "added_bytes": dry["added_bytes"],
+                   "dry_run": True, "skipped": []}
+    assert dry["freed_bytes"] == sum(dir_bytes(path / step_dir_name(s)) for s in dry["removed"])
+
+    code, out, err = cli(capsys, "gc", path, "--keep", "every=3", "--dry-run")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == f"dry run, nothing changed: gc of {path} with --keep every=3"
+    assert re.search(r"^  removed +6  1, 2, 4, 5, 7, 8$", out, re.M)
+    assert re.search(r"^  rewritten +2  3, 9 ", out, re.M)
+    assert snapshot(path) == files
+
+    code, out, err = cli(capsys, "gc", path, "--keep", "every=3")
+    assert (code, err) == (0, "")
+    assert re.search(r"^  kept +4  3, 6, 9, 10$", out, re.M)
+    assert out.splitlines()[-1].startswith("freed ")
+    assert mgr.steps() == [3, 6, 9, 10]
+    assert all(restored(mgr, s) == v for s, v in values.items())
+
+    code, out, err = cli(capsys, "gc", path, "--keep", "last=1", "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert (report["kept"], report["removed"], report["rewritten"], report["dry_run"]) == (
+        [10], [3, 6, 9], [10], False)
+    assert report["added_bytes"] == dir_bytes(path / step_dir_name(10))
+    assert mgr.steps() == [10] and mgr.metadata(10).kind == "full"
+    assert restored(mgr, 10) == values[10]
+
+
+def test_cli_gc_errors(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = templates(3, torch.float32, tmp_path / "ckpt")
+    files = snapshot(path)
+    for keep, message in [("last=2,evry=3", "unknown key 'evry'"), ("last=0", "last must be a positive"),
+                          ("", "is empty")]:
+        code, out, err = cli(capsys, "gc", path, "--keep", keep)
+        assert (code, out) == (2, ""), keep
+        assert err.startswith("deltackpt: error: --keep: retention policy ") and message in err, err
+        assert err.count("\n") == 1
+    assert snapshot(path) == files
+
+    missing = tmp_path / "missing"
+    code, out, err = cli(capsys, "gc", missing, "--keep", "last=1")
+    assert (code, out) == (2, "")
+    assert err == f"deltackpt: error: {missing} is not a deltackpt checkpoint directory (it does not exist)\n"
+    assert not missing.exists()  # gc never creates a directory
+
+    with pytest.raises(SystemExit) as exit_info:  # --keep is required
+        main(["gc", str(path)])
+    assert exit_info.value.code == 2
+    capsys.readouterr()
+
+    lock = CheckpointManager(path).storage.try_lock()  # as a training job holds it
+    assert lock is not None
+    with lock:
+        code, out, err = cli(capsys, "gc", path, "--keep", "last=1")
+        assert (code, out) == (2, "")
+        assert err.startswith("deltackpt: error: ") and "only one writer at a time" in err, err
+        assert "gc deletes steps and needs the writer lock" in err
+        assert snapshot(path) == files
+        code, out, err = cli(capsys, "gc", path, "--keep", "last=1", "--dry-run", "--json")
+        assert (code, err) == (0, "")  # a dry run needs no lock
+        assert json.loads(out)["removed"] == list(range(1, 10))
+    assert snapshot(path) == files
+
+
+def test_cli_gc_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gc", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: deltackpt gc")
+    assert "examples:\n  deltackpt gc " in out and "full_within=T" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "gc" in capsys.readouterr().out
+
+
+def test_cli_ls_and_info_show_errors(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = templates(3, torch.float32, tmp_path / "ckpt")
+    mgr = CheckpointManager(path, read_only=True)
+
+    code, out, err = cli(capsys, "ls", path)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert re.split(r"\s{2,}", lines[0].strip())[:7] == ["STEP", "KIND", "BASE", "RAW", "STORED", "RATIO",
+                                                          "WEIGHTS ERROR"]
+    for line, step in zip(lines[1:11], STEPS, strict=True):
+        cells = re.split(r"\s{2,}", line.strip())
+        meta = mgr.metadata(step)
+        assert cells[:3] == [str(step), meta.kind, "-" if meta.base_step is None else str(meta.base_step)]
+        if meta.kind == "full":
+            assert cells[6] == "-"
+        else:
+            weights = meta.stats.classes["weights"]
+            assert cells[6] == f"rms {weights['rms_rel_error']:.1e} max {weights['max_abs_error']:.1e}"
+    assert lines[11].strip().startswith("total (10)")
+
+    code, out, err = cli(capsys, "ls", path, "--json")
+    assert (code, err) == (0, "")
+    rows = {row["step"]: row for row in json.loads(out)["steps"]}
+    delta = rows[2]
+    assert delta["kind"] == "delta" and delta["base_step"] == 1
+    assert delta["compression"]["name"] == "balanced" and "scale" in delta["compression"]
+    classes = mgr.metadata(2).stats.classes
+    order = ("weights", "exp_avg", "exp_avg_sq", "optimizer_other", "exact")
+    assert list(delta["classes"]) == [c for c in order if c in classes]
+    for name, stats in classes.items():
+        row = delta["classes"][name]
+        assert {k: row[k] for k in stats} == stats
+        assert row["ratio"] == pytest.approx(stats["raw_bytes"] / stats["stored_bytes"])
+        quantized = stats["elements"] - stats["exact_elements"]
+        assert row["nonzero_fraction"] == (stats["nonzero"] / quantized if quantized else None)
+    assert rows[1]["compression"] is None and rows[1]["classes"]["weights"]["nonzero_fraction"] is None
+
+    code, out, err = cli(capsys, "info", path, "--step", "2")
+    assert (code, err) == (0, "")
+    assert out.startswith("step            2\nkind            delta\nbase step       1\n")
+    assert re.search(r"^compression     balanced, scale 1, target ratio -$", out, re.M)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("CLASS"))
+    assert lines[header].split() == ["CLASS", "TENSORS", "RAW", "STORED", "RATIO", "NONZERO", "MAX", "ABS",
+                                     "ERR", "MAX", "REL", "ERR", "RMS", "REL", "ERR"]
+    weights = classes["weights"]
+    cells = lines[header + 1].split()
+    assert cells[0] == "weights" and cells[1] == str(weights["tensors"])
+    quantized = weights["elements"] - weights["exact_elements"]
+    assert cells[-4:] == [f"{100 * weights['nonzero'] / quantized:.1f}%",
+                          f"{weights['max_abs_error']:.1e}", f"{weights['max_rel_error']:.1e}",
+                          f"{weights['rms_rel_error']:.1e}"]
+    assert "TENSOR" in out and "AdamW" in out  # the rest of info is still there
+
+    code, out, err = cli(capsys, "info", path, "--step", "2", "--json")
+    doc = json.loads(out)
+    assert doc["classes"]["weights"]["rms_rel_error"] == weights["rms_rel_error"]
+    assert doc["compression"]["name"] == "balanced"
+
+    code, out, err = cli(capsys, "info", path, "--step", "1")
+    assert (code, err) == (0, "")
+    assert "compression     " not in out  # a full step has no compression config
+    assert re.search(r"^weights +\d+ .*x +- +- +- +-$", out, re.M)
