@@ -46,8 +46,9 @@ class Reconstruction:
     a delta may code lossily); ``layout`` is the step's tensor layout, and
     ``deltas`` the number of delta steps since its full step; ``save_id``
     identifies the save that wrote the step (a step overwritten since is
-    another save). A writer also knows ``errors``, the mean squared error
-    its save left per tensor (a reader cannot know it: it lacks the truth).
+    another save). ``chain`` lists the steps from the full step up to
+    ``step``. A writer also knows ``errors``, the mean squared error its
+    save left per tensor (a reader cannot know it: it lacks the truth).
     """
 
     step: int
@@ -56,6 +57,7 @@ class Reconstruction:
     values: dict[str, np.ndarray] = field(default_factory=dict)
     save_id: str = ""
     errors: dict[str, float] = field(default_factory=dict)
+    chain: list[int] = field(default_factory=list)
 
 
 def chain_of(storage: Storage, meta: StepMetadata) -> list[StepMetadata]:
@@ -196,7 +198,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     for record in meta.tensors:
         out[record.name] = tensors[record.alias_of or record.name]
     deltas = len(chain) - 1
-    return out, Reconstruction(meta.step, deltas, layout_of(meta), recon_values, meta.save_id)
+    return out, Reconstruction(meta.step, deltas, layout_of(meta), recon_values, meta.save_id,
+                               chain=[m.step for m in chain])
 
 
 def _state(values: dict[str, np.ndarray], record: TensorRecord,

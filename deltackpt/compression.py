@@ -208,15 +208,20 @@ class StepChoice:
     est_bits: float  # estimated stored bits per element
 
 
-def sample_values(x: np.ndarray, pred: np.ndarray | None, ordinal: bool) -> np.ndarray:
-    """Strided sample of what the quantizer codes: residuals (float64 or ordinal keys)."""
-    stride = max(1, x.size // SAMPLE_ELEMENTS)
-    xs = x[::stride]
+def sample_stride(numel: int) -> int:
+    """Stride that samples about SAMPLE_ELEMENTS elements of a tensor."""
+    return max(1, numel // SAMPLE_ELEMENTS)
+
+
+def sample_values(xs: np.ndarray, ps: np.ndarray | None, ordinal: bool) -> np.ndarray:
+    """What the quantizer codes for sampled values ``xs`` and predictions ``ps``: residuals,
+    as float64 or as ordinal keys."""
     if ordinal:
         ks = numpy_keys(xs)
-        return ks - numpy_keys(pred[::stride]) if pred is not None else ks
+        return ks - numpy_keys(ps) if ps is not None else ks
     xs = xs.astype(np.float64)
-    return xs - pred[::stride] if pred is not None else xs
+    with np.errstate(invalid="ignore"):  # inf - inf: non-finite samples are dropped later
+        return xs - ps if ps is not None else xs
 
 
 def _symbol_bits(sample: np.ndarray, step: float) -> float:
@@ -268,36 +273,52 @@ def finalize_step(step: float, ordinal: bool) -> float | int:
 class ScaleController:
     """Chooses the factor on every step that meets ``target_ratio``, save after save.
 
-    Estimates come from sampled symbol entropies; the ratio between what
-    the last save stored and what was estimated for it corrects the next
-    estimate, so the target is met within a few saves even where order-0
-    entropy misjudges the coder.
+    Estimates come from sampled symbol entropies. Two things are learnt from
+    each save: how many bytes the coder actually spent per estimated bit
+    (``correction``), and what the exactly stored tensors took
+    (``exact_bytes``), so the target is met within a few saves even where
+    order-0 entropy misjudges the coder.
     """
 
     target_ratio: float
-    correction: float = 1.25
-    SCALES: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-16, 17))
+    correction: float = 1.15
+    exact_bytes: int | None = None
+    SCALES: tuple[float, ...] = tuple(2.0 ** (k / 16) for k in range(-64, 65))
 
     def choose(self, samples: list[tuple[np.ndarray, float, int]], raw_bytes: int,
-               fixed_bytes: int) -> tuple[float, float]:
-        """The smallest factor whose estimated size meets the target, and that estimate.
+               exact_raw_bytes: int) -> tuple[float, float]:
+        """The factor whose estimated size is closest to the target, and its estimated bits.
 
         ``samples`` holds, per quantized tensor, its sample, its unscaled
-        step and its element count. ``fixed_bytes`` is what the step stores
-        whatever the factor (exact tensors, metadata).
+        step and its element count; ``exact_raw_bytes`` the raw size of what
+        is stored exactly (used until a save has shown what it takes).
+        The estimate falls as the factor grows, so the factor is bisected.
         """
         budget = raw_bytes / self.target_ratio
-        estimate = math.inf
-        for scale in self.SCALES:
-            bits = sum(_symbol_bits(s, step * scale) * n for s, step, n in samples if step > 0)
-            estimate = fixed_bytes + self.correction * bits / 8
-            if estimate <= budget:
-                return scale, estimate
-        return self.SCALES[-1], estimate
+        exact = self.exact_bytes if self.exact_bytes is not None else exact_raw_bytes
 
-    def update(self, estimated_bytes: float, fixed_bytes: int, actual_bytes: int) -> None:
-        """Learn from what the last save stored against its estimate."""
-        coded_est = estimated_bytes - fixed_bytes
-        if coded_est > 0 and actual_bytes > fixed_bytes:
-            observed = self.correction * (actual_bytes - fixed_bytes) / coded_est
+        def bits_at(scale: float) -> float:
+            return sum(_symbol_bits(s, step * scale) * n for s, step, n in samples if step > 0)
+
+        def size_at(scale: float) -> float:
+            return exact + self.correction * bits_at(scale) / 8
+
+        lo, hi = 0, len(self.SCALES) - 1
+        while lo < hi:  # first scale whose estimate fits the budget (the last one if none does)
+            mid = (lo + hi) // 2
+            if size_at(self.SCALES[mid]) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo > 0 and size_at(self.SCALES[lo]) > 0 and math.log(
+                size_at(self.SCALES[lo - 1]) / budget) < math.log(budget / size_at(self.SCALES[lo])):
+            lo -= 1  # the finer neighbour overshoots the budget by less than this one undershoots
+        return self.SCALES[lo], bits_at(self.SCALES[lo])
+
+    def update(self, estimated_bits: float, coded_bytes: int, exact_bytes: int) -> None:
+        """Learn from the last save: bytes of its quantized chunks against their estimated
+        bits, and bytes of its exactly stored chunks."""
+        self.exact_bytes = exact_bytes
+        if estimated_bits > 0 and coded_bytes > 0:
+            observed = 8 * coded_bytes / estimated_bits
             self.correction = min(4.0, max(0.5, 0.5 * self.correction + 0.5 * observed))

@@ -27,6 +27,7 @@ from deltackpt.compression import (
     ScaleController,
     base_step,
     finalize_step,
+    sample_stride,
     sample_values,
     tensor_class,
 )
@@ -40,9 +41,6 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ_ERR,
 )
 from deltackpt.state import CapturedState
-
-# Stored bytes a chunk costs in metadata, for the size estimate behind target_ratio.
-METADATA_BYTES_PER_CHUNK = 320
 
 
 def captured_layout(captured: CapturedState) -> Layout:
@@ -70,7 +68,7 @@ class _ClassStats:
     exact_elements: int = 0
     nonzero: int = 0
     max_abs_error: float = 0.0
-    max_rel_error: float = 0.0
+    max_rel_error: float | None = None  # tracked in the ordinal (relative) domain only
     sum_sq_err: float = 0.0
     sum_sq: float = 0.0
 
@@ -99,7 +97,7 @@ class StepEncoder:
         self.config, self.base, self.controller, self.keep = config, base, controller, keep
         self.layout = captured_layout(captured)
         self.scale = 1.0
-        self.estimate: tuple[float, int] | None = None
+        self.estimated_bits: float | None = None
         self._lock = threading.Lock()
         self._stats: dict[str, _ClassStats] = {}
         self._errors: dict[str, float] = {}  # summed squared error per tensor
@@ -126,15 +124,13 @@ class StepEncoder:
                 exact=True)
             plan = self._plans[item.name] = _Plan(cls, quantizer)
             self._numel[item.name] = numel
-            chunks = -(-numel * spec.itemsize // (8 << 20)) or 1
-            fixed += chunks * METADATA_BYTES_PER_CHUNK
             if quantizer.exact or not self.is_delta:
                 fixed += numel * spec.itemsize
                 continue
             ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
             flat = item.tensor.detach().reshape(-1)
-            stride = max(1, numel // 8192)
+            stride = sample_stride(numel)
             xs = flat[::stride].float().cpu().numpy()
             ps = self._values[item.name][::stride] if plan.pred else None
             sample = sample_values(xs, ps, ordinal)
@@ -144,9 +140,8 @@ class StepEncoder:
         if samples and self.controller is not None:
             raw = sum(t.tensor.numel() * t.tensor.element_size() for t in captured.tensors
                       if t.alias_of is None)
-            self.scale, est = self.controller.choose(
+            self.scale, self.estimated_bits = self.controller.choose(
                 [(s, step, n) for s, step, n, _, _ in samples], raw, fixed)
-            self.estimate = (est, fixed)
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
 
@@ -205,7 +200,9 @@ class StepEncoder:
             if stats is not None:
                 c.nonzero += int(stats[:, STAT_NONZERO].sum())
                 c.max_abs_error = max(c.max_abs_error, float(stats[:, STAT_MAX_ABS].max()))
-                c.max_rel_error = max(c.max_rel_error, float(stats[:, STAT_MAX_REL].max()))
+                if plan.quantizer.domain == "ordinal":
+                    c.max_rel_error = max(c.max_rel_error or 0.0,
+                                          float(stats[:, STAT_MAX_REL].max()))
                 c.sum_sq_err += float(stats[:, STAT_SUM_SQ_ERR].sum())
                 c.sum_sq += float(stats[:, STAT_SUM_SQ].sum())
 
@@ -224,9 +221,12 @@ class StepEncoder:
             return None
         deltas = self.base.deltas + 1 if self.base is not None else 0
         errors = {name: total / self._numel[name] for name, total in self._errors.items()}
-        return Reconstruction(step, deltas, self.layout, self._values, save_id, errors)
+        chain = (self.base.chain if self.base is not None else []) + [step]
+        return Reconstruction(step, deltas, self.layout, self._values, save_id, errors, chain)
 
-    def learn(self, stored_bytes: int) -> None:
+    def learn(self) -> None:
         """Tell the target-ratio controller what this save stored."""
-        if self.controller is not None and self.estimate is not None:
-            self.controller.update(self.estimate[0], self.estimate[1], stored_bytes)
+        if self.controller is not None and self.estimated_bits is not None:
+            exact = self._stats.get("exact")
+            coded = sum(c.stored_bytes for k, c in self._stats.items() if k != "exact")
+            self.controller.update(self.estimated_bits, coded, exact.stored_bytes if exact else 0)

@@ -278,7 +278,7 @@ class CheckpointManager:
                           base_step=base.step if base else None, encoder=encoder,
                           summary=encoder.summary, chunk_bytes=self.chunk_bytes,
                           workers=self.workers, progress=progress)
-        encoder.learn(meta.stats.stored_bytes)
+        encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
         info = SaveInfo.of(meta)
         if info.target_met is False:
@@ -314,7 +314,11 @@ class CheckpointManager:
             base_meta = read_metadata(self.storage, recon.step)
         except DeltackptError:
             return None
-        return recon if base_meta.save_id == recon.save_id else None
+        below = recon.chain[:-1]  # and the steps under it must still be there
+        if base_meta.save_id != recon.save_id or not all(
+                self.storage.exists(f"{step_dir_name(s)}/{METADATA_FILE}") for s in below):
+            return None
+        return recon
 
     def dependents(self, step: int) -> list[int]:
         """Committed delta steps coded directly against ``step``."""

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import xxhash
+import zstandard
 
 from deltackpt.codecs import decode_into
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.dtypes import spec_named
-from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
+from deltackpt.errors import CorruptionError, DeltackptError, FormatError, StepNotFoundError
 from deltackpt.format import (
     METADATA_FILE,
     STEP_DIR_PATTERN,
@@ -60,10 +61,30 @@ def read_metadata(storage: Storage, step: int) -> StepMetadata:
         text = storage.read_bytes(rel)
     except FileNotFoundError:
         raise step_not_found(storage, step) from None
+    if text[:4] == ZSTD_MAGIC:
+        text = _decompress_metadata(text, f"{storage.url}/{rel}")
     meta = parse_step_metadata(text, f"{storage.url}/{rel}")
     if meta.step != step:
         raise CorruptionError(f"{storage.url}/{rel}: records step {meta.step}, not {step}")
     return meta
+
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MAX_METADATA_BYTES = 1 << 30
+
+
+def _decompress_metadata(data: bytes, where: str) -> bytes:
+    """The JSON of a zstd-compressed ``metadata.json`` (FORMAT.md 2)."""
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: damaged zstd frame ({exc})") from None
+    if not 0 <= size <= MAX_METADATA_BYTES:
+        raise FormatError(f"{where}: zstd frame states no or an implausible size ({size})")
+    try:
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{where}: damaged zstd frame ({exc})") from None
 
 
 class ChunkSource:

@@ -25,6 +25,7 @@ import xxhash
 
 from deltackpt import __version__
 from deltackpt.codecs import EncodedChunk, encode_lossless
+from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.dtypes import DTypeSpec, spec_for
 from deltackpt.format import (
     METADATA_FILE,
@@ -198,7 +199,10 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
         state=captured.tree, stats=StepStats(raw_total, sum(f.size for f in data_files), 0.0,
                                              **(summary() if summary else {})))
     meta.stats.seconds = round(time.perf_counter() - started, 6)
-    storage.commit_file(f"{step_dir}/{METADATA_FILE}", meta.to_json().encode())
+    text = meta.to_json().encode()
+    if kind == "delta":  # a delta's data is small enough that its metadata's size matters
+        text = zstd_compress(text)
+    storage.commit_file(f"{step_dir}/{METADATA_FILE}", text)
     remove_unreferenced(storage, step_dir, meta)
     return meta
 

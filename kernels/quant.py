@@ -85,11 +85,22 @@ def _bit_width(z: np.int64) -> np.int64:
 
 @njit(inline="always")
 def _pack(sym, width, slot):
-    """Pack ``sym`` at ``width`` bits each, LSB first, into ``slot`` (needs 4 spare bytes)."""
+    """Pack ``sym`` at ``width`` bits each, LSB first, into ``slot`` (needs 8 spare bytes)."""
+    m = sym.shape[0]
+    pos = 0
+    j = 0
+    if width <= 8:  # eight symbols make exactly ``width`` bytes
+        while j + 8 <= m:
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(sym[j + k]) << np.uint64(k * width)
+            for k in range(8):  # unconditional 8-byte store; the next group overwrites the excess
+                slot[pos + k] = np.uint8((word >> np.uint64(8 * k)) & np.uint64(0xFF))
+            pos += width
+            j += 8
     acc = np.uint64(0)
     filled = 0
-    pos = 0
-    for j in range(sym.shape[0]):
+    while j < m:
         acc |= np.uint64(sym[j]) << np.uint64(filled)
         filled += width
         if filled >= 32:
@@ -98,8 +109,41 @@ def _pack(sym, width, slot):
             acc >>= np.uint64(32)
             filled -= 32
             pos += 4
+        j += 1
     for k in range((filled + 7) // 8):
         slot[pos + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
+
+
+@njit(inline="always")
+def _unpack(stream, pos, width, q):
+    """Symbols of one block (``q.shape[0]`` of them at ``width`` bits) from ``stream[pos:]``,
+    un-zigzagged into ``q``. The stream must be padded by 8 bytes."""
+    m = q.shape[0]
+    mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+    j = 0
+    if width <= 8:
+        while j + 8 <= m:
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(stream[pos + k]) << np.uint64(8 * k)
+            for k in range(8):
+                q[j + k] = _unzigzag(np.int64((word >> np.uint64(k * width)) & mask))
+            pos += width
+            j += 8
+    acc = np.uint64(0)
+    filled = 0
+    while j < m:
+        if filled < width:
+            word = np.uint64(0)
+            for k in range(4):
+                word |= np.uint64(stream[pos + k]) << np.uint64(8 * k)
+            acc |= word << np.uint64(filled)
+            pos += 4
+            filled += 32
+        q[j] = _unzigzag(np.int64(acc & mask))
+        acc >>= np.uint64(width)
+        filled -= width
+        j += 1
 
 
 @njit(inline="always")
@@ -108,21 +152,29 @@ def _finite(v: np.float32) -> bool:
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def _block_stats(x, out, sym, row):
-    """Error statistics of one block (not part of the format: reassociated sums are fine)."""
+def _block_stats(x, out, sym, width, relative, row):
+    """Error statistics of one block (not part of the format: reassociated sums are fine).
+
+    The relative error is only tracked where it means something (``relative``:
+    the ordinal domain); symbols can only be clipped at the full 16-bit width.
+    """
     max_abs, max_rel, sum_sq_err, sum_sq = np.float32(0), np.float32(0), 0.0, 0.0
     nonzero, clipped = 0, 0
     for j in range(x.shape[0]):
         xi = x[j]
         err = abs(out[j] - xi)
         max_abs = max(max_abs, err)
-        ax = abs(xi)
-        max_rel = max(max_rel, err / ax if ax > 0 else np.float32(0))
         sum_sq_err += np.float64(err) * np.float64(err)
         sum_sq += np.float64(xi) * np.float64(xi)
-        z = sym[j]
-        nonzero += z != 0
-        clipped += z >= 0xFFFE
+        nonzero += sym[j] != 0
+    if relative:
+        for j in range(x.shape[0]):
+            ax = abs(x[j])
+            if ax > 0:
+                max_rel = max(max_rel, abs(out[j] - x[j]) / ax)
+    if width == 16:
+        for j in range(x.shape[0]):
+            clipped += sym[j] >= 0xFFFE
     row[STAT_MAX_ABS] = max_abs
     row[STAT_MAX_REL] = max_rel
     row[STAT_SUM_SQ_ERR] = sum_sq_err
@@ -131,13 +183,13 @@ def _block_stats(x, out, sym, row):
     row[STAT_CLIPPED] = clipped
 
 
-def _make_encoder(ordinal: bool):
-    """The fused encode kernel for one domain (a compile-time constant, so no branch per element)."""
+def _make_encoder(ordinal: bool, use_pred: bool):
+    """The fused encode kernel for one domain and prediction (compile-time constants)."""
 
     @njit(parallel=True, cache=True, nogil=True)
-    def encode(x, pred, use_pred, out, step_f, step_i, block, widths, slots, stats):
+    def encode(x, pred, out, step_f, step_i, block, widths, slots, stats):
         n = x.shape[0]
-        step64 = np.float64(step_i) if ordinal else np.float64(step_f)
+        step64 = np.float64(step_i)
         for b in prange(widths.shape[0]):
             start = b * block
             stop = min(start + block, n)
@@ -146,44 +198,43 @@ def _make_encoder(ordinal: bool):
             ob = out[start:stop]
             m = stop - start
             bad = 0
+            sym = np.empty(m, np.uint16)
+            zor = np.uint32(0)
             for j in range(m):
-                bad += not (_finite(xb[j]) and (not use_pred or _finite(pb[j])))
+                p = pb[j] if use_pred else np.float32(0.0)
+                ok = _finite(xb[j]) and _finite(p)
+                bad += not ok
+                if ordinal:
+                    kp = _key(np.int64(np.float32(p).view(np.uint32)))
+                    r = np.float64(_key(np.int64(np.float32(xb[j]).view(np.uint32))) - kp)
+                    qf = min(max(np.rint(r / step64), np.float64(Q_MIN)), np.float64(Q_MAX))
+                    q = np.int32(qf)
+                    ob[j] = np.uint32(_from_key(kp + np.int64(q) * step_i)).view(np.float32)
+                else:
+                    r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
+                    qf32 = np.rint(np.float32(r32 / step_f))
+                    qf32 = min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX))
+                    q = np.int32(qf32)
+                    s = np.float32(p + np.float32(np.float32(q) * step_f))
+                    bad += ok and not _finite(s)  # overflow, only with absurd steps
+                    ob[j] = s
+                z = np.uint32((q << np.int32(1)) ^ (q >> np.int32(31)))
+                sym[j] = np.uint16(z)
+                zor |= z
             stats[b, STAT_BAD] = bad
             if bad:
                 widths[b] = 0
                 continue
-            sym = np.empty(m, np.uint32)
-            zmax = np.uint32(0)
-            for j in range(m):
-                p = pb[j] if use_pred else np.float32(0.0)
-                if ordinal:
-                    kp = _key(np.int64(np.float32(p).view(np.uint32)))
-                    r = np.float64(_key(np.int64(np.float32(xb[j]).view(np.uint32))) - kp)
-                else:
-                    r = np.float64(np.float32(xb[j] - p))
-                qf = min(max(np.rint(r / step64), np.float64(Q_MIN)), np.float64(Q_MAX))
-                q = np.int64(qf)
-                if ordinal:
-                    ob[j] = np.uint32(_from_key(kp + q * step_i)).view(np.float32)
-                else:
-                    ob[j] = np.float32(p + np.float32(np.float32(q) * step_f))
-                    bad += not _finite(ob[j])  # overflow: only with absurd steps
-                z = np.uint32(_zigzag(q))
-                sym[j] = z
-                zmax = max(zmax, z)
-            if bad:
-                stats[b, STAT_BAD] = bad
-                widths[b] = 0
-                continue
-            width = _bit_width(np.int64(zmax))
+            width = _bit_width(np.int64(zor))
             widths[b] = width
             _pack(sym, width, slots[b])
-            _block_stats(xb, ob, sym, stats[b])
+            _block_stats(xb, ob, sym, width, ordinal, stats[b])
 
     return encode
 
 
-_ENCODERS = {ordinal: _make_encoder(ordinal) for ordinal in (False, True)}
+_ENCODERS = {(ordinal, use_pred): _make_encoder(ordinal, use_pred)
+             for ordinal in (False, True) for use_pred in (False, True)}
 
 
 @njit(cache=True, nogil=True)
@@ -208,6 +259,20 @@ def _compact(slots, widths, offsets, stream):
         stream[offsets[b] : offsets[b + 1]] = slots[b, :length]
 
 
+_scratch: list[np.ndarray] = [np.empty(0, np.uint8)]
+
+
+def _slots(n_blocks: int, block: int) -> np.ndarray:
+    """Per-block output slots of the encoder, reused across calls (fresh pages cost page faults).
+
+    The caller holds ``_PARALLEL``, so one buffer serves every thread.
+    """
+    size = n_blocks * (2 * block + 8)
+    if _scratch[0].size < size:
+        _scratch[0] = np.empty(size, np.uint8)
+    return _scratch[0][:size].reshape(n_blocks, 2 * block + 8)
+
+
 def n_blocks_of(n: int, block: int) -> int:
     """Number of blocks of ``block`` elements that cover ``n`` elements."""
     return -(-n // block)
@@ -230,54 +295,43 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     n = x.shape[0]
     n_blocks = n_blocks_of(n, block)
     widths = np.empty(n_blocks, np.uint8)
-    slots = np.empty((n_blocks, 2 * block + 4), np.uint8)
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
     with _PARALLEL:
-        _ENCODERS[ordinal](x, out if pred is None else pred, pred is not None, out, step_f,
-                           step_i, block, widths, slots, stats)
+        slots = _slots(n_blocks, block)
+        _ENCODERS[ordinal, pred is not None](x, out if pred is None else pred, out, step_f,
+                                             step_i, block, widths, slots, stats)
         offsets = _block_offsets(widths, n, block, n_blocks)
         stream = np.empty(offsets[-1], np.uint8)
         _compact(slots, widths, offsets, stream)
     return stream, stats
 
 
-def _make_decoder(ordinal: bool):
-    """The decode kernel for one domain."""
+def _make_decoder(ordinal: bool, use_pred: bool):
+    """The decode kernel for one domain and prediction."""
 
     @njit(parallel=True, cache=True, nogil=True)
-    def decode(stream, offsets, pred, use_pred, out, step_f, step_i, block):
+    def decode(stream, offsets, pred, out, step_f, step_i, block):
         n = out.shape[0]
         for b in prange(offsets.shape[0] - 1):
             start = b * block
             stop = min(start + block, n)
-            width = np.int64(stream[b])
-            mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
-            acc = np.uint64(0)
-            filled = 0
-            pos = offsets[b]
-            for i in range(start, stop):
-                if filled < width:  # the stream is padded: reading 4 bytes is always safe
-                    word = (np.uint64(stream[pos]) | (np.uint64(stream[pos + 1]) << np.uint64(8))
-                            | (np.uint64(stream[pos + 2]) << np.uint64(16))
-                            | (np.uint64(stream[pos + 3]) << np.uint64(24)))
-                    acc |= word << np.uint64(filled)
-                    pos += 4
-                    filled += 32
-                q = _unzigzag(np.int64(acc & mask))
-                acc >>= np.uint64(width)
-                filled -= width
-                p = pred[i] if use_pred else np.float32(0.0)
+            q = np.empty(stop - start, np.int32)
+            _unpack(stream, offsets[b], np.int64(stream[b]), q)
+            for j in range(stop - start):
+                p = pred[start + j] if use_pred else np.float32(0.0)
                 if ordinal:
                     kp = _key(np.int64(np.float32(p).view(np.uint32)))
-                    out[i] = np.uint32(_from_key(kp + q * step_i)).view(np.float32)
+                    out[start + j] = np.uint32(_from_key(kp + np.int64(q[j]) * step_i)).view(
+                        np.float32)
                 else:
-                    out[i] = np.float32(p + np.float32(np.float32(q) * step_f))
+                    out[start + j] = np.float32(p + np.float32(np.float32(q[j]) * step_f))
 
     return decode
 
 
-_DECODERS = {ordinal: _make_decoder(ordinal) for ordinal in (False, True)}
+_DECODERS = {(ordinal, use_pred): _make_decoder(ordinal, use_pred)
+             for ordinal in (False, True) for use_pred in (False, True)}
 
 
 def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
@@ -299,11 +353,11 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
     if offsets[-1] != stream.shape[0]:
         raise ValueError(f"stream is {stream.shape[0]} bytes, its block widths need {offsets[-1]}")
     step_f, step_i = _steps(ordinal, step)
-    padded = np.zeros(stream.shape[0] + 4, np.uint8)
+    padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
     with _PARALLEL:
-        _DECODERS[ordinal](padded, offsets, out if pred is None else pred, pred is not None, out,
-                           step_f, step_i, block)
+        _DECODERS[ordinal, pred is not None](padded, offsets, out if pred is None else pred, out,
+                                             step_f, step_i, block)
 
 
 def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
@@ -339,7 +393,7 @@ def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
         q = np.clip(np.rint(r / np.float64(step)), Q_MIN, Q_MAX).astype(np.int64)
         return q, numpy_from_keys(numpy_keys(p) + q * step)
     r = (x - p).astype(np.float32)
-    q = np.clip(np.rint(r.astype(np.float64) / np.float64(step)), Q_MIN, Q_MAX).astype(np.int64)
+    q = np.clip(np.rint(r / np.float32(step)), Q_MIN, Q_MAX).astype(np.int64)
     return q, (p + q.astype(np.float32) * np.float32(step)).astype(np.float32)
 
 

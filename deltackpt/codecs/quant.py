@@ -20,6 +20,7 @@ from deltackpt.errors import CorruptionError, FormatError
 from deltackpt.kernels.quant import (
     MAX_KEY,
     STAT_BAD,
+    STAT_CLIPPED,
     decode_block_stream,
     encode_block_stream,
 )
@@ -32,11 +33,13 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     """Quantize float32 ``x`` against ``pred`` (or zero), writing the reconstruction to ``recon``.
 
     Returns the chunk and its per-block statistics (``kernels.quant.STAT_*``),
-    or ``None`` for the chunk when an element cannot be coded (non-finite
-    values); ``recon`` then holds garbage and the caller stores ``x`` exactly.
+    or ``None`` for the chunk when an element cannot be coded within half a
+    step (non-finite values, or a change beyond the 16-bit symbol range,
+    e.g. a sign flip in the ordinal domain); ``recon`` then holds garbage
+    and the caller stores ``x`` exactly.
     """
     stream, stats = encode_block_stream(x, pred, recon, ordinal=ordinal, step=step, block=block)
-    if stats[:, STAT_BAD].any():
+    if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "zero" if pred is None else "base", "step": step, "block": block}

@@ -1,0 +1,979 @@
+"""Delta steps (docs/FORMAT.md 3.2 and 5): kinds and chains, closed-loop error, per-class error
+bounds, edge tensors, automatic full steps, broken chains, resuming, overwriting, concurrent
+readers, :class:`CompressionConfig` and ``target_ratio``.
+
+Every test compares what ``restore`` gives with the exact state kept in memory at save time,
+and holds the errors to the bounds the format and the recorded statistics promise.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_bitwise_equal, data_files, raw_bytes_of, step_dir
+from torch import nn
+
+from deltackpt import (
+    EXACT,
+    CheckpointManager,
+    CompressionConfig,
+    CorruptionError,
+    Quantizer,
+    StepExistsError,
+    WriterLockedError,
+)
+from deltackpt.cli import main
+from deltackpt.compression import ScaleController
+from deltackpt.format import StepMetadata
+from deltackpt.state import capture
+from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
+
+BINADE = 1 << 23  # ordinal keys per power of two (FORMAT 3.2)
+F32_EPS = 2.0**-23
+TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The models are tiny: one intra-op thread is much faster on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- models, training and snapshots ----------------------------------------------------------------
+
+
+def mlp(seed: int = 0, dims: tuple[int, ...] = (32, 64, 48, 16),
+        dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """Linear layers with ReLUs: 2048, 3072 and 768 weights, biases of 64, 48 and 16."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 2) -> None:
+    """A few optimizer steps of a small regression on random inputs (global RNG)."""
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    dtype = first.weight.dtype
+    for _ in range(steps):
+        x = torch.randn(16, first.in_features, dtype=dtype)
+        loss = (model(x).float() - x[:, :1].float().sin()).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def nudge(model: nn.Module, scale: float = 1e-3) -> None:
+    """Change every trainable parameter a little (no optimizer)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * scale)
+
+
+def snapshot(model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
+             extra: object = None) -> dict[str, torch.Tensor]:
+    """Copies of every tensor a save stores, by universal name (FORMAT 2.3)."""
+    captured = capture(model, optimizer, extra, False)
+    return {t.name: t.tensor.detach().clone() for t in captured.tensors if t.alias_of is None}
+
+
+def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
+
+
+def float_names(state: dict[str, torch.Tensor], prefix: str = "", min_numel: int = 16) -> list[str]:
+    """Names of the tensors of a lossy dtype with at least ``min_numel`` elements."""
+    return [n for n, t in state.items() if n.startswith(prefix) and t.numel() >= min_numel
+            and t.dtype in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+def weights_error(restored: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> float:
+    """Largest absolute error over the quantized model tensors."""
+    return max(max_err(restored[n], saved[n]) for n in float_names(saved, "model/"))
+
+
+def rms_error(restored: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> float:
+    """Root mean square error over the quantized model tensors."""
+    names = float_names(saved, "model/")
+    sq = sum(float((restored[n].double() - saved[n].double()).pow(2).sum()) for n in names)
+    return math.sqrt(sq / sum(saved[n].numel() for n in names))
+
+
+def classes(mgr: CheckpointManager, step: int) -> dict[str, dict]:
+    stats = mgr.metadata(step).stats.classes
+    assert stats is not None, f"step {step} records no class statistics"
+    return stats
+
+
+def keys(t: torch.Tensor) -> np.ndarray:
+    """Ordinal keys of a tensor's float32 values (FORMAT 3.2: the bit pattern ``b`` when the sign
+    bit is clear, ``-(b & 0x7FFFFFFF)`` when it is set)."""
+    bits = t.detach().float().reshape(-1).numpy().view(np.uint32).astype(np.int64)
+    return np.where(bits < 0x80000000, bits, -(bits & 0x7FFFFFFF))
+
+
+def check_chunk_bounds(meta: StepMetadata, name: str, restored: torch.Tensor,
+                       saved: torch.Tensor) -> int:
+    """Every element of a quant chunk is within half its step of the saved value (linear: absolute,
+    ordinal: in keys), every other chunk is exact. Returns the number of quant chunks."""
+    assert saved.dtype == torch.float32
+    record = meta.tensor(name)
+    r, x = restored.reshape(-1), saved.reshape(-1)
+    quant = 0
+    for chunk in record.fragments[0].chunks:
+        lo, hi = chunk.raw_offset // 4, (chunk.raw_offset + chunk.raw_length) // 4
+        if chunk.codec != "quant":
+            assert raw_bytes_of(r[lo:hi]) == raw_bytes_of(x[lo:hi]), f"{name}: exact chunk differs"
+            continue
+        quant += 1
+        params = chunk.params
+        if params["domain"] == "linear":
+            err = (r[lo:hi].double() - x[lo:hi].double()).abs()
+            slack = 4 * F32_EPS * (r[lo:hi].double().abs() + x[lo:hi].double().abs() + params["step"])
+            assert bool((err <= params["step"] / 2 + slack).all()), \
+                f"step {meta.step} {name}: error {err.max().item()} > step/2 = {params['step'] / 2}"
+        else:
+            diff = np.abs(keys(r[lo:hi]) - keys(x[lo:hi]))
+            assert diff.max() <= params["step"] / 2, \
+                f"step {meta.step} {name}: keys differ by {diff.max()} > step/2 = {params['step'] / 2}"
+    return quant
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+# -- 1. kinds and base links -----------------------------------------------------------------------
+
+
+def test_full_every_alternates_full_and_delta_steps(ckpt: Path) -> None:
+    """full_every=4: full, delta, delta, delta, full, ...; each delta names the previous save."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps = [10 * (i + 1) for i in range(9)]
+    with CheckpointManager(ckpt, full_every=4) as mgr:
+        infos = []
+        for step in steps:
+            train(model, optimizer)
+            infos.append(mgr.save(step, model, optimizer))
+        expected_kinds = ["full", "delta", "delta", "delta"] * 2 + ["full"]
+        expected_bases = [None, 10, 20, 30, None, 50, 60, 70, None]
+        assert [i.kind for i in infos] == expected_kinds
+        assert [i.base_step for i in infos] == expected_bases
+        for step, info in zip(steps, infos, strict=True):
+            meta = mgr.metadata(step)
+            assert (meta.kind, meta.base_step) == (info.kind, info.base_step)
+            assert mgr.info(step) == info
+            assert info.ratio == info.raw_bytes / info.stored_bytes
+            assert info.stored_bytes == sum(f.stat().st_size for f in data_files(ckpt, step))
+            assert info.raw_bytes == infos[0].raw_bytes  # the same tensors every save
+            if info.kind == "full":
+                assert meta.stats.compression is None
+                assert all(f.sizes == r.shape for r in meta.tensors for f in r.fragments)
+                assert all(c.codec != "quant" for r in meta.tensors for f in r.fragments
+                           for c in f.chunks)
+            else:
+                assert meta.stats.compression["name"] == "balanced"
+                assert any(c.codec == "quant" for r in meta.tensors for f in r.fragments
+                           for c in f.chunks)
+        full_ratio = max(i.ratio for i in infos if i.kind == "full")
+        assert min(i.ratio for i in infos if i.kind == "delta") > 2 * full_ratio
+        assert mgr.verify() == {s: [] for s in steps}
+
+
+@pytest.mark.parametrize(("full_every", "compression"), [(1, "balanced"), (10, "lossless")])
+def test_every_save_full_and_exact(ckpt: Path, full_every: int, compression: str) -> None:
+    """full_every=1 or the lossless preset: every save is full and restores bit-exactly."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = {}
+    with CheckpointManager(ckpt, full_every=full_every, compression=compression) as mgr:
+        for step in range(1, 5):
+            train(model, optimizer)
+            info = mgr.save(step, model, optimizer)
+            assert (info.kind, info.base_step) == ("full", None)
+            saved[step] = snapshot(model, optimizer)
+        for step, state in saved.items():
+            restored = mgr.restore(step).tensors
+            for name, tensor in state.items():
+                assert_bitwise_equal(restored[name], tensor, f"step {step} {name}")
+            assert all(c["max_abs_error"] == 0 and c["exact_elements"] == c["elements"]
+                       for c in classes(mgr, step).values())
+
+
+# -- 2. closed loop --------------------------------------------------------------------------------
+
+
+def test_closed_loop_error_does_not_grow_with_the_chain(ckpt: Path) -> None:
+    """Twelve saves in one chain: each restored step's error is the error its own metadata records,
+    and the error at the end of the chain is no larger than near its start."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(12):
+            train(model, optimizer, steps=2)
+            info = mgr.save(step, model, optimizer)
+            assert info.kind == ("full" if step == 0 else "delta")
+            saved[step] = snapshot(model, optimizer)
+
+        errors, rms, relative = {}, {}, {}
+        for step, state in saved.items():
+            restored = mgr.restore(step).tensors
+            stats = classes(mgr, step)["weights"]
+            errors[step] = weights_error(restored, state)
+            rms[step] = rms_error(restored, state)
+            if step:  # the error per unit of change since the previous save
+                relative[step] = rms[step] / rms_error(state, saved[step - 1])
+            # what the writer recorded is what a reader gets
+            assert errors[step] == pytest.approx(stats["max_abs_error"], rel=1e-6, abs=1e-12), step
+            names = float_names(state, "model/")
+            sq_err = sum(float((restored[n].double() - state[n].double()).pow(2).sum()) for n in names)
+            sq = sum(float(state[n].double().pow(2).sum()) for n in names)
+            assert math.sqrt(sq_err / sq) == pytest.approx(stats["rms_rel_error"], rel=1e-3, abs=1e-12)
+            assert stats["elements"] == sum(state[n].numel() for n in names)
+            if step == 0:
+                assert errors[0] == 0 and stats["exact_elements"] == stats["elements"]
+            else:
+                assert errors[step] > 0 and stats["exact_elements"] == 0 and stats["nonzero"] > 0
+            for name, tensor in state.items():
+                if name.endswith("/step"):
+                    assert_bitwise_equal(restored[name], tensor, f"step {step} {name}")
+        # an open loop would accumulate one delta's error per save (about sqrt(10) times more)
+        assert rms[11] <= 1.5 * rms[2], rms
+        assert relative[11] <= 1.5 * relative[2], relative
+        assert errors[11] <= 1.5 * errors[2], errors
+
+
+# -- 3. error bounds per class ---------------------------------------------------------------------
+
+
+def test_every_quant_chunk_is_within_half_its_step(ckpt: Path) -> None:
+    """weights (linear, base), exp_avg (linear, zero), exp_avg_sq (ordinal, base): each element of
+    each quant chunk is within half a step; Adam's ``step`` is stored exactly."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = {}
+    with CheckpointManager(ckpt, full_every=100, chunk_bytes=4096) as mgr:
+        for step in range(5):
+            train(model, optimizer, steps=3)
+            mgr.save(step, model, optimizer)
+            saved[step] = snapshot(model, optimizer)
+        for step in range(1, 5):
+            meta = mgr.metadata(step)
+            restored = mgr.restore(step).tensors
+            for name, tensor in saved[step].items():
+                record = meta.tensor(name)
+                codecs = {c.codec for f in record.fragments for c in f.chunks}
+                params = [c.params for f in record.fragments for c in f.chunks if c.codec == "quant"]
+                if name.endswith("/step") or tensor.numel() < 16:
+                    assert "quant" not in codecs, name
+                    assert_bitwise_equal(restored[name], tensor, f"step {step} {name}")
+                    continue
+                assert check_chunk_bounds(meta, name, restored[name], tensor) >= 1, name
+                domain_pred = {(p["domain"], p["pred"]) for p in params}
+                if name.startswith("model/"):
+                    assert domain_pred == {("linear", "base")}, name
+                elif name.endswith("/exp_avg"):
+                    assert domain_pred == {("linear", "zero")}, name
+                else:
+                    assert name.endswith("/exp_avg_sq") and domain_pred == {("ordinal", "base")}, name
+                    assert {p["step"] for p in params} == {2 * BINADE}  # balanced: 2 binades
+        stats = classes(mgr, 4)
+        assert set(stats) == {"weights", "exp_avg", "exp_avg_sq", "exact"}
+        assert stats["exact"]["max_abs_error"] == 0
+
+
+def test_exp_avg_sq_relative_error_bound(ckpt: Path) -> None:
+    """exp_avg_sq at half a binade: keys within 2**21 of the saved value, i.e. at most 25% relative
+    error (the key-to-value map is linear within a binade, 2**23 keys per binade)."""
+    config = CompressionConfig(exp_avg_sq=Quantizer(step=0.5, domain="ordinal"))
+    half_keys = 0.5 * BINADE / 2
+    bound = half_keys / BINADE
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = {}
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        for step in range(5):
+            train(model, optimizer, steps=3)
+            mgr.save(step, model, optimizer)
+            saved[step] = snapshot(model, optimizer)
+        assert mgr.metadata(1).stats.compression["exp_avg_sq"] == {"step": 0.5, "domain": "ordinal",
+                                                                    "pred": "base"}
+        worst = 0.0
+        for step in range(1, 5):
+            restored = mgr.restore(step).tensors
+            for name in float_names(saved[step], "optimizer/"):
+                if not name.endswith("/exp_avg_sq"):
+                    continue
+                x, r = saved[step][name].reshape(-1), restored[name].reshape(-1)
+                assert np.abs(keys(r) - keys(x)).max() <= half_keys, name
+                normal = x.abs() >= TINY
+                rel = ((r[normal].double() - x[normal].double()).abs() / x[normal].double()).max().item()
+                assert rel <= bound * (1 + 1e-6), (step, name, rel)
+                assert bool((r >= 0).all()), "a second moment was restored negative"
+                worst = max(worst, rel)
+            stats = classes(mgr, step)["exp_avg_sq"]
+            assert 0 < stats["max_rel_error"] <= bound * (1 + 1e-6)
+        assert worst > bound / 4  # the bound is reached in practice: the step is not finer than asked
+
+
+def _optimizer_other_errors(ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                            key: str) -> list[float]:
+    """Largest relative error of the ``key`` state of each delta step (normal values only)."""
+    model = mlp()
+    optimizer = make(list(model.parameters()))
+    saved = {}
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(5):
+            train(model, optimizer, steps=3)
+            mgr.save(step, model, optimizer)
+            saved[step] = snapshot(model, optimizer)
+        errors = []
+        for step in range(1, 5):
+            restored = mgr.restore(step).tensors
+            names = [n for n in float_names(saved[step], "optimizer/") if n.endswith("/" + key)]
+            assert names
+            worst = 0.0
+            for name in names:
+                x, r = saved[step][name].reshape(-1).double(), restored[name].reshape(-1).double()
+                normal = x.abs() >= TINY
+                worst = max(worst, ((r[normal] - x[normal]).abs() / x[normal].abs()).max().item())
+            assert set(classes(mgr, step)) >= {"optimizer_other", "weights"}
+            errors.append(worst)
+    return errors
+
+
+def test_optimizer_other_relative_error(ckpt: Path) -> None:
+    """Adagrad's ``sum`` (a float state of no special meaning: optimizer_other) is coded at 2**-10
+    binade: relative error at most 2**-11. (The accumulator starts at 0.1; starting at zero is
+    the next test.)"""
+    errors = _optimizer_other_errors(
+        ckpt, lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.1), "sum")
+    assert 0 < max(errors) <= 2.0**-11 * (1 + 1e-6), errors
+
+
+@pytest.mark.parametrize(("make", "key"), [
+    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "momentum_buffer"),
+    (lambda p: torch.optim.Adagrad(p, lr=1e-2), "sum"),
+], ids=["sgd_momentum", "adagrad_from_zero"])
+def test_optimizer_other_relative_error_sign_flip_or_from_zero(
+        ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], key: str) -> None:
+    """SGD momentum_buffer and Adagrad sum (optimizer_other): relative error at most 2**-11."""
+    errors = _optimizer_other_errors(ckpt, make, key)
+    assert max(errors) <= 2.0**-11 * (1 + 1e-6), errors
+
+
+def test_exact_state_buffers_rng_and_extra(ckpt: Path) -> None:
+    """Integer buffers, Adam's ``step``, RNG states and ``extra`` (tensors included) are exact in
+    delta steps; float buffers are quantized as weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved, rngs, extras = {}, {}, {}
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(4):
+            train(model, optimizer)
+            np.random.rand(step + 1)
+            random.random()
+            extra = {"epoch": step, "lr": 1e-2 / (step + 1), "loss_curve": torch.randn(300),
+                     "mask": np.arange(50, dtype=np.int32) * step, "name": f"run{step}"}
+            rngs[step] = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+            mgr.save(step, model, optimizer, extra=extra)
+            saved[step] = snapshot(model, optimizer)
+            extras[step] = copy.deepcopy(extra)
+        assert mgr.info(3).kind == "delta"
+
+    reader = CheckpointManager(ckpt, read_only=True)
+    for step in range(1, 4):
+        ckpt_ = reader.restore(step)
+        meta = ckpt_.metadata
+        for name, tensor in saved[step].items():
+            if tensor.dtype == torch.int64 or name.endswith("/step"):
+                assert_bitwise_equal(ckpt_.tensors[name], tensor, f"step {step} {name}")
+        assert meta.tensor("model/1.num_batches_tracked").dtype == "int64"
+        running = meta.tensor("model/1.running_var")
+        assert {c.codec for c in running.fragments[0].chunks} == {"quant"}
+        for record in meta.tensors:
+            if record.role in ("rng", "extra"):
+                assert all(c.codec != "quant" for f in record.fragments for c in f.chunks), record.name
+        extra = ckpt_.extra
+        assert (extra["epoch"], extra["lr"], extra["name"]) == (step, 1e-2 / (step + 1), f"run{step}")
+        assert_bitwise_equal(extra["loss_curve"], extras[step]["loss_curve"], "extra tensor")
+        assert extra["mask"].tobytes() == extras[step]["mask"].tobytes()
+
+        fresh = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        torch.manual_seed(12345)
+        reader.load(step, fresh, fresh_opt)
+        torch_state, np_state, py_state = rngs[step]
+        assert_bitwise_equal(torch.get_rng_state(), torch_state, "torch RNG")
+        got = np.random.get_state()
+        assert got[0] == np_state[0] and got[1].tobytes() == np_state[1].tobytes() and \
+            got[2:] == np_state[2:]
+        assert random.getstate() == py_state
+        assert fresh.state_dict()["1.num_batches_tracked"].item() == \
+            saved[step]["model/1.num_batches_tracked"].item()
+
+
+# -- 4. edge tensors -------------------------------------------------------------------------------
+
+
+class Edge(nn.Module):
+    """Parameters and buffers that probe the coder: zeros, constants, tiny, odd and non-finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.odd = nn.Parameter(torch.randn(1001))
+        self.frozen = nn.Parameter(torch.randn(37, 29), requires_grad=False)
+        self.register_buffer("zeros", torch.zeros(500))
+        self.register_buffer("const", torch.full((20, 25), 0.375))
+        self.register_buffer("tiny", torch.randn(7))
+        self.register_buffer("fifteen", torch.randn(15))
+        self.register_buffer("sixteen", torch.randn(16))
+        nonfinite = torch.randn(3000)
+        nonfinite[3], nonfinite[10], nonfinite[20] = math.nan, math.inf, -math.inf
+        self.nonfinite = nn.Parameter(nonfinite)  # non-finite values in its first chunk only
+
+    def change(self) -> None:
+        with torch.no_grad():
+            self.odd.add_(torch.randn(1001) * 1e-2)
+            for name in ("tiny", "fifteen", "sixteen", "nonfinite"):
+                getattr(self, name).add_(torch.randn_like(getattr(self, name)) * 1e-2)
+
+
+def test_edge_tensors(ckpt: Path) -> None:
+    """All-zero, constant and frozen tensors restore exactly; tensors under 16 elements are exact;
+    an odd length keeps its shape; a chunk holding NaN or inf is stored exactly (and counted)."""
+    model = Edge()
+    chunk_elements = 1024
+    saved = {}
+    with CheckpointManager(ckpt, full_every=100, chunk_bytes=4 * chunk_elements) as mgr:
+        for step in range(4):
+            if step:
+                model.change()
+            assert mgr.save(step, model, rng=False).kind == ("full" if step == 0 else "delta")
+            saved[step] = snapshot(model)
+        for step in range(1, 4):
+            state, meta = saved[step], mgr.metadata(step)
+            restored = mgr.restore(step).tensors
+            for name in ("zeros", "const", "frozen", "tiny", "fifteen"):
+                assert_bitwise_equal(restored[f"model/{name}"], state[f"model/{name}"],
+                                     f"step {step} {name}")
+            assert_bitwise_equal(restored["model/nonfinite"][:chunk_elements],
+                                 state["model/nonfinite"][:chunk_elements], "non-finite chunk")
+            assert restored["model/nonfinite"][3].isnan() and restored["model/nonfinite"][10] == math.inf
+            for name in ("odd", "sixteen", "zeros", "const", "frozen", "nonfinite"):
+                assert restored[f"model/{name}"].shape == state[f"model/{name}"].shape
+                check_chunk_bounds(meta, f"model/{name}", restored[f"model/{name}"],
+                                   state[f"model/{name}"])
+            assert max_err(restored["model/odd"], state["model/odd"]) > 0
+            # 16 elements are coded; fewer are exact
+            assert {c.codec for c in meta.tensor("model/sixteen").fragments[0].chunks} == {"quant"}
+            assert "quant" not in {c.codec for c in meta.tensor("model/fifteen").fragments[0].chunks}
+            chunks = meta.tensor("model/nonfinite").fragments[0].chunks
+            assert len(chunks) == 3 and chunks[0].codec != "quant"
+            assert [c.codec for c in chunks[1:]] == ["quant", "quant"]
+            stats = classes(mgr, step)
+            assert stats["weights"]["exact_elements"] == chunk_elements, stats["weights"]
+            assert stats["exact"]["elements"] == 7 + 15
+            assert math.isfinite(stats["weights"]["max_abs_error"])
+            quantized = [(restored[f"model/{n}"], state[f"model/{n}"]) for n in ("odd", "sixteen")]
+            quantized.append((restored["model/nonfinite"][chunk_elements:],
+                              state["model/nonfinite"][chunk_elements:]))
+            assert stats["weights"]["max_abs_error"] == pytest.approx(
+                max(max_err(r, x) for r, x in quantized), rel=1e-6)
+
+
+def test_nonfinite_tensor_saves_without_warnings(ckpt: Path) -> None:
+    model = nn.Linear(8, 8)
+    with torch.no_grad():
+        model.weight[0, 0] = math.inf
+    with CheckpointManager(ckpt, full_every=10) as mgr:
+        mgr.save(0, model, rng=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mgr.save(1, model, rng=False).kind == "delta"
+
+
+def test_bf16_model_and_chain_continues_after_load(ckpt: Path) -> None:
+    """A bf16 model and AdamW: restored tensors are bf16 and within the recorded float32 error plus
+    bf16 rounding; a new manager that loads the last delta continues its chain."""
+    model = mlp(dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = {}
+
+    def check(mgr: CheckpointManager, step: int) -> None:
+        restored = mgr.restore(step).tensors
+        bound = classes(mgr, step)["weights"]["max_abs_error"]
+        assert (bound > 0) == (mgr.info(step).kind == "delta")
+        for name in float_names(saved[step], "model/"):
+            x, r = saved[step][name], restored[name]
+            assert r.dtype == torch.bfloat16 and r.shape == x.shape, name
+            err = (r.double() - x.double()).abs()
+            limit = bound + 2.0**-8 * (x.double().abs() + bound)
+            assert bool((err <= limit).all()), (step, name, err.max().item())
+        for name in float_names(saved[step], "optimizer/"):
+            assert restored[name].dtype == torch.bfloat16, name
+
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(4):
+            train(model, optimizer)
+            assert mgr.save(step, model, optimizer).kind == ("full" if step == 0 else "delta")
+            saved[step] = snapshot(model, optimizer)
+        assert mgr.metadata(2).tensor("model/0.weight").dtype == "bfloat16"
+        for step in range(4):
+            check(mgr, step)
+
+    fresh = mlp(seed=7, dtype=torch.bfloat16)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.load(3, fresh, fresh_opt)
+        train(fresh, fresh_opt)
+        info = mgr.save(4, fresh, fresh_opt)
+        assert (info.kind, info.base_step) == ("delta", 3)
+        saved[4] = snapshot(fresh, fresh_opt)
+        check(mgr, 4)
+
+
+# -- 5. automatic full steps -----------------------------------------------------------------------
+
+
+def _add_parameter(model: nn.Sequential) -> None:
+    model.register_parameter("added", nn.Parameter(torch.randn(50)))
+
+
+def _change_shape(model: nn.Sequential) -> None:
+    model[4] = nn.Linear(48, 17)
+
+
+def _change_dtype(model: nn.Sequential) -> None:
+    model[2].to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("change", [_add_parameter, _change_shape, _change_dtype])
+def test_layout_change_makes_a_full_step(ckpt: Path, change: Callable[[nn.Sequential], None]) -> None:
+    """A new tensor, a new shape or a new dtype: that save is full (exact); the next is a delta on it."""
+    model = mlp()
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.save(1, model, rng=False)
+        nudge(model)
+        assert mgr.save(2, model, rng=False).kind == "delta"
+        nudge(model)
+        change(model)
+        info = mgr.save(3, model, rng=False)
+        assert (info.kind, info.base_step) == ("full", None)
+        state = snapshot(model)
+        restored = mgr.restore(3).tensors
+        assert sorted(restored) == sorted(state)
+        for name, tensor in state.items():
+            assert_bitwise_equal(restored[name], tensor, name)
+        nudge(model)
+        info = mgr.save(4, model, rng=False)
+        assert (info.kind, info.base_step) == ("delta", 3)
+        state = snapshot(model)
+        restored = mgr.restore(4).tensors
+        assert weights_error(restored, state) == pytest.approx(
+            classes(mgr, 4)["weights"]["max_abs_error"], rel=1e-6)
+
+
+# -- 6. broken chains ------------------------------------------------------------------------------
+
+
+Chain = tuple[CheckpointManager, nn.Module, torch.optim.Optimizer, dict[int, dict]]
+
+
+def _chain(ckpt: Path, steps: list[int]) -> Chain:
+    """An open manager (full_every=100) that saved ``steps`` of a training run: full, then deltas."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(ckpt, full_every=100)
+    saved = {}
+    for step in steps:
+        train(model, optimizer)
+        mgr.save(step, model, optimizer)
+        saved[step] = snapshot(model, optimizer)
+    return mgr, model, optimizer, saved
+
+
+def test_deleted_middle_delta_breaks_later_steps(ckpt: Path) -> None:
+    mgr, model, optimizer, saved = _chain(ckpt, [10, 20, 30, 40, 50])
+    try:
+        shutil.rmtree(step_dir(ckpt, 30))
+        for step in (40, 50):
+            with pytest.raises(CorruptionError, match=r"step 30\b.*missing"):
+                mgr.restore(step)
+        for step in (10, 20):
+            restored = mgr.restore(step).tensors
+            assert weights_error(restored, saved[step]) == pytest.approx(
+                classes(mgr, step)["weights"]["max_abs_error"], rel=1e-6)
+        report = mgr.verify()
+        assert sorted(report) == [10, 20, 40, 50]
+        assert report[10] == [] and report[20] == []
+        for step in (40, 50):
+            assert report[step] and all(re.search(r"step 30\b", p) for p in report[step]), report
+        assert mgr.verify(50, deep=True)[50]
+
+        shutil.rmtree(step_dir(ckpt, 50))  # the base of the manager's next save
+        train(model, optimizer)
+        info = mgr.save(60, model, optimizer)
+        assert (info.kind, info.base_step) == ("full", None)
+        state = snapshot(model, optimizer)
+        restored = mgr.restore(60).tensors
+        for name, tensor in state.items():
+            assert_bitwise_equal(restored[name], tensor, name)
+        train(model, optimizer)
+        assert mgr.save(70, model, optimizer).base_step == 60
+    finally:
+        mgr.close()
+
+
+def test_corrupted_middle_delta_is_named(ckpt: Path) -> None:
+    mgr, _, _, _ = _chain(ckpt, [10, 20, 30, 40, 50])
+    try:
+        meta = mgr.metadata(30)
+        chunk = meta.tensor("model/0.weight").fragments[0].chunks[0]
+        assert chunk.codec == "quant" and chunk.params["pred"] == "base"
+        path = step_dir(ckpt, 30) / meta.files[chunk.file].name
+        data = bytearray(path.read_bytes())
+        data[chunk.offset + chunk.length // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+
+        for step in (30, 40, 50):
+            with pytest.raises(CorruptionError, match=r"step 30\b") as info:
+                mgr.restore(step)
+            assert "model/0.weight" in str(info.value)
+        mgr.restore(20)
+        for deep in (False, True):
+            report = mgr.verify(deep=deep)
+            assert report[10] == [] and report[20] == [], report
+            assert report[30] and all("depends on" not in p for p in report[30])
+            for step in (40, 50):
+                assert any(re.search(r"depends on step 30\b.*damaged", p) for p in report[step]), report
+            assert mgr.verify(50, deep=deep)[50]
+    finally:
+        mgr.close()
+
+
+# -- 7. saving after restore -----------------------------------------------------------------------
+
+
+def test_load_then_save_continues_the_chain(ckpt: Path) -> None:
+    """A new manager loads a delta step into a fresh model; the next save is a delta on it and
+    restores to the trained state within its recorded error."""
+    mgr, _, _, _ = _chain(ckpt, [10, 20, 30, 40])
+    mgr.close()
+    for loaded in (20, 10):  # a delta step, then the full step
+        model = mlp(seed=5)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with CheckpointManager(ckpt, full_every=100) as resumed:
+            resumed.load(loaded, model, optimizer)
+            state = snapshot(model, optimizer)
+            restored = resumed.restore(loaded).tensors
+            for name, tensor in restored.items():
+                if name in state:
+                    assert_bitwise_equal(state[name], tensor, f"loaded {name}")
+            train(model, optimizer)
+            new_step = 100 + loaded
+            info = resumed.save(new_step, model, optimizer)
+            assert (info.kind, info.base_step) == ("delta", loaded)
+            trained = snapshot(model, optimizer)
+            restored = resumed.restore(new_step).tensors
+            stats = classes(resumed, new_step)
+            assert 0 < weights_error(restored, trained) == pytest.approx(
+                stats["weights"]["max_abs_error"], rel=1e-6)
+            for name in float_names(trained, "optimizer/"):
+                if name.endswith("/exp_avg"):
+                    assert max_err(restored[name], trained[name]) <= stats["exp_avg"]["max_abs_error"]
+            for name, tensor in trained.items():
+                if name.endswith("/step"):
+                    assert_bitwise_equal(restored[name], tensor, name)
+
+
+def test_full_every_counts_the_loaded_chain(ckpt: Path) -> None:
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(ckpt, full_every=4) as mgr:
+        for step in (1, 2, 3):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        assert [mgr.info(s).kind for s in (1, 2, 3)] == ["full", "delta", "delta"]
+    model = mlp(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(ckpt, full_every=4) as mgr:
+        mgr.load(3, model, optimizer)
+        kinds = []
+        for step in (4, 5, 6, 7, 8):
+            train(model, optimizer)
+            info = mgr.save(step, model, optimizer)
+            kinds.append((info.kind, info.base_step))
+        # steps 2 and 3 are the loaded chain's deltas: one more, then a full step
+        assert kinds == [("delta", 3), ("full", None), ("delta", 5), ("delta", 6), ("delta", 7)]
+        assert all(not problems for problems in mgr.verify(deep=True).values())
+
+
+# -- 8. overwriting --------------------------------------------------------------------------------
+
+
+def test_overwrite_refused_for_a_base_allowed_for_the_latest(ckpt: Path) -> None:
+    mgr, model, optimizer, saved = _chain(ckpt, [1, 2, 3])
+    try:
+        train(model, optimizer)
+        for step, dependents in ((1, [2]), (2, [3])):
+            with pytest.raises(StepExistsError, match=re.escape(str(dependents))):
+                mgr.save(step, model, optimizer, overwrite=True)
+        with pytest.raises(StepExistsError, match="already exists"):
+            mgr.save(3, model, optimizer)
+        mgr.save(3, model, optimizer, overwrite=True)
+        state = snapshot(model, optimizer)
+        restored = mgr.restore(3).tensors
+        assert set(state) <= set(restored)
+        assert weights_error(restored, state) <= classes(mgr, 3)["weights"]["max_abs_error"] * (1 + 1e-6)
+        assert weights_error(mgr.restore(2).tensors, saved[2]) == pytest.approx(  # chain intact
+            classes(mgr, 2)["weights"]["max_abs_error"], rel=1e-6)
+        train(model, optimizer)
+        info = mgr.save(4, model, optimizer)
+        assert (info.kind, info.base_step) == ("delta", 3)
+        state = snapshot(model, optimizer)
+        assert weights_error(mgr.restore(4).tensors, state) == pytest.approx(
+            classes(mgr, 4)["weights"]["max_abs_error"], rel=1e-6)
+    finally:
+        mgr.close()
+
+
+def test_base_overwritten_or_deleted_by_another_manager_gives_a_full_step(ckpt: Path) -> None:
+    model = mlp()
+    first = CheckpointManager(ckpt, full_every=100)
+    try:
+        first.save(1, model)
+        nudge(model)
+        assert first.save(2, model).kind == "delta"
+        first.close()  # lets another manager write
+        with CheckpointManager(ckpt, full_every=100) as other:
+            other.save(2, mlp(seed=9), overwrite=True)
+        nudge(model)
+        info = first.save(3, model)  # its reconstruction of step 2 is not what step 2 holds now
+        assert (info.kind, info.base_step) == ("full", None)
+        state = snapshot(model)
+        for name, tensor in state.items():
+            assert_bitwise_equal(first.restore(3).tensors[name], tensor, name)
+        nudge(model)
+        assert first.save(4, model).base_step == 3
+        shutil.rmtree(step_dir(ckpt, 4))
+        nudge(model)
+        assert first.save(5, model).kind == "full"
+    finally:
+        first.close()
+
+
+# -- 9. one writer, many readers -------------------------------------------------------------------
+
+
+def test_second_writer_refused_readers_see_every_step(ckpt: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    writer, model, optimizer, saved = _chain(ckpt, [1, 2, 3])
+    try:
+        second = CheckpointManager(ckpt, full_every=100)
+        with pytest.raises(WriterLockedError):
+            second.save(9, model, optimizer)
+        reader = CheckpointManager(ckpt, read_only=True)
+        assert reader.steps() == [1, 2, 3]
+        assert [reader.info(s).kind for s in (1, 2, 3)] == ["full", "delta", "delta"]
+        for step, state in saved.items():
+            restored = reader.restore(step).tensors
+            assert weights_error(restored, state) == pytest.approx(
+                classes(reader, step)["weights"]["max_abs_error"], rel=1e-6, abs=1e-12)
+        assert reader.verify(deep=True) == {1: [], 2: [], 3: []}
+
+        assert main(["ls", str(ckpt)]) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"^\s*2\s+delta\s+1\b", out, re.M), out
+        assert main(["verify", str(ckpt), "--deep"]) == 0
+        out = capsys.readouterr().out
+        assert "3 steps checked (deep): all intact" in out, out
+        assert main(["verify", str(ckpt), "--step", "3"]) == 0
+        capsys.readouterr()
+
+        train(model, optimizer)
+        assert writer.save(4, model, optimizer).base_step == 3  # unaffected by its readers
+        writer.close()
+        train(model, optimizer)
+        assert second.save(5, model, optimizer).kind == "full"  # lock free now; a new manager starts full
+        second.close()
+    finally:
+        writer.close()
+
+
+# -- 10. CompressionConfig -------------------------------------------------------------------------
+
+
+def test_presets_and_validation(tmp_path: Path) -> None:
+    for name in ("balanced", "aggressive", "lossless"):
+        config = CompressionConfig.preset(name)
+        assert config.name == name
+        assert CheckpointManager(tmp_path / name, compression=name).compression == config
+        assert config.deltas == (name != "lossless")
+    balanced, aggressive = CompressionConfig.preset("balanced"), CompressionConfig.preset("aggressive")
+    assert aggressive.weights.step > balanced.weights.step
+    assert aggressive.exp_avg_sq.step > balanced.exp_avg_sq.step
+    with pytest.raises(ValueError, match=r"'fast'.*aggressive.*balanced.*lossless"):
+        CompressionConfig.preset("fast")
+    with pytest.raises(ValueError, match="fast"):
+        CheckpointManager(tmp_path / "x", compression="fast")
+
+    for kwargs in [{"step": 0.0}, {"step": -1.0}, {"step": math.nan}, {"step": math.inf},
+                   {"step": None, "density": 0.0}, {"step": None, "density": 1.5},
+                   {"step": None, "density": -0.1}, {"step": 1.0, "density": 0.5},
+                   {"step": None}, {"domain": "log"}, {"pred": "mean"},
+                   {"step": None, "density": 0.5, "domain": "ordinal"}]:
+        with pytest.raises(ValueError):
+            Quantizer(**kwargs)
+    Quantizer(step=None, density=1.0)
+    Quantizer(step=None, density=0.01)
+    assert EXACT.exact
+    for kwargs in [{"target_ratio": 1.0}, {"target_ratio": -5.0}, {"target_ratio": math.inf},
+                   {"block": 10}, {"block": 1 << 21}]:
+        with pytest.raises(ValueError):
+            CompressionConfig(**kwargs)
+    with pytest.raises(TypeError):
+        CompressionConfig(overrides={"model/*": 0.5})  # type: ignore[dict-item]
+    with pytest.raises(TypeError):
+        CheckpointManager(tmp_path / "y", compression=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", [None, "aggressive"])
+def test_exact_overrides(ckpt: Path, preset: str | None) -> None:
+    """Tensors matched by an EXACT override restore bit-exactly in delta steps; the rest stay lossy;
+    the config and its name are recorded."""
+    overrides = {"model/0.*": EXACT, "optimizer/state/4.weight/exp_avg": EXACT}
+    config = (CompressionConfig(overrides=overrides) if preset is None
+              else dataclasses.replace(CompressionConfig.preset(preset), overrides=overrides))
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        for step in range(3):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        state = snapshot(model, optimizer)
+        restored = mgr.restore(2).tensors
+        compression = mgr.metadata(2).stats.compression
+    exact = ["model/0.weight", "model/0.bias", "optimizer/state/4.weight/exp_avg"]
+    for name in exact:
+        assert_bitwise_equal(restored[name], state[name], name)
+    for name in ("model/2.weight", "optimizer/state/0.weight/exp_avg", "optimizer/state/4.weight/exp_avg_sq"):
+        assert max_err(restored[name], state[name]) > 0, name
+    assert compression["name"] == (preset or "custom")
+    assert set(compression["overrides"]) == set(overrides)
+    assert compression["overrides"]["model/0.*"] == {"step": 1.0, "domain": "linear", "pred": "base",
+                                                     "exact": True}
+    assert compression["scale"] == 1.0
+    expected = CompressionConfig.preset(preset or "balanced").weights.step
+    assert compression["weights"]["step"] == expected
+
+
+def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
+    """The same states saved with both presets: aggressive deltas are smaller, with larger errors."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    managers = {name: CheckpointManager(tmp_path / name, full_every=100, compression=name)
+                for name in ("balanced", "aggressive")}
+    try:
+        for step in range(4):
+            train(model, optimizer)
+            for mgr in managers.values():
+                mgr.save(step, model, optimizer)
+        for step in range(1, 4):
+            b, a = (managers[n] for n in ("balanced", "aggressive"))
+            assert a.info(step).stored_bytes < b.info(step).stored_bytes
+            assert classes(a, step)["weights"]["rms_rel_error"] > classes(b, step)["weights"]["rms_rel_error"]
+    finally:
+        for mgr in managers.values():
+            mgr.close()
+
+
+# -- 11. target_ratio ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_trained() -> tuple[dict, dict, torch.Tensor]:
+    """TinyGPT "tiny" after 30 AdamW steps (realistic moments): model and optimizer state, and data."""
+    data = load_corpus(1 << 20)
+    torch.manual_seed(0)
+    model = TinyGPT(SIZES["tiny"])
+    optimizer = make_optimizer(model)
+    for _ in range(30):
+        train_step(model, optimizer, None, data, 8)
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), data
+
+
+def _target_run(path: Path, gpt_trained: tuple[dict, dict, torch.Tensor],
+                target: float) -> tuple[CheckpointManager, list]:
+    model_sd, opt_sd, data = gpt_trained
+    torch.manual_seed(1)
+    model = TinyGPT(SIZES["tiny"])
+    model.load_state_dict(model_sd)
+    optimizer = make_optimizer(model)
+    optimizer.load_state_dict(opt_sd)
+    config = dataclasses.replace(CompressionConfig.preset("balanced"), target_ratio=target)
+    mgr = CheckpointManager(path, full_every=100, compression=config)
+    infos = []
+    for step in range(7):
+        for _ in range(3):
+            train_step(model, optimizer, None, data, 8)
+        infos.append(mgr.save(100 + step, model, optimizer))
+    assert [i.kind for i in infos] == ["full"] + ["delta"] * 6
+    return mgr, infos
+
+
+def test_target_ratio_is_met(tmp_path: Path, gpt_trained: tuple[dict, dict, torch.Tensor]) -> None:
+    target = 30.0
+    mgr, infos = _target_run(tmp_path / "ckpt", gpt_trained, target)
+    try:
+        finest = min(ScaleController.SCALES)
+        for info in infos[3:]:  # after two adaptation saves
+            compression = mgr.metadata(info.step).stats.compression
+            assert compression["target_ratio"] == target
+            assert info.target_met
+            within = abs(info.ratio / target - 1) <= 0.15
+            assert within or (info.ratio > target and compression["scale"] == finest), \
+                (info.step, info.ratio, compression["scale"])
+    finally:
+        mgr.close()
+
+
+def test_impossible_target_ratio_saves_at_the_coarsest_scale(
+        tmp_path: Path, gpt_trained: tuple[dict, dict, torch.Tensor]) -> None:
+    target = 1e6
+    mgr, infos = _target_run(tmp_path / "ckpt", gpt_trained, target)
+    try:
+        coarsest = max(ScaleController.SCALES)
+        for info in infos[1:]:
+            compression = mgr.metadata(info.step).stats.compression
+            assert compression["scale"] == coarsest
+            assert compression["target_ratio"] == target
+            assert 1 < info.ratio < target
+            assert info.target_ratio == target and info.target_met is False
+        assert mgr.verify(deep=True) == {i.step: [] for i in infos}
+    finally:
+        mgr.close()
