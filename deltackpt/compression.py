@@ -203,16 +203,6 @@ def tensor_class(role: str, state_key: str | None, spec: DTypeSpec, numel: int) 
     return "optimizer_other"
 
 
-@dataclass
-class StepChoice:
-    """The step of one tensor for one save, with the sampled size estimate behind it."""
-
-    ordinal: bool
-    pred: bool
-    step: float | int
-    est_bits: float  # estimated stored bits per element
-
-
 def sample_stride(numel: int) -> int:
     """Stride that samples about SAMPLE_ELEMENTS elements of a tensor."""
     return max(1, numel // SAMPLE_ELEMENTS)

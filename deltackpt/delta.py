@@ -149,12 +149,7 @@ class StepEncoder:
                  raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
         plan = self._plans[record.name]
         lo, hi = raw_offset // spec.itemsize, (raw_offset + raw.size) // spec.itemsize
-        if plan.quantizer.exact or plan.cls is None:
-            chunk, decoded = encode_lossless(raw, spec), raw
-            self._keep_exact(record, plan, raw, lo, hi)
-            self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
-            return chunk, decoded
-        if not self.is_delta:
+        if plan.quantizer.exact or plan.cls is None or not self.is_delta:
             chunk = encode_lossless(raw, spec)
             self._keep_exact(record, plan, raw, lo, hi)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
@@ -164,7 +159,7 @@ class StepEncoder:
         chunk, stats = encode_quant(x, recon if plan.pred else None, recon,
                                     ordinal=plan.quantizer.domain == "ordinal", step=plan.step,
                                     block=self.config.block)
-        if chunk is None:  # non-finite values: this chunk is stored exactly
+        if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
             chunk = encode_lossless(raw, spec)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)

@@ -8,6 +8,7 @@ shape of the delta chains.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -18,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltackpt import CheckpointManager, CorruptionError
+from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
 from deltackpt.cli import main
 from deltackpt.format import step_dir_name
 from deltackpt.retention import GCReport, RetentionPolicy
@@ -273,10 +274,12 @@ def test_bfloat16_rewrites_cascade(templates, tmp_path: Path) -> None:
         assert mgr.gc("last=3").rewritten == [8]
 
 
-def test_bfloat16_without_cascade_would_break(templates, tmp_path: Path) -> None:
+def test_bfloat16_without_cascade_would_break(tmp_path: Path) -> None:
     """Why the cascade: rewrite only the base of a bfloat16 delta and that delta restores to other
-    values (caught by its checksums)."""
-    path = templates(5, torch.bfloat16, tmp_path / "bf16")
+    values (caught by its checksums). A fine weights step makes sure the running values of step 8
+    are not all bfloat16 values already."""
+    fine = dataclasses.replace(CompressionConfig.preset("balanced"), weights=Quantizer(step=0.5))
+    path = build(tmp_path / "bf16", 5, torch.bfloat16, compression=fine)
     mgr = CheckpointManager(path)
     expected = restored(mgr, 9)
     write_step(mgr.storage, 8, mgr.restore(8).captured(), kind="full")

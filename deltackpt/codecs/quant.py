@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import zstandard
 
 from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
@@ -85,8 +86,6 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
 
 def zstd_decompress_bounded(stored: memoryview, limit: int) -> bytes:
     """Decompress a zstd frame whose content size is stated and at most ``limit``."""
-    import zstandard
-
     try:
         size = zstandard.frame_content_size(stored)
     except zstandard.ZstdError as exc:
