@@ -19,12 +19,11 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CACHE, record
+from conftest import CACHE, durable_torch_save, record
 from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
 
 from deltackpt import CheckpointManager
@@ -160,19 +159,12 @@ def test_codec_roundtrip_is_exact(run) -> None:
     assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))
 
 
-def _durable_torch_save(obj: dict, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def test_torch_save_fsync(benchmark, run, tmp_path) -> None:
     """Baseline: ``torch.save`` + fsync of model and optimizer state dicts."""
     model, optimizer, _ = run
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     path = tmp_path / "ckpt.pt"
-    benchmark.pedantic(_durable_torch_save, args=(payload, path), rounds=ROUNDS, warmup_rounds=1)
+    benchmark.pedantic(durable_torch_save, args=(payload, path), rounds=ROUNDS, warmup_rounds=1)
     raw = sum(a.nbytes for _, a in _tensors(run[2][-1]))
     record(benchmark, "torch.save + fsync", raw, path.stat().st_size)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from conftest import note, record
+from conftest import durable_torch_save, note, record
 
 from deltackpt import CheckpointManager
 from deltackpt.codecs import encode_lossless
@@ -89,19 +89,12 @@ def test_lossless_codec(benchmark, state) -> None:
     record(benchmark, "deltackpt codec (all cores)", sum(c.size for c in chunks), stored)
 
 
-def _durable_torch_save(obj: dict, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def test_torch_save_fsync(benchmark, state, tmp_path) -> None:
     """Baseline: ``torch.save`` of model and optimizer state dicts, fsynced."""
     objs, buffers = state
     path = tmp_path / "ckpt.pt"
     payload = {"model": objs["model"].state_dict(), "optimizer": objs["optimizer"].state_dict()}
-    benchmark.pedantic(_durable_torch_save, args=(payload, path), rounds=ROUNDS, warmup_rounds=1)
+    benchmark.pedantic(durable_torch_save, args=(payload, path), rounds=ROUNDS, warmup_rounds=1)
     record(benchmark, "torch.save + fsync", sum(b.size for b in buffers), path.stat().st_size)
 
 

@@ -57,6 +57,14 @@ def trained(request) -> tuple[TinyGPT, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def durable_torch_save(obj: dict, path: Path) -> None:
+    """The baseline every save is compared with: ``torch.save``, flushed and fsynced."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def record(benchmark, name: str, raw_bytes: int, out_bytes: int | None = None) -> None:
     """Attach sizes to a finished benchmark and queue a row for the summary table.
 

@@ -29,23 +29,12 @@ from deltackpt import __version__
 from deltackpt.errors import DeltackptError, FormatError, WriterLockedError
 from deltackpt.format import METADATA_FILE, ROLES, ROOT_MARKER, StepMetadata, step_dir_name, tensor_name
 from deltackpt.manager import CheckpointManager
+from deltackpt.progress import human_bytes
 from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
 from deltackpt.universal import UniversalCheckpoint
 
 # -- formatting ----------------------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes for people: ``512 B``, ``7.0 KiB``, ``12.3 MiB`` (powers of 1024)."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1023.95 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def ratio(raw: int, stored: int) -> float | None:

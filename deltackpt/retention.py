@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.errors import DeltackptError
 from deltackpt.format import METADATA_FILE, StepMetadata, step_dir_name
+from deltackpt.progress import human_bytes
 from deltackpt.storage import Storage
 from deltackpt.writer import write_step
 
@@ -164,11 +165,11 @@ class GCReport:
         rewritten = f"{n(len(self.rewritten), 'delta step')} as full{_listing(self.rewritten)}"
         if self.dry_run:
             text = (f"dry run: would remove {removed}, rewrite {rewritten} and keep "
-                    f"{n(len(self.kept))}; would free {_human_bytes(self.freed_bytes)} and write "
-                    f"about {_human_bytes(self.added_bytes)}")
+                    f"{n(len(self.kept))}; would free {human_bytes(self.freed_bytes)} and write "
+                    f"about {human_bytes(self.added_bytes)}")
         else:
             text = (f"removed {removed}, rewrote {rewritten}, kept {n(len(self.kept))}; freed "
-                    f"{_human_bytes(self.freed_bytes)}, wrote {_human_bytes(self.added_bytes)}")
+                    f"{human_bytes(self.freed_bytes)}, wrote {human_bytes(self.added_bytes)}")
         if self.skipped:
             text += (f"; left alone {n(len(self.skipped), 'step')} that cannot be read or "
                      f"restored{_listing(self.skipped)}")
@@ -182,17 +183,6 @@ def _listing(steps: list[int], limit: int = 8) -> str:
         return f" ({', '.join(map(str, steps))})"
     head = ", ".join(map(str, steps[: limit - 1]))
     return f" ({head}, ..., {steps[-1]})"
-
-
-def _human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1023.95 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def _tree_bytes(storage: Storage, rel: str) -> int:

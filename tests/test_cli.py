@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from deltackpt import CheckpointManager, load_universal
-from deltackpt.cli import human_bytes
 from deltackpt.format import step_dir_name
+from deltackpt.progress import human_bytes
 from deltackpt.tree import decode_tree
 
 FQNS = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]  # parameters, the tied one once
