@@ -16,6 +16,7 @@ however long the chain.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,12 +61,16 @@ class Reconstruction:
     chain: list[int] = field(default_factory=list)
 
 
-def chain_of(storage: Storage, meta: StepMetadata) -> list[StepMetadata]:
+def chain_of(storage: Storage, meta: StepMetadata,
+             read: Callable[[int], StepMetadata] | None = None) -> list[StepMetadata]:
     """Metadata of the full step under ``meta`` and every delta up to it, in order.
 
-    Raises :class:`CorruptionError` naming the step whose base is missing
-    or unreadable, so the caller can tell which link is broken.
+    ``read`` reads a step's metadata (default: from ``storage``; a caller
+    walking many chains passes a cached reader). Raises
+    :class:`CorruptionError` naming the step whose base is missing or
+    unreadable, so the caller can tell which link is broken.
     """
+    read = read or (lambda step: read_metadata(storage, step))
     chain = [meta]
     while chain[-1].kind == "delta":
         top = chain[-1]
@@ -73,7 +78,7 @@ def chain_of(storage: Storage, meta: StepMetadata) -> list[StepMetadata]:
             raise CorruptionError(f"step {top.step} names base step {top.base_step}, which is "
                                   "not an earlier step")
         try:
-            chain.append(read_metadata(storage, top.base_step))
+            chain.append(read(top.base_step))
         except StepNotFoundError:
             raise CorruptionError(
                 f"step {meta.step} cannot be restored: step {top.step} is a delta on step "
@@ -186,20 +191,14 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
         finally:
             source.close()
 
-    recon_values = {}
     for name, record in final.items():
-        flat = tensors[name]
-        if record.dtype in LOSSY_DTYPES:
-            recon_values[name] = values.get(name)
-            if recon_values[name] is None:
-                recon_values[name] = flat.float().numpy() if record.dtype != "float32" \
-                    else flat.numpy()
-        tensors[name] = flat.reshape(record.shape)
+        _state(values, record, tensors[name])  # running values of tensors no delta touched
+        tensors[name] = tensors[name].reshape(record.shape)
     out = {}
     for record in meta.tensors:
         out[record.name] = tensors[record.alias_of or record.name]
     deltas = len(chain) - 1
-    return out, Reconstruction(meta.step, deltas, layout_of(meta), recon_values, meta.save_id,
+    return out, Reconstruction(meta.step, deltas, layout_of(meta), values, meta.save_id,
                                chain=[m.step for m in chain])
 
 

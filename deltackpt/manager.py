@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import operator
@@ -398,6 +399,7 @@ class CheckpointManager:
         """
         steps = [self.resolve_step(step)] if step is not None else self.steps()
         own: dict[int, list[str]] = {}
+        metas = functools.cache(self.metadata)  # each step's metadata is parsed once
 
         def problems_of(meta: StepMetadata) -> list[str]:
             if meta.step not in own:
@@ -408,8 +410,8 @@ class CheckpointManager:
         report = {}
         for s in steps:
             try:
-                meta = self.metadata(s)
-                chain = chain_of(self.storage, meta)
+                meta = metas(s)
+                chain = chain_of(self.storage, meta, metas)
             except DeltackptError as exc:  # unreadable metadata or a broken link is damage
                 report[s] = [str(exc)]
                 continue

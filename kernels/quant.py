@@ -65,6 +65,17 @@ def _from_key(key: np.int64) -> np.int64:
 
 
 @njit(inline="always")
+def _reconstruct(p: np.float32, q: np.int64, ordinal: bool, step_f: np.float32,
+                 step_i: np.int64) -> np.float32:
+    """The running value after symbol ``q`` on prediction ``p``: FORMAT.md 3.2's one rule,
+    shared by encoder and decoder so they agree by construction."""
+    if ordinal:
+        kp = _key(np.int64(np.float32(p).view(np.uint32)))
+        return np.uint32(_from_key(kp + q * step_i)).view(np.float32)
+    return np.float32(p + np.float32(np.float32(q) * step_f))
+
+
+@njit(inline="always")
 def _zigzag(q: np.int64) -> np.int64:
     return (q << 1) ^ (q >> 63)
 
@@ -208,17 +219,16 @@ def _make_encoder(ordinal: bool, use_pred: bool):
                     kp = _key(np.int64(np.float32(p).view(np.uint32)))
                     r = np.float64(_key(np.int64(np.float32(xb[j]).view(np.uint32))) - kp)
                     qf = min(max(np.rint(r / step64), np.float64(Q_MIN)), np.float64(Q_MAX))
-                    q = np.int32(qf)
-                    ob[j] = np.uint32(_from_key(kp + np.int64(q) * step_i)).view(np.float32)
+                    q = np.int64(qf)
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
                     qf32 = np.rint(np.float32(r32 / step_f))
-                    qf32 = min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX))
-                    q = np.int32(qf32)
-                    s = np.float32(p + np.float32(np.float32(q) * step_f))
+                    q = np.int64(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
+                s = _reconstruct(p, q, ordinal, step_f, step_i)
+                if not ordinal:
                     bad += ok and not _finite(s)  # overflow, only with absurd steps
-                    ob[j] = s
-                z = np.uint32((q << np.int32(1)) ^ (q >> np.int32(31)))
+                ob[j] = s
+                z = np.uint32(_zigzag(q))
                 sym[j] = np.uint16(z)
                 zor |= z
             stats[b, STAT_BAD] = bad
@@ -320,12 +330,7 @@ def _make_decoder(ordinal: bool, use_pred: bool):
             _unpack(stream, offsets[b], np.int64(stream[b]), q)
             for j in range(stop - start):
                 p = pred[start + j] if use_pred else np.float32(0.0)
-                if ordinal:
-                    kp = _key(np.int64(np.float32(p).view(np.uint32)))
-                    out[start + j] = np.uint32(_from_key(kp + np.int64(q[j]) * step_i)).view(
-                        np.float32)
-                else:
-                    out[start + j] = np.float32(p + np.float32(np.float32(q[j]) * step_f))
+                out[start + j] = _reconstruct(p, np.int64(q[j]), ordinal, step_f, step_i)
 
     return decode
 

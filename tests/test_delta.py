@@ -910,7 +910,8 @@ def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
             b, a = (managers[n] for n in ("balanced", "aggressive"))
             assert a.info(step).stored_bytes < b.info(step).stored_bytes
             errors = [classes(m, step)["weights"]["rms_rel_error"] for m in (a, b)]
-            assert errors[0] >= errors[1]
+            # (statistics are reassociated sums: equal errors may differ in the last bit)
+            assert errors[0] >= errors[1] * (1 - 1e-12)
     finally:
         for mgr in managers.values():
             mgr.close()
