@@ -61,11 +61,21 @@ class Quantizer:
             (relative error; for positive or wide-ranging values).
         pred: ``"base"`` codes the residual against the previous step's
             reconstruction (closed loop), ``"zero"`` codes the value itself.
+        lr_step: weights moved by an Adam-family optimizer (Adam, AdamW:
+            any whose state holds ``exp_avg_sq``): the step as a multiple
+            of the parameter group's learning rate, used instead of
+            ``step``/``density`` where that rate is known. Such an optimizer
+            moves each weight by about ``lr`` a training step, so a
+            restored weight is within ``lr_step / 2`` training steps' worth
+            of movement of the saved one, however many steps apart the
+            saves are. A step relative to the change since the last save
+            grows with that interval, and so does the error.
         exact: store the class losslessly in every step instead.
     """
 
     step: float | None = 1.0
     density: float | None = None
+    lr_step: float | None = None
     domain: Literal["linear", "ordinal"] = "linear"
     pred: Literal["base", "zero"] = "base"
     exact: bool = False
@@ -86,6 +96,12 @@ class Quantizer:
                 raise ValueError(f"Quantizer density must be in (0, 1], got {self.density!r}")
             if self.domain != "linear":
                 raise ValueError("Quantizer density= needs the linear domain")
+        if self.lr_step is not None:
+            if not (math.isfinite(self.lr_step) and self.lr_step > 0):
+                raise ValueError(f"Quantizer lr_step must be a positive number, "
+                                 f"got {self.lr_step!r}")
+            if (self.domain, self.pred) != ("linear", "base"):
+                raise ValueError("Quantizer lr_step= needs the linear domain and pred='base'")
 
 
 EXACT = Quantizer(exact=True)
@@ -113,9 +129,9 @@ class CompressionConfig:
         name: the preset this config came from (recorded in the metadata).
     """
 
-    weights: Quantizer = Quantizer(step=5.0)
+    weights: Quantizer = Quantizer(step=5.0, lr_step=16.0)
     exp_avg: Quantizer = Quantizer(step=16.0, pred="zero")
-    exp_avg_sq: Quantizer = Quantizer(step=4.0, domain="ordinal")
+    exp_avg_sq: Quantizer = Quantizer(step=8.0, domain="ordinal")
     optimizer_other: Quantizer = Quantizer(step=2.0**-10, domain="ordinal")
     overrides: Mapping[str, Quantizer] = field(default_factory=dict)
     target_ratio: float | None = None
@@ -164,18 +180,18 @@ class CompressionConfig:
         return out
 
 
-# Chosen with bench/fidelity.py (TinyGPT small, AdamW, resumed 100 steps from a delta step).
-# Saves every 20 steps: balanced 59x at 0.3% deviation of the resumed loss, aggressive 108x at
-# 0.2-0.3%. Saves every 100 steps: the same presets give 59x at 2.7% and 170x at 11% (a step
-# relative to the change since the last save grows with the interval): use a target_ratio of
-# about 25 there. Weights dominate both size and fidelity; Adam's first moment forgets its past
-# within tens of steps and the second only scales the update, so both are coded coarsely.
+# Chosen with bench/fidelity.py (TinyGPT small, AdamW betas (0.9, 0.95), resumed 100 steps from a
+# delta step; the deviation is of the mean resumed loss). balanced: 89x at 0.13% saving every 20
+# steps, 55x at 0.55% every 100 steps; aggressive: 132x at 0.38% every 20 steps. Weights moved by
+# Adam are coded at a step proportional to the learning rate (a step proportional to the change
+# since the last save grew with the interval: 59x at 2.7% every 100 steps), others relative to
+# their change. Adam's first moment forgets its past within tens of steps and the second only
+# scales the update, so both are coded coarsely: exp_avg nearly all zero, exp_avg_sq updated
+# where it moved by more than 16x.
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
-    "aggressive": CompressionConfig(
-        weights=Quantizer(step=9.0), exp_avg=Quantizer(step=32.0, pred="zero"),
-        exp_avg_sq=Quantizer(step=8.0, domain="ordinal"), name="aggressive"),
+    "aggressive": CompressionConfig(weights=Quantizer(step=9.0, lr_step=32.0), name="aggressive"),
 }
 
 
@@ -232,17 +248,22 @@ def _symbol_bits(sample: np.ndarray, step: float) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def base_step(quantizer: Quantizer, sample: np.ndarray, carried_error: float = 0.0) -> float:
+def base_step(quantizer: Quantizer, sample: np.ndarray, carried_error: float = 0.0,
+              lr: float | None = None) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
-    ``carried_error`` is the mean squared error the previous save left in
-    the prediction. A closed-loop residual is the change since that save
-    plus this error; the step follows the change alone, so the error a
-    delta leaves does not feed back into the next delta's step and stays
-    the same however long the chain.
+    ``lr`` is the learning rate of the Adam-family optimizer that moves the
+    tensor, if any (for ``Quantizer.lr_step``). ``carried_error`` is the
+    mean squared error the previous save left in the prediction. A
+    closed-loop residual is the change since that save plus this error; the
+    step follows the change alone, so the error a delta leaves does not
+    feed back into the next delta's step and stays the same however long
+    the chain.
     """
     if quantizer.domain == "ordinal":
         return quantizer.step * BINADE_KEYS
+    if quantizer.lr_step is not None and lr is not None:
+        return quantizer.lr_step * lr
     finite = sample[np.isfinite(sample)]
     if finite.size == 0:
         return 0.0

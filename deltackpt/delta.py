@@ -40,7 +40,7 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
 )
-from deltackpt.state import CapturedState
+from deltackpt.state import CapturedState, adam_learning_rates
 
 
 def captured_layout(captured: CapturedState) -> Layout:
@@ -114,6 +114,7 @@ class StepEncoder:
     def _plan(self, captured: CapturedState) -> None:
         samples = []
         fixed = 0
+        learning_rates = adam_learning_rates(captured) if self.is_delta else {}
         for item in captured.tensors:
             if item.alias_of is not None:
                 continue
@@ -135,7 +136,8 @@ class StepEncoder:
             ps = self._values[item.name][::stride] if plan.pred else None
             sample = sample_values(xs, ps, ordinal)
             carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-            plan.step = base_step(quantizer, sample, carried)
+            lr = learning_rates.get(item.fqn) if item.role == "param" else None
+            plan.step = base_step(quantizer, sample, carried, lr)
             samples.append((sample, plan.step, numel, plan, ordinal))
         if samples and self.controller is not None:
             raw = sum(t.tensor.numel() * t.tensor.element_size() for t in captured.tensors

@@ -11,6 +11,7 @@ reverse direction, putting a checkpoint back into live objects, is in
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,31 @@ def _capture_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                               lambda path, t: table.add(path, t, "optimizer"))
         groups.append({**encoded, "params": names})
     return {"class": type(optimizer).__qualname__, "param_groups": groups, "state": state}
+
+
+def adam_learning_rates(captured: CapturedState) -> dict[str, float]:
+    """``fqn -> lr`` of the parameters an Adam-family optimizer moves.
+
+    Such an optimizer (its state holds ``exp_avg_sq``) normalizes every
+    coordinate's update, so one training step moves a weight by about its
+    group's learning rate: the natural unit of a weight's error. Parameters
+    of groups whose ``lr`` is not a positive number (or a one-element
+    tensor) are left out.
+    """
+    optimizer = captured.tree.get("optimizer")
+    if not optimizer:
+        return {}
+    normalized = {t.fqn for t in captured.tensors if t.state_key == "exp_avg_sq"}
+    by_name = {t.name: t.tensor for t in captured.tensors}
+    rates: dict[str, float] = {}
+    for group in optimizer["param_groups"]:
+        lr = group.get("lr")
+        if isinstance(lr, dict) and "$tensor" in lr and by_name[lr["$tensor"]].numel() == 1:
+            lr = float(by_name[lr["$tensor"]].item())
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) \
+                and lr > 0:
+            rates.update((fqn, float(lr)) for fqn in group["params"] if fqn in normalized)
+    return rates
 
 
 def rng_state() -> dict[str, Any]:

@@ -37,7 +37,7 @@ from deltackpt import (
 from deltackpt.cli import main
 from deltackpt.compression import ScaleController
 from deltackpt.format import StepMetadata
-from deltackpt.state import capture
+from deltackpt.state import adam_learning_rates, capture
 from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
 
 BINADE = 1 << 23  # ordinal keys per power of two (FORMAT 3.2)
@@ -301,10 +301,64 @@ def test_every_quant_chunk_is_within_half_its_step(ckpt: Path) -> None:
                     assert domain_pred == {("linear", "zero")}, name
                 else:
                     assert name.endswith("/exp_avg_sq") and domain_pred == {("ordinal", "base")}, name
-                    assert {p["step"] for p in params} == {4 * BINADE}  # balanced: 4 binades
+                    assert {p["step"] for p in params} == {8 * BINADE}  # balanced: 8 binades
         stats = classes(mgr, 4)
         assert set(stats) == {"weights", "exp_avg", "exp_avg_sq", "exact"}
         assert stats["exact"]["max_abs_error"] == 0
+
+
+def test_weights_step_follows_the_learning_rate(ckpt: Path) -> None:
+    """With ``lr_step`` a weight's step is ``lr_step`` times its param group's learning rate at
+    every save, however far apart the saves are, and the restored weights stay within half of it;
+    weights an SGD optimizer moves fall back to the step relative to their change."""
+    model = mlp()
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    groups = [{"params": list(linears[0].parameters()), "lr": 1e-2},
+              {"params": [p for m in linears[1:] for p in m.parameters()], "lr": 2e-3}]
+    lr_of = {f"model/{n}": (1e-2 if n.startswith("0.") else 2e-3) for n, _ in model.named_parameters()}
+    config = dataclasses.replace(CompressionConfig.preset("balanced"),
+                                 weights=Quantizer(step=5.0, lr_step=10.0))
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        optimizer = torch.optim.AdamW(groups)
+        for step, steps in enumerate([3, 1, 8]):
+            train(model, optimizer, steps=steps)
+            mgr.save(step, model, optimizer)
+            saved = snapshot(model, optimizer)
+            if step == 0:
+                continue
+            meta, restored = mgr.metadata(step), mgr.restore(step).tensors
+            for name in float_names(saved, "model/"):
+                steps_used = {c.params["step"] for c in meta.tensor(name).fragments[0].chunks}
+                assert steps_used == {float(np.float32(10.0 * lr_of[name]))}, (step, name)
+                assert check_chunk_bounds(meta, name, restored[name], saved[name]) >= 1
+            assert meta.stats.compression["weights"]["lr_step"] == 10.0
+
+    shutil.rmtree(ckpt)
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        for step in range(2):
+            train(model, optimizer, steps=2)
+            mgr.save(step, model, optimizer)
+        chunks = mgr.metadata(1).tensor("model/0.weight").fragments[0].chunks
+        assert {c.params["step"] for c in chunks} != {float(np.float32(0.1))}
+
+
+def test_adam_learning_rates_of_a_capture() -> None:
+    """Which parameters move at an Adam-family learning rate: float or one-element tensor rates,
+    none for frozen groups (lr 0), SGD, or parameters without optimizer state yet."""
+    model = mlp()
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    optimizer = torch.optim.Adam([{"params": list(linears[0].parameters()), "lr": torch.tensor(3e-3)},
+                                  {"params": list(linears[1].parameters()), "lr": 0.0},
+                                  {"params": list(linears[2].parameters()), "lr": 1e-3}])
+    assert adam_learning_rates(capture(model, optimizer, None, False)) == {}  # no state yet
+    train(model, optimizer, steps=1)
+    rates = adam_learning_rates(capture(model, optimizer, None, False))
+    assert rates == pytest.approx({"0.weight": 3e-3, "0.bias": 3e-3, "4.weight": 1e-3, "4.bias": 1e-3})
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, sgd, steps=1)
+    assert adam_learning_rates(capture(model, sgd, None, False)) == {}
+    assert adam_learning_rates(capture(model, None, None, False)) == {}
 
 
 def test_exp_avg_sq_relative_error_bound(ckpt: Path) -> None:
@@ -839,7 +893,7 @@ def test_presets_and_validation(tmp_path: Path) -> None:
         assert config.deltas == (name != "lossless")
     balanced, aggressive = CompressionConfig.preset("balanced"), CompressionConfig.preset("aggressive")
     assert aggressive.weights.step > balanced.weights.step
-    assert aggressive.exp_avg_sq.step > balanced.exp_avg_sq.step
+    assert aggressive.weights.lr_step > balanced.weights.lr_step
     with pytest.raises(ValueError, match=r"'fast'.*aggressive.*balanced.*lossless"):
         CompressionConfig.preset("fast")
     with pytest.raises(ValueError, match="fast"):
@@ -849,7 +903,9 @@ def test_presets_and_validation(tmp_path: Path) -> None:
                    {"step": None, "density": 0.0}, {"step": None, "density": 1.5},
                    {"step": None, "density": -0.1}, {"step": 1.0, "density": 0.5},
                    {"step": None}, {"domain": "log"}, {"pred": "mean"},
-                   {"step": None, "density": 0.5, "domain": "ordinal"}]:
+                   {"step": None, "density": 0.5, "domain": "ordinal"}, {"lr_step": 0.0},
+                   {"lr_step": math.nan}, {"lr_step": 4.0, "domain": "ordinal"},
+                   {"lr_step": 4.0, "pred": "zero"}]:
         with pytest.raises(ValueError):
             Quantizer(**kwargs)
     Quantizer(step=None, density=1.0)
@@ -891,19 +947,21 @@ def test_exact_overrides(ckpt: Path, preset: str | None) -> None:
     assert compression["overrides"]["model/0.*"] == {"step": 1.0, "domain": "linear", "pred": "base",
                                                      "exact": True}
     assert compression["scale"] == 1.0
-    expected = CompressionConfig.preset(preset or "balanced").weights.step
-    assert compression["weights"]["step"] == expected
+    expected = CompressionConfig.preset(preset or "balanced").weights
+    assert (compression["weights"]["step"], compression["weights"]["lr_step"]) == (
+        expected.step, expected.lr_step)
 
 
 def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
-    """The same states saved with both presets: aggressive deltas are smaller, with larger errors."""
+    """The same states saved with both presets: aggressive deltas are smaller, with larger errors.
+    (Saves 24 training steps apart: the presets' weight steps are 16 and 32 learning rates.)"""
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     managers = {name: CheckpointManager(tmp_path / name, full_every=100, compression=name)
                 for name in ("balanced", "aggressive")}
     try:
         for step in range(4):
-            train(model, optimizer)
+            train(model, optimizer, steps=24)
             for mgr in managers.values():
                 mgr.save(step, model, optimizer)
         for step in range(1, 4):
