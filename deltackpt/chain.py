@@ -1,12 +1,18 @@
 """The restore chain: rebuild a delta step from its full step and the deltas in between.
 
 A delta step's lossy chunks are coded against the reconstruction of its
-base step (docs/FORMAT.md 4). Restoring step ``s`` therefore walks the
+base step (docs/FORMAT.md 5). Restoring step ``s`` therefore walks the
 ``base_step`` links down to a full step, decodes it, and applies each delta
-in order to a running float32 reconstruction, checking every chunk of every
-step against its checksums on the way. A tensor whose chunks in some step
-do not depend on the base (stored exactly, or coded directly) is decoded
-from that step on only.
+in order to a running float32 reconstruction. A chunk that does not depend
+on its base in some step (stored exactly, or coded against zero) is
+decoded from that step on only.
+
+When a tensor's chunks cover the same elements in every delta (the same
+``chunk_bytes``), each chunk range is one task: its chunk of every step is
+read and checked against its stored checksum, and all its quant streams
+are applied in one pass (:func:`codecs.quant.apply_quant_streams`); the
+result is checked against the last step's ``raw_xxh3``. Otherwise the
+tensor's deltas are applied one step after another, each checked.
 
 :class:`Reconstruction` is that running state. The writer keeps one too,
 updated by every save, so the residuals it codes are against exactly what
@@ -23,7 +29,7 @@ import numpy as np
 import torch
 
 from deltackpt.codecs.quant import NAME as QUANT
-from deltackpt.codecs.quant import decode_quant, uses_base
+from deltackpt.codecs.quant import apply_quant_streams, quant_stream, uses_base
 from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
@@ -89,38 +95,62 @@ def chain_of(storage: Storage, meta: StepMetadata,
     return chain[::-1]
 
 
-def _self_contained(record: TensorRecord) -> bool:
-    return not any(c.codec == QUANT and uses_base(c.params)
-                   for f in record.fragments for c in f.chunks)
+def _self_contained(chunk: Chunk) -> bool:
+    """Whether a chunk decodes without its base step (FORMAT.md 5)."""
+    return chunk.codec != QUANT or not uses_base(chunk.params)
 
 
-def _first_needed(chain: list[StepMetadata], name: str) -> int:
-    """Index of the first step of the chain ``name`` must be decoded from."""
+def _first_needed(chain: list[StepMetadata], records: list[dict[str, TensorRecord]],
+                  name: str) -> int:
+    """Index of the first step of the chain ``name`` must be decoded from.
+
+    ``records`` maps tensor names to records, one dict per step of the chain.
+    """
     for i in range(len(chain) - 1, -1, -1):
-        try:
-            record = chain[i].tensor(name)
-        except KeyError:
+        record = records[i].get(name)
+        if record is None:
             raise CorruptionError(
                 f"step {chain[i + 1].step}: tensor {name!r} is coded against base step "
-                f"{chain[i].step}, which does not hold it") from None
+                f"{chain[i].step}, which does not hold it")
         if i + 1 < len(chain):
-            later = chain[i + 1].tensor(name)
+            later = records[i + 1][name]
             if (record.dtype, record.shape) != (later.dtype, later.shape):
                 raise CorruptionError(
                     f"step {chain[i + 1].step}: tensor {name!r} ({later.dtype} {later.shape}) is "
                     f"coded against step {chain[i].step}, where it is {record.dtype} {record.shape}")
-        if _self_contained(record):
+        if all(_self_contained(c) for f in record.fragments for c in f.chunks):
             return i
     raise CorruptionError(f"tensor {name!r} of step {chain[-1].step} depends on a base in "
                           f"every step down to the full step {chain[0].step}")
 
 
 @dataclass
-class _DeltaTask:
+class _Link:
+    """The chunk of one chain step (``depth``) that covers a task's elements."""
+
+    depth: int
     record: TensorRecord
     chunk: Chunk
-    state: np.ndarray | None  # float32 slice of the running value, or None
-    out: np.ndarray  # raw bytes of the chunk in the tensor's dtype
+
+
+@dataclass
+class _RangeTask:
+    """One chunk range of a tensor, taken through consecutive steps of the chain.
+
+    ``links`` are its chunks, oldest first: the first may be self-contained;
+    the others are coded against their base. ``state`` is the float32 slice
+    of the running values (None for dtypes never coded lossily), ``out``
+    the range's raw bytes in the tensor. ``chunk`` is the last link's
+    (``run_chunk_tasks`` reports progress by it).
+    """
+
+    links: list[_Link]
+    state: np.ndarray | None
+    out: np.ndarray
+
+    @property
+    def chunk(self) -> Chunk:
+        return self.links[-1].chunk
 
 
 def _single_box(meta: StepMetadata, record: TensorRecord) -> None:
@@ -129,24 +159,62 @@ def _single_box(meta: StepMetadata, record: TensorRecord) -> None:
                               "store each tensor as one whole fragment")
 
 
-def _apply_delta(source: ChunkSource, task: _DeltaTask) -> None:
-    record, chunk = task.record, task.chunk
-    where = f"step {source.meta.step}, tensor {record.name!r}, file {source.path(chunk)}"
-    if chunk.codec == QUANT:
-        if task.state is None:
-            raise CorruptionError(f"{where}: quant chunk on a {record.dtype} tensor")
-        stored = source.stored(record, chunk)
+def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
+    """Decode a range through its links; every stored chunk and the result are checked."""
+    links = task.links
+    first, last = links[0], links[-1]
+    if first.chunk.codec != QUANT:  # stored exactly: the range starts over from it
+        sources[first.depth].decode(first.record, first.chunk, task.out)
+        if task.state is not None and first.record.dtype != "float32":  # else a view of out
+            task.state[:] = float32_values(task.out, first.record.dtype)
+        links = links[1:]
+        if not links:
+            return
+    if task.state is None:
+        raise CorruptionError(f"{sources[last.depth].where(last.record, last.chunk)}: quant "
+                              f"chunk on a {last.record.dtype} tensor")
+    streams = []
+    for link in links:
+        source = sources[link.depth]
+        stored = source.stored(link.record, link.chunk)
         try:
-            decode_quant(stored, chunk.params, task.state, task.state)
+            streams.append(quant_stream(stored, link.chunk.params, task.state.shape[0]))
         except DeltackptError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        if record.dtype != "float32":  # float32 tensors are their running values
-            task.out[:] = dtype_bytes(task.state, record.dtype)
-        source.check_raw(record, chunk, task.out)
-    else:
-        source.decode(record, chunk, task.out)
-        if task.state is not None:
-            task.state[:] = float32_values(task.out, record.dtype)
+            raise type(exc)(f"{source.where(link.record, link.chunk)}: {exc}") from None
+    apply_quant_streams(streams, task.state)
+    if last.record.dtype != "float32":  # float32 tensors are their running values
+        task.out[:] = dtype_bytes(task.state, last.record.dtype)
+    sources[last.depth].check_raw(last.record, last.chunk, task.out)
+
+
+def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord]], name: str,
+                 first: int, state: np.ndarray | None, raw: np.ndarray) -> list[list[_RangeTask]]:
+    """The tasks that take tensor ``name`` from step ``first`` of the chain to the last.
+
+    One list of tasks when its chunks line up in every step from ``first``
+    on: a task per chunk range, from the last step where that chunk is
+    self-contained (or step ``first``, whose values the caller has). Else a
+    list per step, each task one chunk of that step, to run in order.
+    """
+    steps = [(d, records[d][name]) for d in range(first, len(chain))]
+    for d, record in steps:
+        _single_box(chain[d], record)
+    itemsize = spec_named(steps[0][1].dtype, name).itemsize
+
+    def task(links: list[_Link]) -> _RangeTask:
+        lo, hi = links[-1].chunk.raw_offset, links[-1].chunk.raw_offset + links[-1].chunk.raw_length
+        return _RangeTask(links, None if state is None else state[lo // itemsize : hi // itemsize],
+                          raw[lo:hi])
+
+    bounds = {tuple((c.raw_offset, c.raw_length) for c in r.fragments[0].chunks) for _, r in steps}
+    if len(bounds) > 1:
+        return [[task([_Link(d, r, c)]) for c in r.fragments[0].chunks] for d, r in steps]
+    tasks = []
+    for i in range(len(steps[-1][1].fragments[0].chunks)):
+        links = [_Link(d, r, r.fragments[0].chunks[i]) for d, r in steps]
+        start = max((j for j, link in enumerate(links) if _self_contained(link.chunk)), default=0)
+        tasks.append(task(links[start:]))
+    return [tasks]
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None = None,
@@ -158,8 +226,9 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     memory with the returned float32 tensors.
     """
     chain = chain_of(storage, meta)
+    records = [{r.name: r for r in m.tensors} for m in chain]
     final = {r.name: r for r in meta.tensors if r.alias_of is None}
-    start = {name: _first_needed(chain, name) for name in final}
+    start = {name: _first_needed(chain, records, name) for name in final}
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, np.ndarray] = {}
 
@@ -167,28 +236,25 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     for name, tensor in read_tensors(storage, chain[0], full_names, workers=workers,
                                      progress=progress).items():
         tensors[name] = tensor.reshape(-1).contiguous()
-    for depth, step_meta in enumerate(chain[1:], start=1):
-        tasks = []
-        for record in step_meta.tensors:
-            if record.alias_of is not None or record.name not in final or start[record.name] > depth:
-                continue
-            _single_box(step_meta, record)
-            if record.name not in tensors:
-                dtype = spec_named(record.dtype, record.name).torch_dtype
-                tensors[record.name] = torch.empty(record.numel, dtype=dtype)
-            flat = tensors[record.name]
-            raw = flat.view(torch.uint8).numpy()
-            state = _state(values, record, flat)
-            itemsize = flat.element_size()
-            for chunk in record.fragments[0].chunks:
-                lo, hi = chunk.raw_offset // itemsize, (chunk.raw_offset + chunk.raw_length) // itemsize
-                tasks.append(_DeltaTask(record, chunk, None if state is None else state[lo:hi],
-                                        raw[chunk.raw_offset : chunk.raw_offset + chunk.raw_length]))
-        source = ChunkSource(storage, step_meta)
-        try:
-            run_chunk_tasks(tasks, lambda t, s=source: _apply_delta(s, t), workers,
-                            f"apply step {step_meta.step}", progress)
-        finally:
+    rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
+    for name, record in final.items() if len(chain) > 1 else ():
+        if name not in tensors:
+            spec = spec_named(record.dtype, name)
+            tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
+        flat = tensors[name]
+        state = _state(values, record, flat, decoded=start[name] == 0)
+        planned = _range_tasks(chain, records, name, max(start[name], 1), state,
+                               flat.view(torch.uint8).numpy())
+        rounds += [[] for _ in range(len(planned) - len(rounds))]
+        for round_tasks, tasks in zip(rounds, planned, strict=False):
+            round_tasks += tasks
+    sources = [ChunkSource(storage, m) for m in chain]
+    try:
+        for tasks in rounds:
+            run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
+                            f"apply deltas up to step {meta.step}", progress)
+    finally:
+        for source in sources:
             source.close()
 
     for name, record in final.items():
@@ -202,12 +268,16 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
                                chain=[m.step for m in chain])
 
 
-def _state(values: dict[str, np.ndarray], record: TensorRecord,
-           flat: torch.Tensor) -> np.ndarray | None:
-    """The float32 running value of a tensor of a lossy-capable dtype (created on first use)."""
+def _state(values: dict[str, np.ndarray], record: TensorRecord, flat: torch.Tensor,
+           decoded: bool = True) -> np.ndarray | None:
+    """The float32 running value of a tensor of a lossy-capable dtype (created on first use:
+    from ``flat``'s values if ``decoded``, else left to be written)."""
     if record.dtype not in LOSSY_DTYPES:
         return None
     if record.name not in values:
-        values[record.name] = flat.numpy().view(np.float32) if record.dtype == "float32" \
-            else flat.float().numpy()
+        if record.dtype == "float32":
+            values[record.name] = flat.numpy().view(np.float32)
+        else:
+            values[record.name] = flat.float().numpy() if decoded else \
+                np.empty(flat.numel(), np.float32)
     return values[record.name]

@@ -98,6 +98,10 @@ class ChunkSource:
     def path(self, chunk: Chunk) -> str:
         return f"{self.storage.url}/{step_dir_name(self.meta.step)}/{self.meta.files[chunk.file].name}"
 
+    def where(self, record: TensorRecord, chunk: Chunk) -> str:
+        """The step, tensor and file of a chunk, to start an error message with."""
+        return f"step {self.meta.step}, tensor {record.name!r}, file {self.path(chunk)}"
+
     def _reader(self, index: int) -> RangeReader:
         with self._lock:
             if index not in self._readers:
@@ -108,31 +112,30 @@ class ChunkSource:
 
     def stored(self, record: TensorRecord, chunk: Chunk) -> memoryview:
         """The chunk's stored bytes, checked against their checksum."""
-        where = f"step {self.meta.step}, tensor {record.name!r}, file {self.path(chunk)}"
         try:
             data = self._reader(chunk.file).read(chunk.offset, chunk.length)
         except CorruptionError as exc:
-            raise CorruptionError(f"{where}: {exc}") from None
+            raise CorruptionError(f"{self.where(record, chunk)}: {exc}") from None
         if xxhash.xxh3_64_hexdigest(data) != chunk.xxh3:
-            raise CorruptionError(f"{where}: checksum mismatch in bytes {chunk.offset}.."
+            raise CorruptionError(f"{self.where(record, chunk)}: checksum mismatch in bytes "
+                                  f"{chunk.offset}.."
                                   f"{chunk.offset + chunk.length} (the file is corrupted)")
         return memoryview(data)
 
     def decode(self, record: TensorRecord, chunk: Chunk, out: np.ndarray) -> None:
         """Decode the chunk into ``out`` (its raw bytes) and check the result."""
         stored = self.stored(record, chunk)
-        where = f"step {self.meta.step}, tensor {record.name!r}, file {self.path(chunk)}"
         try:
             decode_into(chunk.codec, chunk.params, stored, out)
         except DeltackptError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
+            raise type(exc)(f"{self.where(record, chunk)}: {exc}") from None
         self.check_raw(record, chunk, out)
 
     def check_raw(self, record: TensorRecord, chunk: Chunk, out: np.ndarray) -> None:
         """Raise unless ``out`` (a decoded chunk) matches the chunk's ``raw_xxh3``."""
         if xxhash.xxh3_64_hexdigest(out) != chunk.raw_xxh3:
-            where = f"step {self.meta.step}, tensor {record.name!r}, file {self.path(chunk)}"
-            raise CorruptionError(f"{where}: decoded bytes do not match their checksum")
+            raise CorruptionError(f"{self.where(record, chunk)}: decoded bytes do not match their "
+                                  "checksum")
 
     def close(self) -> None:
         for reader in self._readers.values():

@@ -20,8 +20,10 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
     decode_block_stream,
+    decode_step_streams,
     encode_block_stream,
     n_blocks_of,
+    numpy_decode_steps,
     numpy_dequantize,
     numpy_from_keys,
     numpy_keys,
@@ -599,3 +601,198 @@ def test_invalid_steps_raise(ordinal: bool, step: float | int) -> None:
     with np.errstate(over="ignore"), pytest.raises(ValueError, match="step"):
         decode_block_stream(np.zeros(3, np.uint8), None, np.empty(10, np.float32), ordinal=ordinal,
                             step=step, block=4)
+
+
+# -- 9. several steps in one pass ---------------------------------------------------------
+
+class StepsCase(NamedTuple):
+    start: np.ndarray  # running values before the first step (unused with zero_start)
+    streams: list[np.ndarray]
+    ordinal: list[bool]
+    steps: list[float | int]
+    block: int
+    zero_start: bool
+
+
+def _symbol_stream(n: int, block: int, rng: np.random.Generator) -> np.ndarray:
+    """A stream of random symbols whose blocks take every width 0..16 (zero-width blocks often)."""
+    widths = rng.choice([0, 0, 1, 2, 3, 5, 8, 9, 13, 16], n_blocks_of(n, block))
+    q = np.concatenate([_symbols_of_width(min(block, n - b * block), int(w), int(rng.integers(2**32)))
+                        for b, w in enumerate(widths)]) if n else np.zeros(0, np.int64)
+    return numpy_pack(q, block)
+
+
+@st.composite
+def steps_cases(draw: st.DrawFn, max_n: int = 2500) -> StepsCase:
+    """Steps of mixed domains over start values of any pattern (non-finite ones included), as the
+    writer codes them (symbols quantizing new values) or as random symbols of every width."""
+    block = draw(st.sampled_from(BLOCKS))
+    n = min(draw(st.one_of(st.sampled_from([1, 2, 7, block - 1, block, block + 1, 3 * block + 5]),
+                           st.integers(0, max_n))), 5000)
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    start = _values(n, seed, draw(st.sampled_from(PATTERNS)))
+    if draw(st.booleans()):  # signed zeros and non-finite running values the decoder must carry too
+        bits = np.array([0x80000000, 0, *NONFINITE_BITS], np.uint32)
+        where = rng.random(n) < 0.05
+        start[where] = bits[rng.integers(0, bits.size, int(where.sum()))].view(np.float32)
+    n_steps = draw(st.integers(1, 6))
+    ordinal = [draw(st.booleans()) for _ in range(n_steps)]
+    steps = [draw(st.sampled_from(ORDINAL_STEPS if o else LINEAR_STEPS)) for o in ordinal]
+    zero_start = draw(st.booleans())
+    running = None if zero_start else start.copy()
+    streams = []
+    for o, step in zip(ordinal, steps, strict=True):
+        if draw(st.booleans()) or running is None or not np.isfinite(running).all():
+            streams.append(_symbol_stream(n, block, rng))
+            with np.errstate(invalid="ignore", over="ignore"):
+                running = numpy_decode_steps(streams[-1:], running, n, ordinal=[o], steps=[step],
+                                             block=block)
+        else:
+            target = _values(n, int(rng.integers(2**32)), str(rng.choice(PATTERNS)))
+            near = np.where(rng.random(n) < 0.7, running, target).astype(np.float32)
+            streams.append(encode_block_stream(near, running, running, ordinal=o, step=step,
+                                               block=block)[0])
+    return StepsCase(start, streams, ordinal, steps, block, zero_start)
+
+
+def _decode_steps_case(c: StepsCase) -> np.ndarray:
+    out = np.full(c.start.size, np.nan, np.float32) if c.zero_start else c.start.copy()
+    decode_step_streams(c.streams, out, ordinal=c.ordinal, steps=c.steps, block=c.block,
+                        zero_start=c.zero_start)
+    return out
+
+
+@SETTINGS
+@given(c=steps_cases())
+def test_step_streams_match_references(c: StepsCase) -> None:
+    """One pass over several steps == the numpy reference, step after step == decode_block_stream
+    once per step (per-step ordinal clamping, -0.0 to +0.0 even in zero-width blocks)."""
+    actual = _decode_steps_case(c)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = numpy_decode_steps(c.streams, None if c.zero_start else c.start.copy(),
+                                      c.start.size, ordinal=c.ordinal, steps=c.steps, block=c.block)
+    assert_bits_equal(actual, expected, "numpy reference")
+    sequential = c.start.copy()
+    for i, (stream, o, step) in enumerate(zip(c.streams, c.ordinal, c.steps, strict=True)):
+        pred = None if c.zero_start and i == 0 else sequential
+        decode_block_stream(stream, pred, sequential, ordinal=o, step=step, block=c.block)
+    assert_bits_equal(actual, sequential, "decode_block_stream per step")
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_step_streams_zero_width_blocks_still_reconstruct(ordinal: bool) -> None:
+    """All-zero streams: no symbol to unpack, yet -0.0 becomes +0.0 and (ordinal) non-finite
+    running values are clamped to the largest finite ones, in every step as in decode_block_stream."""
+    start = np.array([-0.0, 0.0, 1.5, -2.0, np.inf, -np.inf, 3.4028235e38] * 20, np.float32)
+    stream = np.zeros(n_blocks_of(start.size, 64), np.uint8)
+    out = start.copy()
+    step = 1 << 10 if ordinal else 0.25
+    decode_step_streams([stream] * 3, out, ordinal=[ordinal] * 3, steps=[step] * 3, block=64,
+                        zero_start=False)
+    expected = np.where(start == 0, np.float32(0), start).astype(np.float32)
+    if ordinal:
+        expected = np.clip(expected, -3.4028235e38, 3.4028235e38).astype(np.float32)
+    assert_bits_equal(out, expected)
+    assert not np.signbit(out[::7]).any()
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_step_streams_zero_width_between_steps(ordinal: bool) -> None:
+    """A zero-width block between coded ones: its reconstruction (ordinal: the clamp of keys past
+    the finite range, here of infinities and NaNs) happens before the next step adds its symbols."""
+    rng = np.random.default_rng(3)
+    start = np.array([np.inf, -np.inf, np.nan, -0.0, 3.4028235e38, -3.4028235e38, 1.0] * 10,
+                     np.float32)
+    block = 7
+    zero = np.zeros(n_blocks_of(start.size, block), np.uint8)
+    streams = [zero, numpy_pack(rng.integers(-3, 4, start.size), block), zero,
+               numpy_pack(rng.integers(-3, 4, start.size), block)]
+    steps: list[float | int] = [1 << 20 if ordinal else 0.5] * len(streams)
+    expected = start.copy()
+    with np.errstate(invalid="ignore"):
+        for stream, step in zip(streams, steps, strict=True):
+            decode_block_stream(stream, expected, expected, ordinal=ordinal, step=step, block=block)
+    actual = start.copy()
+    decode_step_streams(streams, actual, ordinal=[ordinal] * len(streams), steps=steps,
+                        block=block, zero_start=False)
+    assert_bits_equal(actual, expected)
+
+
+def test_step_streams_stay_on_one_block() -> None:
+    """Each block is decoded through every step before the next block: a long chain of steps over
+    many blocks, the domains alternating, equals the per-step decode."""
+    rng = np.random.default_rng(5)
+    n, block = 10_000, 256
+    start = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    ordinal = [bool(i % 3 == 0) for i in range(12)]
+    steps: list[float | int] = [1 << 14 if o else float(np.float32(1e-4)) for o in ordinal]
+    streams = [_symbol_stream(n, block, rng) for _ in ordinal]
+    c = StepsCase(start, streams, ordinal, steps, block, zero_start=False)
+    expected = start.copy()
+    for stream, o, step in zip(streams, ordinal, steps, strict=True):
+        decode_block_stream(stream, expected, expected, ordinal=o, step=step, block=block)
+    assert_bits_equal(_decode_steps_case(c), expected)
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_step_streams_damaged_raise_before_writing(ordinal: bool, bad: int) -> None:
+    """A damaged stream among several raises ValueError naming its index; nothing is written."""
+    stream = _valid_stream(ordinal)
+    n_blocks = n_blocks_of(1000, 64)
+    wide = stream.copy()
+    wide[n_blocks - 1] = 17
+    for damaged, message in [(stream[: n_blocks - 1].copy(), "shorter"), (wide, "over 16"),
+                             (stream[:-1].copy(), "bytes"),
+                             (np.concatenate([stream, np.zeros(1, np.uint8)]), "bytes")]:
+        streams = [stream] * 3
+        streams[bad] = damaged
+        start = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+        out = start.copy()
+        with pytest.raises(ValueError, match=rf"stream {bad}: .*{message}"):
+            decode_step_streams(streams, out, ordinal=[ordinal] * 3,
+                                steps=[1 << 16 if ordinal else float(np.float32(1e-3))] * 3,
+                                block=64, zero_start=False)
+        assert_bits_equal(out, start, "values after a refused decode")
+
+
+@FEW
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 600), block=st.sampled_from([1, 7, 64]),
+       ordinal=st.booleans())
+def test_step_streams_random_bytes(seed: int, n: int, block: int, ordinal: bool) -> None:
+    """Streams of random bytes (any widths, any length): a ValueError, or the very values the numpy
+    reference decodes; never a read out of bounds."""
+    rng = np.random.default_rng(seed)
+    streams = [_symbol_stream(n, block, rng) for _ in range(2)]
+    mangled = streams[1].copy()
+    if mangled.size:
+        mangled[rng.integers(0, mangled.size, 3)] = rng.integers(0, 256, 3, dtype=np.uint8)
+    streams.append(np.concatenate([mangled, rng.integers(0, 256, int(rng.integers(0, 3)),
+                                                         dtype=np.uint8)]))
+    start = _values(n, seed, "normal")
+    c = StepsCase(start, streams, [ordinal] * 3, [3 if ordinal else 0.5] * 3, block, False)
+    try:
+        actual = _decode_steps_case(c)
+    except ValueError as exc:
+        assert str(exc).startswith("stream 2: ")
+        with pytest.raises(ValueError):
+            decode_block_stream(streams[2], start.copy(), start.copy(), ordinal=ordinal,
+                                step=c.steps[2], block=block)
+        return
+    expected = numpy_decode_steps(streams, start.copy(), n, ordinal=c.ordinal, steps=c.steps,
+                                  block=block)
+    assert_bits_equal(actual, expected)
+
+
+def test_step_streams_argument_checks() -> None:
+    out = np.zeros(10, np.float32)
+    stream = np.zeros(3, np.uint8)
+    with pytest.raises(ValueError, match="2 streams, 1 domains and 2 steps"):
+        decode_step_streams([stream, stream], out, ordinal=[False], steps=[1.0, 1.0], block=4,
+                            zero_start=False)
+    with pytest.raises(ValueError, match="step"):
+        decode_step_streams([stream, stream], out, ordinal=[False, True], steps=[1.0, 1.5],
+                            block=4, zero_start=False)
+    decode_step_streams([], out, ordinal=[], steps=[], block=4, zero_start=False)
+    assert_bits_equal(out, np.zeros(10, np.float32))

@@ -6,10 +6,15 @@ or the reconstruction of the same elements in the base step (``pred:
 "base"``), which the restore chain (:mod:`deltackpt.chain`) supplies. The
 decoded values are float32: the running reconstruction. A tensor of a
 16-bit dtype is that reconstruction rounded to its dtype.
+
+:func:`decode_quant` decodes one chunk; a restore chain checks each step's
+chunk with :func:`quant_stream` and applies all of them at once with
+:func:`apply_quant_streams`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +27,9 @@ from deltackpt.kernels.quant import (
     MAX_KEY,
     STAT_BAD,
     STAT_CLIPPED,
+    check_stream,
     decode_block_stream,
+    decode_step_streams,
     encode_block_stream,
 )
 
@@ -67,21 +74,61 @@ def uses_base(params: dict[str, Any]) -> bool:
     return params.get("pred") == "base"
 
 
+@dataclass(frozen=True)
+class QuantStream:
+    """The checked symbol stream of one quant chunk and its validated parameters."""
+
+    data: np.ndarray
+    ordinal: bool
+    with_base: bool
+    step: float | int
+    block: int
+
+
+def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
+    """The symbol stream of a quant chunk of ``n`` elements, decompressed and checked.
+
+    Raises :class:`FormatError` for invalid params and :class:`CorruptionError`
+    for a frame or stream that does not decode, so a stream returned here
+    always decodes.
+    """
+    ordinal, with_base, step, block = quant_params(params)
+    # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
+    data = np.frombuffer(zstd_decompress_bounded(stored, -(-n // block) + 2 * n), dtype=np.uint8)
+    try:
+        check_stream(data, n, block)
+    except ValueError as exc:
+        raise CorruptionError(f"quant stream does not decode ({exc})") from None
+    return QuantStream(data, ordinal, with_base, step, block)
+
+
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
                  out: np.ndarray) -> None:
     """Decode a quant chunk into float32 ``out`` (may be ``pred``: updated in place)."""
-    ordinal, with_base, step, block = quant_params(params)
-    if with_base and pred is None:
+    stream = quant_stream(stored, params, out.shape[0])
+    if stream.with_base and pred is None:
         raise FormatError("quant chunk is coded against its base step, which was not given")
-    n = out.shape[0]
-    n_blocks = -(-n // block)
-    # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
-    stream = np.frombuffer(zstd_decompress_bounded(stored, n_blocks + 2 * n), dtype=np.uint8)
-    try:
-        decode_block_stream(stream, pred if with_base else None, out, ordinal=ordinal, step=step,
-                            block=block)
-    except ValueError as exc:
-        raise CorruptionError(f"quant stream does not decode ({exc})") from None
+    decode_block_stream(stream.data, pred if stream.with_base else None, out,
+                        ordinal=stream.ordinal, step=stream.step, block=stream.block)
+
+
+def apply_quant_streams(streams: list[QuantStream], values: np.ndarray) -> None:
+    """Apply the streams of one chunk in consecutive steps, in order, to its running values.
+
+    ``values`` (float32) holds the running values before the first step
+    (unused when that step predicts from zero) and is updated in place: the
+    result is bit for bit that of :func:`decode_quant` once per step. Runs of
+    steps with one block size are decoded in a single pass.
+    """
+    first = 0
+    for i in range(1, len(streams) + 1):
+        if i == len(streams) or streams[i].block != streams[first].block \
+                or not streams[i].with_base:
+            run = streams[first:i]
+            decode_step_streams([s.data for s in run], values, ordinal=[s.ordinal for s in run],
+                                steps=[s.step for s in run], block=run[0].block,
+                                zero_start=not run[0].with_base)
+            first = i
 
 
 def zstd_decompress_bounded(stored: memoryview, limit: int) -> bytes:
