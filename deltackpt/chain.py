@@ -250,7 +250,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
             round_tasks += tasks
     sources = [ChunkSource(storage, m) for m in chain]
     try:
-        for tasks in rounds:
+        for tasks in rounds:  # the longest first: no thread is left alone with one at the end
+            tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
             run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
                             f"apply deltas up to step {meta.step}", progress)
     finally:

@@ -458,8 +458,9 @@ def _ordinal_step(keys, q, width, step_i):
     alone gives the same keys, with no conversion between steps.
     """
     if width:
+        step32 = np.int64(np.int32(step_i))  # steps are at most MAX_KEY: a 32 x 32-bit product
         for j in range(keys.shape[0]):
-            keys[j] = _clamp_key(keys[j] + np.int64(q[j]) * step_i)
+            keys[j] = _clamp_key(keys[j] + np.int64(q[j]) * step32)
     else:
         for j in range(keys.shape[0]):
             keys[j] = _clamp_key(keys[j])
@@ -475,8 +476,11 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, v
     block-sized buffer through all steps (as keys through consecutive
     ordinal steps): ``values`` is read and written once, however many steps.
     A zero-width block skips the unpack but not the reconstruction
-    (``-0.0`` becomes ``+0.0``, ordinal keys are clamped), so the result is
-    bit for bit that of one ``decode_block_stream`` per step. Serial, to be
+    (``-0.0`` becomes ``+0.0``, ordinal keys are clamped), unless the step
+    before was of the same domain: a linear step never yields ``-0.0`` and
+    leaves NaNs quiet, so adding ``+0.0`` keeps every bit, and its keys are
+    already clamped. The result is bit for bit that of one
+    ``decode_block_stream`` per step. Serial, to be
     run on a thread pool one chunk per call: one parallel kernel per chunk
     costs a thread hand-off per call, which on a busy machine is more than
     the chunk's work.
@@ -504,6 +508,8 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, v
         keyed = False  # whether ``keys`` holds the running values rather than ``run``
         for t in range(n_steps):
             width = np.int64(streams[bounds[t] + b])
+            if not width and t and ordinal[t] == ordinal[t - 1]:
+                continue  # all-zero symbols after a step of the same domain change nothing
             if width:
                 _unpack(streams, offsets[t, b], width, q)
             if ordinal[t]:
