@@ -114,7 +114,7 @@ def _reference(root: Path, step: int) -> tuple[dict[str, bytes], dict[str, np.nd
     return {name: a.tobytes() for name, a in raw.items()}, values
 
 
-def _assert_restores_like_reference(root: Path, steps: range) -> None:
+def _assert_restores_like_reference(root: Path, steps: tuple[int, ...]) -> None:
     storage = open_storage(root)
     for step in steps:
         tensors, recon = restore_chain(storage, read_metadata(storage, step))
@@ -154,7 +154,7 @@ def _widths(root: Path, step: int) -> dict[tuple[str, str], set[int]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chain_restores_like_step_by_step(tmp_path: Path, dtype: torch.dtype) -> None:
-    """Every step of a 6-delta chain: bytes and running values equal the reference's."""
+    """Steps of a 6-delta chain: bytes and running values equal the reference's."""
     root = tmp_path / "ckpt"
     _save_chain(root, range(7), dtype)
     meta = read_metadata(open_storage(root), 6)
@@ -162,7 +162,7 @@ def test_chain_restores_like_step_by_step(tmp_path: Path, dtype: torch.dtype) ->
     widths = _widths(root, 6)
     assert sorted(widths) == [("linear", "base"), ("linear", "zero"), ("ordinal", "base")]
     assert all(max(w) >= 2 for w in widths.values()), widths
-    _assert_restores_like_reference(root, range(7))
+    _assert_restores_like_reference(root, (1, 3, 6))
 
 
 def test_exact_chunk_in_the_middle_restarts_its_range(tmp_path: Path) -> None:
@@ -185,7 +185,7 @@ def test_exact_chunk_in_the_middle_restarts_its_range(tmp_path: Path) -> None:
     codecs = [[c.codec for c in _chunks(read_metadata(storage, s), WEIGHT)[:2]] for s in range(6)]
     assert codecs[2][0] != "quant" and codecs[3][0] != "quant", codecs
     assert codecs[2][1] == codecs[4][0] == codecs[5][0] == "quant", codecs
-    _assert_restores_like_reference(root, range(6))
+    _assert_restores_like_reference(root, (2, 3, 5))
 
 
 def test_block_size_changing_along_the_chain(tmp_path: Path) -> None:
@@ -200,7 +200,7 @@ def test_block_size_changing_along_the_chain(tmp_path: Path) -> None:
     blocks = {c.params["block"] for s in range(1, 7) for c in _chunks(read_metadata(storage, s), WEIGHT)
               if c.codec == "quant"}
     assert blocks == {64, 1024}
-    _assert_restores_like_reference(root, range(7))
+    _assert_restores_like_reference(root, (1, 4, 6))
 
 
 def test_chunk_size_changing_along_the_chain(tmp_path: Path) -> None:
@@ -218,7 +218,7 @@ def test_chunk_size_changing_along_the_chain(tmp_path: Path) -> None:
     storage = open_storage(root)
     bounds = [[c.raw_length for c in _chunks(read_metadata(storage, s), WEIGHT)] for s in (2, 5)]
     assert bounds == [[1024] * 8, [3072, 3072, 2048]]
-    _assert_restores_like_reference(root, range(6))
+    _assert_restores_like_reference(root, (2, 3, 5))
 
 
 # -- damage only decoding reveals ---------------------------------------------------------------

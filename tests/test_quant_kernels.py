@@ -719,9 +719,9 @@ def test_step_streams_zero_width_between_steps(ordinal: bool) -> None:
     assert_bits_equal(actual, expected)
 
 
-def test_step_streams_stay_on_one_block() -> None:
-    """Each block is decoded through every step before the next block: a long chain of steps over
-    many blocks, the domains alternating, equals the per-step decode."""
+def test_step_streams_long_chain_of_alternating_domains() -> None:
+    """Twelve steps over many blocks, the domain changing every few steps (keys converted to
+    values and back within each block): equal to the per-step decode."""
     rng = np.random.default_rng(5)
     n, block = 10_000, 256
     start = (rng.standard_normal(n) * 1e-2).astype(np.float32)
