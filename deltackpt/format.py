@@ -22,6 +22,7 @@ ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
 DATA_FILE_PATTERN = re.compile(r"d-[0-9a-f]+-r[0-9]+-[0-9]+\.bin")
+XXH3_PATTERN = re.compile(r"[0-9a-f]{16}")
 ROLES = ("param", "buffer", "optimizer", "rng", "extra")  # minor versions may add more
 KINDS = ("full", "delta")
 
@@ -184,8 +185,8 @@ class _Fields:
         value = self.obj.get(key)
         if value is None and optional:
             return None
-        bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
-        if not isinstance(value, types) or bad_bool:
+        if not isinstance(value, types) or (value.__class__ is bool and bool not in (
+                types if isinstance(types, tuple) else (types,))):
             raise FormatError(f"{self.where}: field {key!r} is {value!r}, expected {types}")
         return value
 
@@ -213,7 +214,7 @@ def _parse_chunk(obj: Any, where: str, n_files: int) -> Chunk:
     if chunk.file >= n_files:
         raise FormatError(f"{where}: file index {chunk.file} out of range ({n_files} files)")
     for key in ("xxh3", "raw_xxh3"):
-        if not re.fullmatch(r"[0-9a-f]{16}", getattr(chunk, key)):
+        if not XXH3_PATTERN.fullmatch(getattr(chunk, key)):
             raise FormatError(f"{where}: {key} {getattr(chunk, key)!r} is not 16 hex digits")
     return chunk
 
