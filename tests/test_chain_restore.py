@@ -11,7 +11,6 @@ that only decoding reveals, which must still name the step, tensor and file.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +32,7 @@ from deltackpt.storage import open_storage
 WEIGHT = "model/0.weight"  # 64 x 32 float32: 8 chunks of 1 KiB
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:

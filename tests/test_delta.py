@@ -16,7 +16,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,13 +45,7 @@ F32_EPS = 2.0**-23
 TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The models are tiny: one intra-op thread is much faster on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- models, training and snapshots ----------------------------------------------------------------
