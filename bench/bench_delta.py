@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ from deltackpt.training import (
     split_corpus,
     train_step,
 )
+from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers
 
 ROUNDS = 3
 # Training steps between the states a delta is measured on: the fidelity bench's shorter save
@@ -108,47 +110,59 @@ def test_memcpy(benchmark, run) -> None:
 
 
 def _coding(run) -> list[tuple[np.ndarray, np.ndarray | None, bool, float | int]]:
-    """(x, prediction, ordinal, step) per tensor, as the balanced preset codes a delta."""
+    """(x, prediction, ordinal, step) per chunk of a save, as the balanced preset codes a delta.
+
+    Tensors are cut into the chunks a save codes (``DEFAULT_CHUNK_BYTES``).
+    """
     new, old = dict(_tensors(run[2][-1])), dict(_tensors(run[2][-2]))
     jobs = []
     for name, x in new.items():
         if name.startswith("w/"):
             r = x - old[name]
             step = float(np.float32(4 * np.sqrt(np.mean(r.astype(np.float64) ** 2)) or 1.0))
-            jobs.append((x, old[name].copy(), False, step))
+            job = (x, old[name].copy(), False, step)
         elif name.startswith("exp_avg_sq"):
-            jobs.append((x, old[name].copy(), True, 1 << 24))
+            job = (x, old[name].copy(), True, 1 << 24)
         else:
-            jobs.append((x, None, False, float(np.float32(4 * np.sqrt(np.mean(x ** 2)) or 1.0))))
+            job = (x, None, False, float(np.float32(4 * np.sqrt(np.mean(x ** 2)) or 1.0)))
+        x, p, ordinal, step = job
+        n = DEFAULT_CHUNK_BYTES // 4
+        jobs += [(x[i : i + n], None if p is None else p[i : i + n], ordinal, step)
+                 for i in range(0, x.size, n)]
     return jobs
 
 
 def test_encode_kernel(benchmark, run) -> None:
-    """The fused kernel alone: residual, quantize, pack, update of the reconstruction."""
+    """The fused kernel alone: residual, quantize, pack, update of the reconstruction; one
+    chunk per task on a thread pool, as a save runs it."""
     jobs = _coding(run)
     outs = [np.empty_like(x) for x, *_ in jobs]
 
-    def encode() -> int:
-        return sum(encode_block_stream(x, p, o, ordinal=ordinal, step=step, block=1024)[0].size
-                   for (x, p, ordinal, step), o in zip(jobs, outs, strict=True))
+    def encode_one(i: int) -> int:
+        x, p, ordinal, step = jobs[i]
+        return encode_block_stream(x, p, outs[i], ordinal=ordinal, step=step, block=1024)[0].size
 
-    packed = benchmark.pedantic(encode, rounds=ROUNDS, warmup_rounds=1)
+    with ThreadPoolExecutor(default_workers()) as pool:
+        packed = benchmark.pedantic(lambda: sum(pool.map(encode_one, range(len(jobs)))),
+                                    rounds=ROUNDS, warmup_rounds=1)
     record(benchmark, "fused encode kernel (packed)", sum(x.nbytes for x, *_ in jobs), packed)
 
 
 def test_decode_kernel(benchmark, run) -> None:
-    """Unpack, dequantize and add into the running reconstruction, in place."""
+    """Unpack, dequantize and add into the running reconstruction, in place; one chunk per task."""
     jobs = _coding(run)
     streams = [encode_block_stream(x, p, np.empty_like(x), ordinal=o, step=s, block=1024)[0]
                for x, p, o, s in jobs]
     outs = [np.empty_like(x) if p is None else p.copy() for x, p, *_ in jobs]
 
-    def decode() -> None:
-        for (_, p, ordinal, step), stream, out in zip(jobs, streams, outs, strict=True):
-            decode_block_stream(stream, None if p is None else out, out, ordinal=ordinal,
-                                step=step, block=1024)
+    def decode_one(i: int) -> None:
+        _, p, ordinal, step = jobs[i]
+        decode_block_stream(streams[i], None if p is None else outs[i], outs[i], ordinal=ordinal,
+                            step=step, block=1024)
 
-    benchmark.pedantic(decode, rounds=ROUNDS, warmup_rounds=1)
+    with ThreadPoolExecutor(default_workers()) as pool:
+        benchmark.pedantic(lambda: list(pool.map(decode_one, range(len(jobs)))),
+                           rounds=ROUNDS, warmup_rounds=1)
     record(benchmark, "decode kernel (in place)", sum(x.nbytes for x, *_ in jobs))
 
 

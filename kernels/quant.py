@@ -21,15 +21,22 @@ the block's largest symbol, 0 for an all-zero block, at most 16. The
 packed stream is the block widths (one byte each) followed by every block's
 bits, each block starting on a byte boundary.
 
-:func:`encode_block_stream` is the fused encoder: one parallel pass reads
-each input once and computes residual, symbol, block width, packed bits,
-the new reconstruction and error statistics. :func:`decode_block_stream`
+:func:`encode_block_stream` is the fused encoder: one pass reads each
+input once and computes residual, symbol, block width, packed bits, the new
+reconstruction and error statistics. :func:`decode_block_stream`
 unpacks, dequantizes and adds into the running reconstruction in place.
 :func:`decode_step_streams` applies the streams of several consecutive
 steps at once (the end of a restore chain): each block's running values stay
 in a block-sized buffer through every step and are written once, instead of
 one pass over the whole state per step. The ``numpy_*`` functions are the
 executable spec the tests hold the kernels to, bit for bit.
+
+Every kernel is serial and releases the GIL: a save or restore runs one
+chunk (a few MB) per task on its thread pool, so chunks are coded in
+parallel on every core. Parallelism across chunks needs no synchronisation
+inside a kernel; Numba's parallel loops, which wait for every thread at the
+end of each loop, collapsed to a third of their speed whenever another
+process kept a core busy (as the training job beside a save does).
 """
 
 from __future__ import annotations
@@ -37,11 +44,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit, prange
-
-# Numba's portable "workqueue" threading layer must not run two parallel kernels at once;
-# callers on several threads take turns (each kernel uses every core anyway).
-_PARALLEL = threading.Lock()
+from numba import njit
 
 MAX_WIDTH = 16
 Q_MIN, Q_MAX = -(1 << (MAX_WIDTH - 1)), (1 << (MAX_WIDTH - 1)) - 1
@@ -52,9 +55,10 @@ N_STATS = 7
 
 
 @njit(inline="always")
-def _key(bits: np.int64) -> np.int64:
-    """Order-preserving integer key of a float32 bit pattern."""
-    return bits if bits < 0x80000000 else -(bits & 0x7FFFFFFF)
+def _key_of(value: np.float32) -> np.int32:
+    """Order-preserving integer key of a float32 value (its bit pattern, negatives mirrored)."""
+    bits = np.float32(value).view(np.int32)
+    return np.int32(bits if bits >= 0 else -(bits & 0x7FFFFFFF))
 
 
 @njit(inline="always")
@@ -64,37 +68,36 @@ def _clamp_key(key: np.int64) -> np.int64:
 
 
 @njit(inline="always")
-def _from_key(key: np.int64) -> np.int64:
-    """The float32 bit pattern of a key (the inverse of ``_key``, clamped to finite values)."""
-    key = _clamp_key(key)
-    return key if key >= 0 else (-key) | 0x80000000
-
-
-@njit(inline="always")
-def _key_of(value: np.float32) -> np.int64:
-    """The key of a float32 value."""
-    return _key(np.int64(np.float32(value).view(np.uint32)))
+def _float_of_key(key: np.int32) -> np.float32:
+    """The float32 whose key is ``key`` (the inverse of ``_key_of``; ``|key| <= MAX_KEY``)."""
+    return np.int32(key if key >= 0 else (-key) | -0x80000000).view(np.float32)
 
 
 @njit(inline="always")
 def _value_of(key: np.int64) -> np.float32:
     """The float32 value of a key, clamped to finite values."""
-    return np.uint32(_from_key(key)).view(np.float32)
+    return _float_of_key(np.int32(_clamp_key(key)))
 
 
 @njit(inline="always")
-def _reconstruct(p: np.float32, q: np.int64, ordinal: bool, step_f: np.float32,
-                 step_i: np.int64) -> np.float32:
+def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
+                 step_k: np.float64) -> np.float32:
     """The running value after symbol ``q`` on prediction ``p``: FORMAT.md 3.2's one rule,
-    shared by encoder and decoder so they agree by construction."""
+    shared by encoder and decoder so they agree by construction.
+
+    The ordinal step ``step_k`` (an integer) is passed as a float64: ``key(p) + q * step`` is
+    below 2**47, exact in float64, and with AVX2 conversions between floats and 32-bit
+    integers vectorize, those with 64-bit integers do not.
+    """
     if ordinal:
-        return _value_of(_key_of(p) + q * step_i)
+        key = np.float64(_key_of(p)) + np.float64(q) * step_k
+        return _float_of_key(np.int32(min(max(key, np.float64(-MAX_KEY)), np.float64(MAX_KEY))))
     return np.float32(p + np.float32(np.float32(q) * step_f))
 
 
 @njit(inline="always")
-def _zigzag(q: np.int64) -> np.int64:
-    return (q << 1) ^ (q >> 63)
+def _zigzag(q: np.int32) -> np.uint32:
+    return np.uint32((q << np.int32(1)) ^ (q >> np.int32(31)))
 
 
 @njit(inline="always")
@@ -238,11 +241,12 @@ def _block_stats(x, out, sym, width, relative, row):
 def _make_encoder(ordinal: bool, use_pred: bool):
     """The fused encode kernel for one domain and prediction (compile-time constants)."""
 
-    @njit(parallel=True, cache=True, nogil=True)
+    @njit(cache=True, nogil=True)
     def encode(x, pred, out, step_f, step_i, block, widths, slots, stats):
         n = x.shape[0]
-        step64 = np.float64(step_i)
-        for b in prange(widths.shape[0]):
+        step_k = np.float64(step_i)
+        sym_block = np.empty(block, np.uint16)
+        for b in range(widths.shape[0]):
             start = b * block
             stop = min(start + block, n)
             xb = x[start:stop]
@@ -250,25 +254,25 @@ def _make_encoder(ordinal: bool, use_pred: bool):
             ob = out[start:stop]
             m = stop - start
             bad = 0
-            sym = np.empty(m, np.uint16)
+            sym = sym_block[:m]
             zor = np.uint32(0)
-            for j in range(m):
+            for j in range(m):  # branch-free and 32-bit, so that it vectorizes
                 p = pb[j] if use_pred else np.float32(0.0)
-                ok = _finite(xb[j]) and _finite(p)
+                ok = _finite(xb[j]) & _finite(p)
                 bad += not ok
                 if ordinal:
-                    r = np.float64(_key_of(xb[j]) - _key_of(p))
-                    qf = min(max(np.rint(r / step64), np.float64(Q_MIN)), np.float64(Q_MAX))
-                    q = np.int64(qf)
+                    r = np.float64(_key_of(xb[j])) - np.float64(_key_of(p))
+                    qf = min(max(np.rint(r / step_k), np.float64(Q_MIN)), np.float64(Q_MAX))
+                    q = np.int32(qf)
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
                     qf32 = np.rint(np.float32(r32 / step_f))
-                    q = np.int64(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
-                s = _reconstruct(p, q, ordinal, step_f, step_i)
+                    q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
+                s = _reconstruct(p, q, ordinal, step_f, step_k)
                 if not ordinal:
-                    bad += ok and not _finite(s)  # overflow, only with absurd steps
+                    bad += ok & (not _finite(s))  # overflow, only with absurd steps
                 ob[j] = s
-                z = np.uint32(_zigzag(q))
+                z = _zigzag(q)
                 sym[j] = np.uint16(z)
                 zor |= z
             stats[b, STAT_BAD] = bad
@@ -300,27 +304,26 @@ def _block_offsets(widths, n, block, base):
     return offsets
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _compact(slots, widths, offsets, stream):
     n_blocks = widths.shape[0]
-    for b in prange(n_blocks):
+    for b in range(n_blocks):
         stream[b] = widths[b]
         length = offsets[b + 1] - offsets[b]
         stream[offsets[b] : offsets[b + 1]] = slots[b, :length]
 
 
-_scratch: list[np.ndarray] = [np.empty(0, np.uint8)]
+_scratch = threading.local()
 
 
 def _slots(n_blocks: int, block: int) -> np.ndarray:
-    """Per-block output slots of the encoder, reused across calls (fresh pages cost page faults).
-
-    The caller holds ``_PARALLEL``, so one buffer serves every thread.
-    """
+    """Per-block output slots of the encoder, one buffer per thread reused across calls
+    (fresh pages cost page faults)."""
     size = n_blocks * (2 * block + 8)
-    if _scratch[0].size < size:
-        _scratch[0] = np.empty(size, np.uint8)
-    return _scratch[0][:size].reshape(n_blocks, 2 * block + 8)
+    buffer = getattr(_scratch, "slots", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.slots = np.empty(size, np.uint8)
+    return buffer[:size].reshape(n_blocks, 2 * block + 8)
 
 
 def n_blocks_of(n: int, block: int) -> int:
@@ -347,13 +350,12 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     widths = np.empty(n_blocks, np.uint8)
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
-    with _PARALLEL:
-        slots = _slots(n_blocks, block)
-        _ENCODERS[ordinal, pred is not None](x, out if pred is None else pred, out, step_f,
-                                             step_i, block, widths, slots, stats)
-        offsets = _block_offsets(widths, n, block, n_blocks)
-        stream = np.empty(offsets[-1], np.uint8)
-        _compact(slots, widths, offsets, stream)
+    slots = _slots(n_blocks, block)
+    _ENCODERS[ordinal, pred is not None](x, out if pred is None else pred, out, step_f, step_i,
+                                         block, widths, slots, stats)
+    offsets = _block_offsets(widths, n, block, n_blocks)
+    stream = np.empty(offsets[-1], np.uint8)
+    _compact(slots, widths, offsets, stream)
     return stream, stats
 
 
@@ -400,17 +402,19 @@ def check_stream(stream: np.ndarray, n: int, block: int) -> None:
 def _make_decoder(ordinal: bool, use_pred: bool):
     """The decode kernel for one domain and prediction."""
 
-    @njit(parallel=True, cache=True, nogil=True)
+    @njit(cache=True, nogil=True)
     def decode(stream, offsets, pred, out, step_f, step_i, block):
         n = out.shape[0]
-        for b in prange(offsets.shape[0] - 1):
+        step_k = np.float64(step_i)
+        q_block = np.empty(block, np.int32)
+        for b in range(offsets.shape[0] - 1):
             start = b * block
             stop = min(start + block, n)
-            q = np.empty(stop - start, np.int32)
+            q = q_block[: stop - start]
             _unpack(stream, offsets[b], np.int64(stream[b]), q)
             for j in range(stop - start):
                 p = pred[start + j] if use_pred else np.float32(0.0)
-                out[start + j] = _reconstruct(p, np.int64(q[j]), ordinal, step_f, step_i)
+                out[start + j] = _reconstruct(p, q[j], ordinal, step_f, step_k)
 
     return decode
 
@@ -433,9 +437,8 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
     step_f, step_i = _steps(ordinal, step)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
-    with _PARALLEL:
-        _DECODERS[ordinal, pred is not None](padded, offsets, out if pred is None else pred, out,
-                                             step_f, step_i, block)
+    _DECODERS[ordinal, pred is not None](padded, offsets, out if pred is None else pred, out,
+                                         step_f, step_i, block)
 
 
 @njit(inline="always")
@@ -443,10 +446,10 @@ def _linear_step(values, q, width, step_f):
     """``values`` after one linear step of symbols ``q`` (all 0 for a zero-width block)."""
     if width:
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], q[j], False, step_f, np.int64(1))
+            values[j] = _reconstruct(values[j], q[j], False, step_f, np.float64(1))
     else:  # no symbols to unpack, but -0.0 still becomes +0.0
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], np.int64(0), False, step_f, np.int64(1))
+            values[j] = _reconstruct(values[j], np.int32(0), False, step_f, np.float64(1))
 
 
 @njit(inline="always")
@@ -480,10 +483,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, v
     before was of the same domain: a linear step never yields ``-0.0`` and
     leaves NaNs quiet, so adding ``+0.0`` keeps every bit, and its keys are
     already clamped. The result is bit for bit that of one
-    ``decode_block_stream`` per step. Serial, to be
-    run on a thread pool one chunk per call: one parallel kernel per chunk
-    costs a thread hand-off per call, which on a busy machine is more than
-    the chunk's work.
+    ``decode_block_stream`` per step.
     """
     n = values.shape[0]
     n_steps = bounds.shape[0] - 1

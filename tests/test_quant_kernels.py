@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -258,6 +259,31 @@ def test_chained_in_place_updates(c: Case, steps: int) -> None:
         assert_bits_equal(reader, writer, "running reconstruction")
         x = np.where(rng.random(x.size) < 0.5, x, -x).astype(np.float32)
 
+
+
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_chunks_coded_on_threads_at_once(ordinal: bool) -> None:
+    """Saves and restores run one chunk per thread: kernels running at once (each with its own
+    scratch buffer, of another size) give exactly what they give one at a time."""
+    rng = np.random.default_rng(5)
+    chunks = [(_values(n, n, "normal"), _values(n, n + 1, "normal"), ordinal, step, block)
+              for n, step, block in [(70_000, 2, 1024), (3_001, 1 << 20, 64), (50_000, 255, 7)] * 4]
+    chunks = [(x, p, o, float(np.float32(np.std(x - p) * rng.uniform(0.5, 4))) if not o else s, b)
+              for x, p, o, s, b in chunks]
+
+    def code(chunk: tuple) -> tuple[bytes, bytes, bytes]:
+        x, p, o, step, block = chunk
+        recon = p.copy()
+        stream, _ = encode_block_stream(x, recon, recon, ordinal=o, step=step, block=block)
+        decoded = p.copy()
+        decode_block_stream(stream, decoded, decoded, ordinal=o, step=step, block=block)
+        return stream.tobytes(), recon.tobytes(), decoded.tobytes()
+
+    alone = [code(c) for c in chunks]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(code, chunks)) == alone
+    assert all(recon == decoded for _, recon, decoded in alone)
 
 # -- 3. packing ---------------------------------------------------------------------------
 
