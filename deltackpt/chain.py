@@ -153,8 +153,13 @@ class _RangeTask:
         return self.links[-1].chunk
 
 
+def _whole(record: TensorRecord) -> bool:
+    """Whether a record stores its tensor as one fragment covering all of it."""
+    return len(record.fragments) == 1 and record.fragments[0].sizes == record.shape
+
+
 def _single_box(meta: StepMetadata, record: TensorRecord) -> None:
-    if len(record.fragments) != 1 or record.fragments[0].sizes != record.shape:
+    if not _whole(record):
         raise CorruptionError(f"step {meta.step}, tensor {record.name!r}: a delta step must "
                               "store each tensor as one whole fragment")
 
@@ -232,8 +237,11 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, np.ndarray] = {}
 
-    full_names = [n for n, i in start.items() if i == 0]
-    for name, tensor in read_tensors(storage, chain[0], full_names, workers=workers,
+    # A tensor stored in the full step as one whole fragment is decoded from it inside its chunk
+    # ranges' tasks, together with the deltas; others are read from the full step first.
+    read_first = {n for n, i in start.items()
+                  if i == 0 and (len(chain) == 1 or not _whole(records[0][n]))}
+    for name, tensor in read_tensors(storage, chain[0], read_first, workers=workers,
                                      progress=progress).items():
         tensors[name] = tensor.reshape(-1).contiguous()
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
@@ -242,8 +250,9 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
         flat = tensors[name]
-        state = _state(values, record, flat, decoded=start[name] == 0)
-        planned = _range_tasks(chain, records, name, max(start[name], 1), state,
+        was_read = name in read_first
+        state = _state(values, record, flat, decoded=was_read)
+        planned = _range_tasks(chain, records, name, 1 if was_read else start[name], state,
                                flat.view(torch.uint8).numpy())
         rounds += [[] for _ in range(len(planned) - len(rounds))]
         for round_tasks, tasks in zip(rounds, planned, strict=False):
