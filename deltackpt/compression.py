@@ -249,12 +249,19 @@ def _symbol_bits(sample: np.ndarray, step: float) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def base_step(quantizer: Quantizer, sample: np.ndarray, carried_error: float = 0.0,
+def needs_sample(quantizer: Quantizer, lr: float | None) -> bool:
+    """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step."""
+    return quantizer.domain == "linear" and (quantizer.lr_step is None or lr is None)
+
+
+def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
               lr: float | None = None) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
-    ``lr`` is the learning rate of the Adam-family optimizer that moves the
-    tensor, if any (for ``Quantizer.lr_step``). ``carried_error`` is the
+    ``sample`` (what the quantizer codes, at sampled elements) may be None
+    where :func:`needs_sample` says it is not used. ``lr`` is the learning
+    rate of the Adam-family optimizer that moves the tensor, if any (for
+    ``Quantizer.lr_step``). ``carried_error`` is the
     mean squared error the previous save left in the prediction. A
     closed-loop residual is the change since that save plus this error; the
     step follows the change alone, so the error a delta leaves does not

@@ -27,6 +27,7 @@ from deltackpt.compression import (
     ScaleController,
     base_step,
     finalize_step,
+    needs_sample,
     sample_stride,
     sample_values,
     tensor_class,
@@ -130,13 +131,15 @@ class StepEncoder:
                 continue
             ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
-            flat = item.tensor.detach().reshape(-1)
-            stride = sample_stride(numel)
-            xs = flat[::stride].float().cpu().numpy()
-            ps = self._values[item.name][::stride] if plan.pred else None
-            sample = sample_values(xs, ps, ordinal)
-            carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
             lr = learning_rates.get(item.fqn) if item.role == "param" else None
+            sample = None
+            if self.controller is not None or needs_sample(quantizer, lr):
+                flat = item.tensor.detach().reshape(-1)
+                stride = sample_stride(numel)
+                xs = flat[::stride].float().cpu().numpy()
+                ps = self._values[item.name][::stride] if plan.pred else None
+                sample = sample_values(xs, ps, ordinal)
+            carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
             plan.step = base_step(quantizer, sample, carried, lr)
             samples.append((sample, plan.step, numel, plan, ordinal))
         if samples and self.controller is not None:

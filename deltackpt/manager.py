@@ -35,7 +35,7 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
-from deltackpt.reader import list_steps, read_metadata, step_not_found, verify_step
+from deltackpt.reader import list_steps, read_metadata, read_save_id, step_not_found, verify_step
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
@@ -311,13 +311,9 @@ class CheckpointManager:
         if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
                 or step <= recon.step or recon.layout != captured_layout(captured)):
             return None
-        try:  # the base must still be the step this reconstruction came from
-            base_meta = read_metadata(self.storage, recon.step)
-        except DeltackptError:
-            return None
-        below = recon.chain[:-1]  # and the steps under it must still be there
-        if base_meta.save_id != recon.save_id or not all(
-                self.storage.exists(f"{step_dir_name(s)}/{METADATA_FILE}") for s in below):
+        # The base must still be the step this reconstruction came from, with its chain below.
+        if read_save_id(self.storage, recon.step) != recon.save_id or not all(
+                self.storage.exists(f"{step_dir_name(s)}/{METADATA_FILE}") for s in recon.chain[:-1]):
             return None
         return recon
 

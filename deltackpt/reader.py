@@ -7,6 +7,7 @@ with the step, tensor and file it hit instead of surfacing as wrong numbers.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -54,8 +55,8 @@ def step_not_found(storage: Storage, step: int) -> StepNotFoundError:
     return StepNotFoundError(f"step {step} not found in {storage.url}; available steps: {available}")
 
 
-def read_metadata(storage: Storage, step: int) -> StepMetadata:
-    """Parsed and validated metadata of ``step``."""
+def _metadata_text(storage: Storage, step: int) -> tuple[bytes, str]:
+    """The JSON text of ``step``'s metadata file (decompressed) and the file's URL."""
     rel = f"{step_dir_name(step)}/{METADATA_FILE}"
     try:
         text = storage.read_bytes(rel)
@@ -63,10 +64,30 @@ def read_metadata(storage: Storage, step: int) -> StepMetadata:
         raise step_not_found(storage, step) from None
     if text[:4] == ZSTD_MAGIC:
         text = _decompress_metadata(text, f"{storage.url}/{rel}")
-    meta = parse_step_metadata(text, f"{storage.url}/{rel}")
+    return text, f"{storage.url}/{rel}"
+
+
+def read_metadata(storage: Storage, step: int) -> StepMetadata:
+    """Parsed and validated metadata of ``step``."""
+    text, where = _metadata_text(storage, step)
+    meta = parse_step_metadata(text, where)
     if meta.step != step:
-        raise CorruptionError(f"{storage.url}/{rel}: records step {meta.step}, not {step}")
+        raise CorruptionError(f"{where}: records step {meta.step}, not {step}")
     return meta
+
+
+def read_save_id(storage: Storage, step: int) -> str | None:
+    """The ``save_id`` of a committed step, or None if it cannot be read.
+
+    Reads only that field, without validating the rest: a writer checking
+    that the step it coded the next delta against is still the one it
+    wrote needs no more (a full parse costs tens of ms per save).
+    """
+    try:
+        save_id = json.loads(_metadata_text(storage, step)[0]).get("save_id")
+    except (DeltackptError, ValueError, AttributeError):
+        return None
+    return save_id if isinstance(save_id, str) else None
 
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

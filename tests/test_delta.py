@@ -813,7 +813,7 @@ def test_overwrite_refused_for_a_base_allowed_for_the_latest(ckpt: Path) -> None
         mgr.close()
 
 
-def test_base_overwritten_or_deleted_by_another_manager_gives_a_full_step(ckpt: Path) -> None:
+def test_base_overwritten_deleted_or_damaged_gives_a_full_step(ckpt: Path) -> None:
     model = mlp()
     first = CheckpointManager(ckpt, full_every=100)
     try:
@@ -834,6 +834,11 @@ def test_base_overwritten_or_deleted_by_another_manager_gives_a_full_step(ckpt: 
         shutil.rmtree(step_dir(ckpt, 4))
         nudge(model)
         assert first.save(5, model).kind == "full"
+        nudge(model)
+        assert first.save(6, model).base_step == 5
+        (step_dir(ckpt, 6) / "metadata.json").write_bytes(b"\x28\xb5\x2f\xfd damaged")
+        nudge(model)
+        assert first.save(7, model).kind == "full"  # a base it cannot read is no base
     finally:
         first.close()
 
