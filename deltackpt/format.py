@@ -174,12 +174,15 @@ def check_format_version(version: Any, where: str) -> None:
 
 
 class _Fields:
-    """Typed access to one JSON object with errors that name the file and field."""
+    """Typed access to one JSON object. Errors name the field; the parser adds where the object
+    is (:func:`_located`) only when one is raised, so valid metadata pays for no messages."""
 
-    def __init__(self, obj: Any, where: str) -> None:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
         if not isinstance(obj, dict):
-            raise FormatError(f"{where}: expected an object, found {type(obj).__name__}")
-        self.obj, self.where = obj, where
+            raise FormatError(f"expected an object, found {type(obj).__name__}")
+        self.obj = obj
 
     def get(self, key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
         value = self.obj.get(key)
@@ -187,79 +190,88 @@ class _Fields:
             return None
         if not isinstance(value, types) or (value.__class__ is bool and bool not in (
                 types if isinstance(types, tuple) else (types,))):
-            raise FormatError(f"{self.where}: field {key!r} is {value!r}, expected {types}")
+            raise FormatError(f"field {key!r} is {value!r}, expected {types}")
         return value
 
     def nonneg(self, key: str, optional: bool = False) -> int | None:
         value = self.get(key, int, optional)
         if value is not None and value < 0:
-            raise FormatError(f"{self.where}: field {key!r} is negative ({value})")
+            raise FormatError(f"field {key!r} is negative ({value})")
         return value
 
     def int_list(self, key: str) -> list[int]:
         value = self.get(key, list)
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value):
-            raise FormatError(f"{self.where}: field {key!r} must hold non-negative integers, "
-                              f"found {value!r}")
+            raise FormatError(f"field {key!r} must hold non-negative integers, found {value!r}")
         return value
 
 
-def _parse_chunk(obj: Any, where: str, n_files: int) -> Chunk:
-    f = _Fields(obj, where)
+def _located(parse, items: list, what: str, *args: Any) -> list:
+    """``parse(item, *args)`` for each item; an error is prefixed with the item's position
+    (``what`` and its index, and its name if it has one)."""
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(parse(item, *args))
+        except FormatError as exc:
+            name = item.get("name") if isinstance(item, dict) else None
+            label = f"{what} {i}" + (f" ({name!r})" if isinstance(name, str) else "")
+            raise FormatError(f"{label}: {exc}") from None
+    return out
+
+
+def _parse_chunk(obj: Any, n_files: int) -> Chunk:
+    f = _Fields(obj)
     chunk = Chunk(
         file=f.nonneg("file"), offset=f.nonneg("offset"), length=f.nonneg("length"),
         raw_offset=f.nonneg("raw_offset"), raw_length=f.nonneg("raw_length"),
         codec=f.get("codec", str), params=f.get("params", dict),
         xxh3=f.get("xxh3", str), raw_xxh3=f.get("raw_xxh3", str))
     if chunk.file >= n_files:
-        raise FormatError(f"{where}: file index {chunk.file} out of range ({n_files} files)")
+        raise FormatError(f"file index {chunk.file} out of range ({n_files} files)")
     for key in ("xxh3", "raw_xxh3"):
         if not XXH3_PATTERN.fullmatch(getattr(chunk, key)):
-            raise FormatError(f"{where}: {key} {getattr(chunk, key)!r} is not 16 hex digits")
+            raise FormatError(f"{key} {getattr(chunk, key)!r} is not 16 hex digits")
     return chunk
 
 
-def _parse_fragment(obj: Any, where: str, record: TensorRecord, n_files: int) -> Fragment:
-    f = _Fields(obj, where)
+def _parse_fragment(obj: Any, record: TensorRecord, n_files: int) -> Fragment:
+    f = _Fields(obj)
     frag = Fragment(offsets=f.int_list("offsets"), sizes=f.int_list("sizes"))
     if len(frag.offsets) != len(record.shape) or len(frag.sizes) != len(record.shape):
-        raise FormatError(f"{where}: offsets/sizes rank differs from shape {record.shape}")
+        raise FormatError(f"offsets/sizes rank differs from shape {record.shape}")
     if any(o + s > d for o, s, d in zip(frag.offsets, frag.sizes, record.shape, strict=True)):
-        raise FormatError(f"{where}: box {frag.offsets}+{frag.sizes} exceeds shape {record.shape}")
-    frag.chunks = [_parse_chunk(c, f"{where} chunk {i}", n_files)
-                   for i, c in enumerate(f.get("chunks", list))]
+        raise FormatError(f"box {frag.offsets}+{frag.sizes} exceeds shape {record.shape}")
+    frag.chunks = _located(_parse_chunk, f.get("chunks", list), "chunk", n_files)
     itemsize = spec_named(record.dtype, record.name).itemsize
     expected = 0
     for chunk in frag.chunks:
         if chunk.raw_offset != expected or chunk.raw_length % itemsize:
-            raise FormatError(f"{where}: chunks do not tile the fragment's bytes "
+            raise FormatError(f"chunks do not tile the fragment's bytes "
                               f"(chunk at {chunk.raw_offset}, expected {expected})")
         expected += chunk.raw_length
     if expected != frag.numel * itemsize:
-        raise FormatError(f"{where}: chunks hold {expected} bytes, the box needs "
-                          f"{frag.numel * itemsize}")
+        raise FormatError(f"chunks hold {expected} bytes, the box needs {frag.numel * itemsize}")
     return frag
 
 
-def _parse_tensor(obj: Any, where: str, n_files: int) -> TensorRecord:
-    f = _Fields(obj, where)
+def _parse_tensor(obj: Any, n_files: int) -> TensorRecord:
+    f = _Fields(obj)
     record = TensorRecord(
         name=f.get("name", str), role=f.get("role", str), dtype=f.get("dtype", str),
         shape=f.int_list("shape"), fqn=f.get("fqn", str, optional=True),
         state_key=f.get("state_key", str, optional=True),
         alias_of=f.get("alias_of", str, optional=True))
-    where = f"{where} ({record.name!r})"
-    spec_named(record.dtype, where)
+    spec_named(record.dtype, "field 'dtype'")
     fragments = f.get("fragments", list)
     if record.alias_of is not None:
         if fragments:
-            raise FormatError(f"{where}: an alias must not have fragments")
+            raise FormatError("an alias must not have fragments")
         return record
-    record.fragments = [_parse_fragment(x, f"{where} fragment {i}", record, n_files)
-                        for i, x in enumerate(fragments)]
+    record.fragments = _located(_parse_fragment, fragments, "fragment", record, n_files)
     covered = sum(frag.numel for frag in record.fragments)
     if covered != record.numel and record.numel > 0:
-        raise FormatError(f"{where}: fragments cover {covered} of {record.numel} elements")
+        raise FormatError(f"fragments cover {covered} of {record.numel} elements")
     return record
 
 
@@ -269,47 +281,55 @@ def parse_step_metadata(text: str | bytes, where: str) -> StepMetadata:
         obj = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FormatError(f"{where}: not valid JSON ({exc})") from None
-    f = _Fields(obj, where)
+    if isinstance(obj, dict) and obj.get("format") == FORMAT_NAME:
+        check_format_version(obj.get("format_version"), where)
+    try:
+        return _parse_step(obj)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+
+
+def _parse_step(obj: Any) -> StepMetadata:
+    f = _Fields(obj)
     if obj.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where}: not deltackpt metadata (format={obj.get('format')!r})")
-    check_format_version(obj.get("format_version"), where)
-    files = [DataFile(**_file_fields(x, f"{where} file {i}")) for i, x in enumerate(f.get("files", list))]
+        raise FormatError(f"not deltackpt metadata (format={obj.get('format')!r})")
+    files = _located(_parse_file, f.get("files", list), "file")
     meta = StepMetadata(
         step=f.nonneg("step"), kind=f.get("kind", str), base_step=f.nonneg("base_step", optional=True),
         save_id=f.get("save_id", str), created=f.get("created", str),
         library_version=f.get("library_version", str), world_size=f.nonneg("world_size"),
-        files=files,
-        tensors=[_parse_tensor(x, f"{where} tensor {i}", len(files))
-                 for i, x in enumerate(f.get("tensors", list))],
-        state=f.get("state", dict),
-        stats=StepStats(**_stats_fields(f.get("stats", dict), f"{where} stats")),
+        files=files, tensors=_located(_parse_tensor, f.get("tensors", list), "tensor", len(files)),
+        state=f.get("state", dict), stats=_parse_stats(f.get("stats", dict)),
         format_version=obj["format_version"])
     if meta.kind not in KINDS:
-        raise FormatError(f"{where}: kind {meta.kind!r} is not one of {KINDS}")
+        raise FormatError(f"kind {meta.kind!r} is not one of {KINDS}")
     if (meta.kind == "full") != (meta.base_step is None):
-        raise FormatError(f"{where}: a {meta.kind} step must {'not ' if meta.kind == 'full' else ''}"
+        raise FormatError(f"a {meta.kind} step must {'not ' if meta.kind == 'full' else ''}"
                           f"have a base_step")
     names = [t.name for t in meta.tensors]
     if len(set(names)) != len(names):
-        raise FormatError(f"{where}: duplicate tensor names")
+        raise FormatError("duplicate tensor names")
     known = set(names)
     for record in meta.tensors:
         if record.alias_of is not None and record.alias_of not in known:
-            raise FormatError(f"{where}: tensor {record.name!r} aliases unknown {record.alias_of!r}")
+            raise FormatError(f"tensor {record.name!r} aliases unknown {record.alias_of!r}")
     return meta
 
 
-def _file_fields(obj: Any, where: str) -> dict[str, Any]:
-    f = _Fields(obj, where)
+def _parse_file(obj: Any) -> DataFile:
+    f = _Fields(obj)
     name = f.get("name", str)
     if not DATA_FILE_PATTERN.fullmatch(name):
-        raise FormatError(f"{where}: data file name {name!r} is not allowed")
-    return {"name": name, "rank": f.nonneg("rank"), "size": f.nonneg("size")}
+        raise FormatError(f"data file name {name!r} is not allowed")
+    return DataFile(name, f.nonneg("rank"), f.nonneg("size"))
 
 
-def _stats_fields(obj: Any, where: str) -> dict[str, Any]:
-    f = _Fields(obj, where)
-    return {"raw_bytes": f.nonneg("raw_bytes"), "stored_bytes": f.nonneg("stored_bytes"),
-            "seconds": float(f.get("seconds", (int, float))),
-            "classes": f.get("classes", dict, optional=True),
-            "compression": f.get("compression", dict, optional=True)}
+def _parse_stats(obj: dict) -> StepStats:
+    f = _Fields(obj)
+    try:
+        return StepStats(raw_bytes=f.nonneg("raw_bytes"), stored_bytes=f.nonneg("stored_bytes"),
+                         seconds=float(f.get("seconds", (int, float))),
+                         classes=f.get("classes", dict, optional=True),
+                         compression=f.get("compression", dict, optional=True))
+    except FormatError as exc:
+        raise FormatError(f"stats: {exc}") from None
