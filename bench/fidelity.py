@@ -21,7 +21,7 @@ the latest (delta) checkpoint in fresh objects, and compares the end with
 the uninterrupted run, beside the same run restored near-losslessly (the
 deviation any perturbation grows to in training).
 
-Run ``python bench/fidelity.py`` (about 10 minutes on 2 cores) or import
+Run ``python bench/fidelity.py`` (about 20 minutes on 2 cores) or import
 :func:`measure` (the fidelity notebook does, with shorter settings).
 """
 

@@ -11,6 +11,7 @@ that only decoding reveals, which must still name the step, tensor and file.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +235,32 @@ def _replace_stream(root: Path, step: int, index: int, mangle) -> Path:
     meta.files[chunk.file].size = len(data) + len(frame)
     (step_dir(root, step) / "metadata.json").write_text(meta.to_json())
     return path
+
+
+def test_full_step_in_several_fragments_is_read_before_the_deltas(tmp_path: Path) -> None:
+    """A full step may store a tensor as several boxes (as ranks of a sharded save will): the
+    chain reads it whole first, then applies the deltas, with the same result."""
+    root = tmp_path / "ckpt"
+    _save_chain(root, range(4))
+    storage = open_storage(root)
+    before = {s: restore_chain(storage, read_metadata(storage, s)) for s in (1, 3)}
+    path = step_dir(root, 0) / "metadata.json"
+    meta = json.loads(path.read_text())
+    (record,) = [t for t in meta["tensors"] if t["name"] == WEIGHT]
+    chunks = record["fragments"][0]["chunks"]
+    assert len(chunks) == 8  # 8 rows each: rows 0-31 and 32-63 are 4 chunks each
+    for chunk in chunks[4:]:
+        chunk["raw_offset"] -= 4 * 1024
+    record["fragments"] = [{"offsets": [0, 0], "sizes": [32, 32], "chunks": chunks[:4]},
+                           {"offsets": [32, 0], "sizes": [32, 32], "chunks": chunks[4:]}]
+    path.write_text(json.dumps(meta))
+    assert len(read_metadata(storage, 0).tensor(WEIGHT).fragments) == 2
+    for step, (tensors, recon) in before.items():
+        again, recon_again = restore_chain(storage, read_metadata(storage, step))
+        for name, tensor in tensors.items():
+            assert again[name].numpy().tobytes() == tensor.numpy().tobytes(), name
+        for name, values in recon.values.items():
+            assert recon_again.values[name].tobytes() == values.tobytes(), name
 
 
 def test_undecodable_stream_in_the_middle_is_named(tmp_path: Path) -> None:
