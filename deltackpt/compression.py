@@ -183,7 +183,7 @@ class CompressionConfig:
 # Chosen with bench/fidelity.py (TinyGPT small, AdamW betas (0.9, 0.95), resumed 100 steps from a
 # delta step; the deviation is of the mean resumed loss). balanced: 89x at 0.13% saving every 20
 # steps, 55x at 0.55% every 100 steps; aggressive: 132x at 0.38% every 20 steps, 90x at 1.6% every
-# 100. Five restores 40 steps apart cost about 7% (balanced; near-lossless restores 0.3%), mostly
+# 100. Five restores 40 steps apart cost 5-7% (balanced, 3 seeds; near-lossless 0.2-0.4%), mostly
 # through the weights' error (exact weights: 1.6%). Weights moved by Adam are coded at a step
 # proportional to the learning rate (a step proportional to the change
 # since the last save grew with the interval: 59x at 2.7% every 100 steps), others relative to
