@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +207,7 @@ class _Fields:
         return value
 
 
-def _located(parse, items: list, what: str, *args: Any) -> list:
+def _located(parse: Callable[..., Any], items: list, what: str, *args: Any) -> list:
     """``parse(item, *args)`` for each item; an error is prefixed with the item's position
     (``what`` and its index, and its name if it has one)."""
     out = []
