@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from deltackpt.codecs.cast import CAST_DTYPES, cast_source
+from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.codecs.quant import apply_quant_streams, quant_stream, uses_base
 from deltackpt.compression import LOSSY_DTYPES
@@ -100,6 +102,18 @@ def _self_contained(chunk: Chunk) -> bool:
     return chunk.codec != QUANT or not uses_base(chunk.params)
 
 
+def _cast_of(record: TensorRecord) -> str | None:
+    """The tensor a record's chunks are cast from, or None if they are not cast chunks."""
+    codecs = record.codecs
+    if CAST not in codecs:
+        return None
+    if codecs != [CAST] or len({cast_source(c.params) for f in record.fragments
+                               for c in f.chunks}) != 1:
+        raise CorruptionError(f"tensor {record.name!r} mixes cast chunks with others, or "
+                              "casts from more than one tensor")
+    return cast_source(record.fragments[0].chunks[0].params)
+
+
 def _first_needed(chain: list[StepMetadata], records: list[dict[str, TensorRecord]],
                   name: str) -> int:
     """Index of the first step of the chain ``name`` must be decoded from.
@@ -119,6 +133,10 @@ def _first_needed(chain: list[StepMetadata], records: list[dict[str, TensorRecor
                     f"step {chain[i + 1].step}: tensor {name!r} ({later.dtype} {later.shape}) is "
                     f"coded against step {chain[i].step}, where it is {record.dtype} {record.shape}")
         if all(_self_contained(c) for f in record.fragments for c in f.chunks):
+            if i + 1 < len(chain) and _cast_of(record) is not None:
+                raise CorruptionError(
+                    f"step {chain[i + 1].step}: tensor {name!r} is coded against step "
+                    f"{chain[i].step}, where it is cast from another tensor (FORMAT.md 3.3)")
             return i
     raise CorruptionError(f"tensor {name!r} of step {chain[-1].step} depends on a base in "
                           f"every step down to the full step {chain[0].step}")
@@ -233,6 +251,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     chain = chain_of(storage, meta)
     records = [{r.name: r for r in m.tensors} for m in chain]
     final = {r.name: r for r in meta.tensors if r.alias_of is None}
+    casts = {name: _checked_cast(meta, record, final) for name, record in final.items()
+             if _cast_of(record) is not None}
     start = {name: _first_needed(chain, records, name) for name in final}
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, np.ndarray] = {}
@@ -246,6 +266,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
         tensors[name] = tensor.reshape(-1).contiguous()
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
     for name, record in final.items() if len(chain) > 1 else ():
+        if name in casts:
+            continue
         if name not in tensors:
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
@@ -263,6 +285,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
             tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
             run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
                             f"apply deltas up to step {meta.step}", progress)
+        for name, master in casts.items():
+            tensors[name] = _restore_cast(sources[-1], final[name], values[master])
     finally:
         for source in sources:
             source.close()
@@ -276,6 +300,37 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     deltas = len(chain) - 1
     return out, Reconstruction(meta.step, deltas, layout_of(meta), values, meta.save_id,
                                chain=[m.step for m in chain])
+
+
+def _checked_cast(meta: StepMetadata, record: TensorRecord,
+                  final: dict[str, TensorRecord]) -> str:
+    """The master a delta step's 16-bit tensor is cast from, checked against FORMAT.md 3.3."""
+    source = _cast_of(record)
+    master = final.get(source)
+    where = f"step {meta.step}, tensor {record.name!r}"
+    if meta.kind != "delta" or record.dtype not in CAST_DTYPES:
+        raise CorruptionError(f"{where}: cast chunks belong to bfloat16/float16 tensors of delta "
+                              f"steps, not to a {record.dtype} tensor of a {meta.kind} step")
+    if master is None or master.dtype != "float32" or master.shape != record.shape \
+            or _cast_of(master) is not None:
+        raise CorruptionError(f"{where}: is cast from {source!r}, which is not a float32 "
+                              f"tensor of the step with shape {record.shape}")
+    _single_box(meta, record)
+    if any(c.length for c in record.fragments[0].chunks):
+        raise CorruptionError(f"{where}: a cast chunk stores no bytes")
+    return source
+
+
+def _restore_cast(source: ChunkSource, record: TensorRecord, master: np.ndarray) -> torch.Tensor:
+    """A tensor of cast chunks: its master's running values rounded, each chunk checked."""
+    spec = spec_named(record.dtype, record.name)
+    flat = torch.empty(record.numel, dtype=spec.torch_dtype)
+    raw = flat.view(torch.uint8).numpy()
+    for chunk in record.fragments[0].chunks:
+        lo, hi = chunk.raw_offset, chunk.raw_offset + chunk.raw_length
+        raw[lo:hi] = dtype_bytes(master[lo // spec.itemsize : hi // spec.itemsize], record.dtype)
+        source.check_raw(record, chunk, raw[lo:hi])
+    return flat
 
 
 def _state(values: dict[str, np.ndarray], record: TensorRecord, flat: torch.Tensor,

@@ -2,7 +2,8 @@
 
 A delta step codes each tensor by its class (:func:`tensor_class`):
 
-* ``weights`` (float parameters and buffers): closed-loop residual against
+* ``weights`` (float parameters and buffers, and the float32 master copies
+  mixed-precision optimizers keep of them): closed-loop residual against
   the reconstruction of the previous step, linear domain;
 * ``exp_avg`` (Adam's first moment): directly (it forgets its past within
   a few dozen steps), linear domain;
@@ -33,6 +34,7 @@ from typing import Literal
 
 import numpy as np
 
+from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.dtypes import DTypeSpec
 from deltackpt.kernels.quant import MAX_KEY, numpy_keys
 
@@ -215,6 +217,8 @@ def tensor_class(role: str, state_key: str | None, spec: DTypeSpec, numel: int) 
         return "weights"
     if role != "optimizer" or state_key in (None, "step"):
         return None
+    if state_key in MASTER_KEYS:  # a float32 master copy of a parameter is that parameter
+        return "weights"
     if state_key == "exp_avg":
         return "exp_avg"
     if state_key in ("exp_avg_sq", "max_exp_avg_sq"):

@@ -17,9 +17,11 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from deltackpt.chain import Layout, Reconstruction
 from deltackpt.codecs import EncodedChunk, encode_lossless
+from deltackpt.codecs.cast import encode_cast
 from deltackpt.codecs.quant import encode_quant
 from deltackpt.compression import (
     CompressionConfig,
@@ -35,13 +37,14 @@ from deltackpt.compression import (
 from deltackpt.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for
 from deltackpt.format import TensorRecord
 from deltackpt.kernels.quant import (
+    N_STATS,
     STAT_MAX_ABS,
     STAT_MAX_REL,
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
 )
-from deltackpt.state import CapturedState, adam_learning_rates
+from deltackpt.state import CapturedState, adam_learning_rates, master_copies
 
 
 def captured_layout(captured: CapturedState) -> Layout:
@@ -58,6 +61,7 @@ class _Plan:
     quantizer: Quantizer
     step: float | int = 0
     pred: bool = False
+    cast_of: str | None = None  # the float32 master copy the tensor is rounded from
 
 
 @dataclass
@@ -116,6 +120,8 @@ class StepEncoder:
         samples = []
         fixed = 0
         learning_rates = adam_learning_rates(captured) if self.is_delta else {}
+        masters = master_copies(captured) if self.is_delta else {}
+        by_name = {item.name: item.tensor for item in captured.tensors}
         for item in captured.tensors:
             if item.alias_of is not None:
                 continue
@@ -126,12 +132,20 @@ class StepEncoder:
                 exact=True)
             plan = self._plans[item.name] = _Plan(cls, quantizer)
             self._numel[item.name] = numel
-            if quantizer.exact or not self.is_delta:
+            master = masters.get(item.name)
+            if master is not None and not quantizer.exact and self.is_delta:
+                if torch.equal(item.tensor, by_name[master].to(item.tensor.dtype)):
+                    plan.cast_of = master
+                    continue
+                # Changed apart from its master: stored exactly, so that no later delta needs
+                # the running value a cast gave it.
+                plan.quantizer = Quantizer(exact=True)
+            if plan.quantizer.exact or not self.is_delta:
                 fixed += numel * spec.itemsize
                 continue
             ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
-            lr = learning_rates.get(item.fqn) if item.role == "param" else None
+            lr = learning_rates.get(item.fqn) if cls == "weights" else None
             sample = None
             if self.controller is not None or needs_sample(quantizer, lr):
                 flat = item.tensor.detach().reshape(-1)
@@ -154,6 +168,8 @@ class StepEncoder:
                  raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
         plan = self._plans[record.name]
         lo, hi = raw_offset // spec.itemsize, (raw_offset + raw.size) // spec.itemsize
+        if plan.cast_of is not None:
+            return self._cast(record, plan, raw_offset, raw, lo, hi)
         if plan.quantizer.exact or plan.cls is None or not self.is_delta:
             chunk = encode_lossless(raw, spec)
             self._keep_exact(record, plan, raw, lo, hi)
@@ -175,9 +191,31 @@ class StepEncoder:
                 stats[:, STAT_SUM_SQ_ERR].sum())
         return chunk, dtype_bytes(recon, record.dtype)
 
+    def _cast(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
+              lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
+        """A chunk of a 16-bit parameter taken from its master's reconstruction, which
+        :func:`writer.write_step` has finished before (``coded_last``)."""
+        decoded = dtype_bytes(self._values[plan.cast_of][lo:hi], record.dtype)
+        x, y = float32_values(raw, record.dtype), float32_values(decoded, record.dtype)
+        err = np.abs(y - x)
+        stats = np.zeros((1, N_STATS))
+        stats[0, [STAT_MAX_ABS, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO]] = (
+            err.max(initial=0.0), np.dot(err, err), np.dot(x, x), np.count_nonzero(err))
+        chunk = encode_cast(plan.cast_of)
+        self._keep_exact(record, plan, decoded, lo, hi)
+        self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+        return chunk, decoded
+
+    @property
+    def coded_last(self) -> frozenset[str]:
+        """Tensors whose chunks are coded from other tensors' reconstruction (casts of master
+        copies): :func:`writer.write_step` codes them after every other chunk."""
+        return frozenset(name for name, plan in self._plans.items() if plan.cast_of is not None)
+
     def _keep_exact(self, record: TensorRecord, plan: _Plan, raw: np.ndarray, lo: int,
                     hi: int) -> None:
-        """Record exactly stored values of a tensor later deltas may code against."""
+        """Record the running values of a tensor's chunk stored exactly (or cast): later deltas
+        may code against them."""
         if plan.cls is None or plan.quantizer.exact or not self.keep:
             return
         with self._lock:

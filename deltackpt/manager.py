@@ -277,7 +277,8 @@ class CheckpointManager:
         self._recon = None  # a failed save leaves it half updated; the next save is then full
         meta = write_step(self.storage, step, captured, kind="delta" if base else "full",
                           base_step=base.step if base else None, encoder=encoder,
-                          summary=encoder.summary, chunk_bytes=self.chunk_bytes,
+                          summary=encoder.summary, coded_last=encoder.coded_last,
+                          chunk_bytes=self.chunk_bytes,
                           workers=self.workers, progress=progress)
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)

@@ -19,6 +19,7 @@ import xxhash
 import zstandard
 
 from deltackpt.codecs import decode_into
+from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.dtypes import spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, FormatError, StepNotFoundError
@@ -234,8 +235,8 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
     """Problems found in a step's data: missing or truncated files, checksum mismatches.
 
     Checks stored bytes against their checksums; with ``deep`` also decodes
-    every chunk that decodes on its own (not the ``quant`` chunks of a delta,
-    which need their chain: see ``CheckpointManager.verify``) and checks the
+    every chunk that decodes on its own (not the ``quant`` and ``cast`` chunks
+    of a delta, which need their chain: see ``CheckpointManager.verify``) and checks the
     result. Returns one message per damaged chunk.
     """
     problems: list[str] = []
@@ -243,7 +244,7 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
 
     def check(task: _Task) -> None:
         try:
-            if deep and task.chunk.codec != QUANT:  # quant chunks decode only on their chain
+            if deep and task.chunk.codec not in (QUANT, CAST):  # these decode only on a chain
                 source.decode(task.record, task.chunk, np.empty(task.chunk.raw_length, np.uint8))
             else:
                 source.stored(task.record, task.chunk)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.format import tensor_name
 from deltackpt.tree import encode_tree
 
@@ -158,6 +159,20 @@ def adam_learning_rates(captured: CapturedState) -> dict[str, float]:
                 and lr > 0:
             rates.update((fqn, float(lr)) for fqn in group["params"] if fqn in normalized)
     return rates
+
+
+def master_copies(captured: CapturedState) -> dict[str, str]:
+    """``parameter name -> master name`` of the bfloat16/float16 parameters whose optimizer
+    state holds a float32 master copy of the same shape (see :mod:`deltackpt.codecs.cast`)."""
+    params = {t.fqn: t for t in captured.tensors if t.role == "param" and t.alias_of is None}
+    copies = {}
+    for t in captured.tensors:
+        param = params.get(t.fqn) if t.role == "optimizer" and t.state_key in MASTER_KEYS else None
+        if param is not None and t.tensor.dtype == torch.float32 \
+                and param.tensor.dtype in (torch.bfloat16, torch.float16) \
+                and param.tensor.shape == t.tensor.shape:
+            copies[param.name] = t.name
+    return copies
 
 
 def rng_state() -> dict[str, Any]:

@@ -13,7 +13,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -141,13 +141,15 @@ def _encode_and_write(job: _Job, encoder: ChunkEncoder, files: _DataFiles) -> Ch
 def write_step(storage: Storage, step: int, captured: CapturedState, *,
                kind: str = "full", base_step: int | None = None,
                encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
-               progress: bool = False) -> StepMetadata:
+               coded_last: Collection[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               workers: int | None = None, progress: bool = False) -> StepMetadata:
     """Write ``captured`` as step ``step`` and commit it; returns its metadata.
 
     ``encoder`` codes each chunk (default: losslessly); ``summary``, called
     once every chunk is coded, gives what the step's ``stats`` record about
-    the coding (a delta's error statistics).
+    the coding (a delta's error statistics). The chunks of the tensors named
+    in ``coded_last`` are coded only once every other chunk is (their coding
+    reads what the others' left, e.g. a cast of a master copy).
 
     The step only becomes visible at the final rename of ``metadata.json``.
     An existing version of the step stays intact until that moment, and its
@@ -180,12 +182,14 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
                 job.record.fragments[0].chunks.append(future.result())
                 bar.update(job.raw.size)
 
-            for job in _chunk_jobs(stored, chunk_bytes):
-                in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
-                if len(in_flight) >= 4 * workers:
+            for last in (False, True):
+                for job in _chunk_jobs([s for s in stored if (s[0].name in coded_last) == last],
+                                       chunk_bytes):
+                    in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
+                    if len(in_flight) >= 4 * workers:
+                        collect_oldest()
+                while in_flight:
                     collect_oldest()
-            while in_flight:
-                collect_oldest()
             list(pool.map(storage.finish, files.handles))  # fsync the files in parallel
     except BaseException:
         files.abort()

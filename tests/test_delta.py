@@ -608,6 +608,122 @@ def test_bf16_model_and_chain_continues_after_load(ckpt: Path) -> None:
         check(mgr, 4)
 
 
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW on float32 master copies of 16-bit parameters, kept in the optimizer state under
+    ``master_param`` as TransformerEngine's ``FusedAdam(master_weights=True)`` keeps them."""
+
+    def __init__(self, params, lr: float = 1e-2, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts loaded state to the parameters' dtype; float32 state stays float32 here,
+        as in TransformerEngine's own ``load_state_dict``."""
+        kept = {i: {k: v for k, v in s.items() if torch.is_tensor(v) and v.dtype == torch.float32}
+                for i, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, tensors in kept.items():
+            self.state[params[i]].update({k: v.clone() for k, v in tensors.items()})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["master_param"] = p.detach().float().clone()
+                    state["exp_avg"] = torch.zeros_like(state["master_param"])
+                    state["exp_avg_sq"] = torch.zeros_like(state["master_param"])
+                state["step"] += 1
+                t = state["step"].item()
+                master, m, v = state["master_param"], state["exp_avg"], state["exp_avg_sq"]
+                grad = p.grad.float()
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                update = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
+                master.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+                p.copy_(master)
+
+
+def test_master_copies_code_16bit_parameters_as_casts(ckpt: Path) -> None:
+    """bf16 parameters trained on float32 master copies: a delta codes the masters as weights and
+    stores each parameter as cast chunks (no bytes); a restored parameter is its restored master
+    rounded to bf16, and the master is within the weights' bound. A parameter changed apart from
+    its master is stored exactly in that step; the chain goes on from a load."""
+    model = mlp(dtype=torch.bfloat16)
+    optimizer = MasterAdamW(model.parameters())
+    saved = {}
+    lr_step = CompressionConfig.preset("balanced").weights.lr_step
+
+    def check(mgr: CheckpointManager, step: int) -> None:
+        restored = mgr.restore(step).tensors
+        delta = mgr.info(step).kind == "delta"
+        for name in float_names(saved[step], "model/"):
+            fqn = name.removeprefix("model/")
+            master = restored[f"optimizer/state/{fqn}/master_param"]
+            assert_bitwise_equal(restored[name], master.to(torch.bfloat16), name)
+            err = max_err(master, saved[step][f"optimizer/state/{fqn}/master_param"])
+            assert err <= (lr_step * 1e-2 / 2 * (1 + 1e-5) if delta else 0.0), (step, name, err)
+
+    # small chunks on several threads: a cast coded before its master's chunks would be caught
+    with CheckpointManager(ckpt, full_every=100, chunk_bytes=1024, workers=4) as mgr:
+        for step in range(4):
+            train(model, optimizer)
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight.add_(1.0)  # the master does not follow
+            info = mgr.save(step, model, optimizer)
+            assert info.kind == ("full" if step == 0 else "delta")
+            saved[step] = snapshot(model, optimizer)
+        for step in (1, 3):
+            meta = mgr.metadata(step)
+            for name in float_names(saved[step], "model/"):
+                fqn = name.removeprefix("model/")
+                record = meta.tensor(name)
+                assert record.codecs == ["cast"] and record.stored_bytes == 0, (step, name)
+                master = meta.tensor(f"optimizer/state/{fqn}/master_param")
+                assert master.codecs == ["quant"], (step, name)
+        changed = mgr.metadata(2).tensor("model/0.weight")
+        assert changed.codecs != ["cast"] and "quant" not in changed.codecs
+        assert mgr.metadata(2).tensor("model/2.weight").codecs == ["cast"]
+        for step in (1, 3):
+            check(mgr, step)
+        assert_bitwise_equal(mgr.restore(2).tensors["model/0.weight"], saved[2]["model/0.weight"])
+        assert not any(mgr.verify(deep=True).values())
+
+    fresh = mlp(seed=7, dtype=torch.bfloat16)
+    fresh_opt = MasterAdamW(fresh.parameters())
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.load(3, fresh, fresh_opt)
+        train(fresh, fresh_opt)
+        info = mgr.save(4, fresh, fresh_opt)
+        assert (info.kind, info.base_step) == ("delta", 3)
+        saved[4] = snapshot(fresh, fresh_opt)
+        check(mgr, 4)
+
+
+@pytest.mark.parametrize("source", ["optimizer/state/0.weight/exp_avg_sq", "model/2.weight",
+                                    "model/missing"])
+def test_cast_from_a_wrong_source_is_refused(ckpt: Path, source: str) -> None:
+    """A cast chunk naming another tensor than its master: a float32 one of the same shape decodes
+    to values its checksum rejects; a 16-bit or missing one is refused outright."""
+    model = mlp(dtype=torch.bfloat16)
+    optimizer = MasterAdamW(model.parameters())
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(2):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        meta = mgr.metadata(1)
+    for chunk in meta.tensor("model/0.weight").fragments[0].chunks:
+        chunk.params["source"] = source
+    (step_dir(ckpt, 1) / "metadata.json").write_text(meta.to_json())
+    with CheckpointManager(ckpt) as mgr, pytest.raises(CorruptionError, match=r"step 1.*0\.weight"):
+        mgr.restore(1)
+
+
 # -- 5. automatic full steps -----------------------------------------------------------------------
 
 

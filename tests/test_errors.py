@@ -404,7 +404,7 @@ def test_empty_directory_becomes_a_checkpoint(tmp_path: Path) -> None:
     with CheckpointManager(path) as mgr:
         assert mgr.steps() == []
     assert json.loads((path / "deltackpt.json").read_text()) == {"format": "deltackpt",
-                                                                  "format_version": "1.1"}
+                                                                  "format_version": FORMAT_VERSION}
 
 
 def test_file_url_and_unknown_scheme(tmp_path: Path) -> None:

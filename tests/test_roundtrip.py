@@ -766,7 +766,7 @@ def test_metadata_describes_the_step(mgr: CheckpointManager, ckpt_dir: Path) -> 
     info = mgr.save(5, model=model, extra={"note": "hi"}, rng=False)
     meta = mgr.metadata(5)
     obj = json.loads((ckpt_dir / "step-000000000005" / "metadata.json").read_text())
-    assert obj["format"] == "deltackpt" and obj["format_version"] == "1.1"
+    assert obj["format"] == "deltackpt" and obj["format_version"] == "1.2"
     assert (meta.step, meta.kind, meta.base_step, meta.world_size) == (5, "full", None, 1)
     assert meta.library_version == deltackpt.__version__
     assert re.fullmatch(r"[0-9a-f]+", meta.save_id)
