@@ -58,6 +58,8 @@ class Reconstruction:
     another save). ``chain`` lists the steps from the full step up to
     ``step``. A writer also knows ``errors``, the mean squared error its
     save left per tensor (a reader cannot know it: it lacks the truth).
+    ``resumed`` marks the values training was loaded with: like a full
+    step's, they are the training state itself.
     """
 
     step: int
@@ -67,6 +69,7 @@ class Reconstruction:
     save_id: str = ""
     errors: dict[str, float] = field(default_factory=dict)
     chain: list[int] = field(default_factory=list)
+    resumed: bool = False
 
 
 def chain_of(storage: Storage, meta: StepMetadata,
@@ -165,6 +168,7 @@ class _RangeTask:
     links: list[_Link]
     state: np.ndarray | None
     out: np.ndarray
+    first: int  # index of the range's first element in the tensor
 
     @property
     def chunk(self) -> Chunk:
@@ -204,7 +208,7 @@ def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
             streams.append(quant_stream(stored, link.chunk.params, task.state.shape[0]))
         except DeltackptError as exc:
             raise type(exc)(f"{source.where(link.record, link.chunk)}: {exc}") from None
-    apply_quant_streams(streams, task.state)
+    apply_quant_streams(streams, task.state, task.first)
     if last.record.dtype != "float32":  # float32 tensors are their running values
         task.out[:] = dtype_bytes(task.state, last.record.dtype)
     sources[last.depth].check_raw(last.record, last.chunk, task.out)
@@ -227,7 +231,7 @@ def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord
     def task(links: list[_Link]) -> _RangeTask:
         lo, hi = links[-1].chunk.raw_offset, links[-1].chunk.raw_offset + links[-1].chunk.raw_length
         return _RangeTask(links, None if state is None else state[lo // itemsize : hi // itemsize],
-                          raw[lo:hi])
+                          raw[lo:hi], lo // itemsize)
 
     bounds = {tuple((c.raw_offset, c.raw_length) for c in r.fragments[0].chunks) for _, r in steps}
     if len(bounds) > 1:

@@ -14,6 +14,7 @@ statistics that the step's metadata records.
 from __future__ import annotations
 
 import threading
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,7 @@ class _Plan:
     step: float | int = 0
     pred: bool = False
     cast_of: str | None = None  # the float32 master copy the tensor is rounded from
+    dither: int | None = None  # seed of the dither that shifts its quantization grid
 
 
 @dataclass
@@ -146,6 +148,12 @@ class StepEncoder:
             ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
             lr = learning_rates.get(item.fqn) if cls == "weights" else None
+            if quantizer.dithers and lr is not None and (self.base.deltas == 0
+                                                         or self.base.resumed):
+                # Weights an optimizer moves, in the first delta on values training holds
+                # exactly (a full step, or a load): after it their grid stays shifted. One seed
+                # per tensor and base step.
+                plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
             sample = None
             if self.controller is not None or needs_sample(quantizer, lr):
                 flat = item.tensor.detach().reshape(-1)
@@ -179,7 +187,7 @@ class StepEncoder:
         recon = self._values[record.name][lo:hi]
         chunk, stats = encode_quant(x, recon if plan.pred else None, recon,
                                     ordinal=plan.quantizer.domain == "ordinal", step=plan.step,
-                                    block=self.config.block)
+                                    block=self.config.block, dither=plan.dither, first=lo)
         if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
             chunk = encode_lossless(raw, spec)

@@ -379,6 +379,7 @@ class CheckpointManager:
         ckpt, recon = self._restore(step, progress)
         if not self.read_only:  # the loaded tensors go to the optimizer: keep our own copy
             recon.values = {name: values.copy() for name, values in recon.values.items()}
+            recon.resumed = True
             self._recon = recon
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:

@@ -80,10 +80,24 @@ def _value_of(key: np.int64) -> np.float32:
 
 
 @njit(inline="always")
+def _dither(index: np.int64, seed: np.int64) -> np.float32:
+    """FORMAT.md 3.2's dither offset of element ``index`` for ``seed``: in [-0.5, 0.5), a
+    multiple of 2**-24 (exact in float32). A 32-bit integer hash, so it vectorizes."""
+    x = np.uint32(np.uint32(index & 0xFFFFFFFF) ^ np.uint32(seed))
+    x = np.uint32(x ^ (x >> np.uint32(16)))
+    x = np.uint32(x * np.uint32(0x21F0AAAD))
+    x = np.uint32(x ^ (x >> np.uint32(15)))
+    x = np.uint32(x * np.uint32(0x735A2D97))
+    x = np.uint32(x ^ (x >> np.uint32(15)))
+    return np.float32(np.float32(x >> np.uint32(8)) * np.float32(2.0**-24)) - np.float32(0.5)
+
+
+@njit(inline="always")
 def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
-                 step_k: np.float64) -> np.float32:
-    """The running value after symbol ``q`` on prediction ``p``: FORMAT.md 3.2's one rule,
-    shared by encoder and decoder so they agree by construction.
+                 step_k: np.float64, u: np.float32) -> np.float32:
+    """The running value after symbol ``q`` on prediction ``p`` (with dither offset ``u``,
+    0 when undithered): FORMAT.md 3.2's one rule, shared by encoder and decoder so they agree
+    by construction.
 
     The ordinal step ``step_k`` (an integer) is passed as a float64: ``key(p) + q * step`` is
     below 2**47, exact in float64, and with AVX2 conversions between floats and 32-bit
@@ -92,7 +106,7 @@ def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
     if ordinal:
         key = np.float64(_key_of(p)) + np.float64(q) * step_k
         return _float_of_key(np.int32(min(max(key, np.float64(-MAX_KEY)), np.float64(MAX_KEY))))
-    return np.float32(p + np.float32(np.float32(q) * step_f))
+    return np.float32(p + np.float32(np.float32(np.float32(q) - u) * step_f))
 
 
 @njit(inline="always")
@@ -238,11 +252,12 @@ def _block_stats(x, out, sym, width, relative, row):
     row[STAT_CLIPPED] = clipped
 
 
-def _make_encoder(ordinal: bool, use_pred: bool):
-    """The fused encode kernel for one domain and prediction (compile-time constants)."""
+def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool):
+    """The fused encode kernel for one domain, prediction and dithering (compile-time
+    constants)."""
 
     @njit(cache=True, nogil=True)
-    def encode(x, pred, out, step_f, step_i, block, widths, slots, stats):
+    def encode(x, pred, out, step_f, step_i, block, widths, slots, stats, seed, first):
         n = x.shape[0]
         step_k = np.float64(step_i)
         sym_block = np.empty(block, np.uint16)
@@ -264,15 +279,16 @@ def _make_encoder(ordinal: bool, use_pred: bool):
                 p = pb[j] if use_pred else np.float32(0.0)
                 ok = _finite(xb[j]) & _finite(p)
                 bad += not ok
+                u = _dither(first + start + j, seed) if dithered else np.float32(0.0)
                 if ordinal:
                     r = np.float64(_key_of(xb[j])) - np.float64(_key_of(p))
                     qf = min(max(np.rint(r / step_k), np.float64(Q_MIN)), np.float64(Q_MAX))
                     q = np.int32(qf)
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
-                    qf32 = np.rint(np.float32(r32 / step_f))
+                    qf32 = np.rint(np.float32(np.float32(r32 / step_f) + u))
                     q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
-                s = _reconstruct(p, q, ordinal, step_f, step_k)
+                s = _reconstruct(p, q, ordinal, step_f, step_k, u)
                 if not ordinal:
                     bad += ok & (not _finite(s))  # overflow, only with absurd steps
                 ob[j] = s
@@ -292,8 +308,9 @@ def _make_encoder(ordinal: bool, use_pred: bool):
     return encode
 
 
-_ENCODERS = {(ordinal, use_pred): _make_encoder(ordinal, use_pred)
-             for ordinal in (False, True) for use_pred in (False, True)}
+_ENCODERS = {(ordinal, use_pred, dithered): _make_encoder(ordinal, use_pred, dithered)
+             for ordinal in (False, True) for use_pred in (False, True)
+             for dithered in (False, True) if not (ordinal and dithered)}
 
 
 @njit(cache=True, nogil=True)
@@ -338,8 +355,14 @@ def n_blocks_of(n: int, block: int) -> int:
 
 def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int,
+                        dither: int | None = None, first: int = 0,
                         ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
+
+    ``dither`` (linear domain only) is a seed: element ``i`` is then
+    quantized with the dither offset of index ``first + i`` (``first``: the
+    chunk's first element in its tensor), which makes the error uniform and
+    independent of the value coded.
 
     Writes the reconstruction a reader will get into ``out`` (float32, may
     be ``pred`` itself: the encoder's reconstruction is updated in place).
@@ -355,9 +378,11 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     widths = np.empty(n_blocks, np.uint8)
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
+    seed = _seed(ordinal, dither)
     slots = _slots(n_blocks, block)
-    _ENCODERS[ordinal, pred is not None](x, out if pred is None else pred, out, step_f, step_i,
-                                         block, widths, slots, stats)
+    _ENCODERS[ordinal, pred is not None, seed >= 0](x, out if pred is None else pred, out, step_f,
+                                                    step_i, block, widths, slots, stats, seed,
+                                                    np.int64(first))
     offsets = _block_offsets(widths, n, block, n_blocks)
     stream = np.empty(offsets[-1], np.uint8)
     _compact(slots, widths, offsets, stream)
@@ -404,11 +429,11 @@ def check_stream(stream: np.ndarray, n: int, block: int) -> None:
         raise ValueError(_stream_problem(status, stream, n, block))
 
 
-def _make_decoder(ordinal: bool, use_pred: bool):
-    """The decode kernel for one domain and prediction."""
+def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool):
+    """The decode kernel for one domain, prediction and dithering."""
 
     @njit(cache=True, nogil=True)
-    def decode(stream, offsets, pred, out, step_f, step_i, block):
+    def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first):
         n = out.shape[0]
         step_k = np.float64(step_i)
         q_block = np.empty(block, np.int32)
@@ -421,19 +446,23 @@ def _make_decoder(ordinal: bool, use_pred: bool):
             _unpack(stream, offsets[b], np.int64(stream[b]), q)
             for j in range(m):
                 p = pred[start + j] if use_pred else np.float32(0.0)
-                out_block[j] = _reconstruct(p, q[j], ordinal, step_f, step_k)
+                u = _dither(first + start + j, seed) if dithered else np.float32(0.0)
+                out_block[j] = _reconstruct(p, q[j], ordinal, step_f, step_k, u)
             out[start:stop] = out_block[:m]
 
     return decode
 
 
-_DECODERS = {(ordinal, use_pred): _make_decoder(ordinal, use_pred)
-             for ordinal in (False, True) for use_pred in (False, True)}
+_DECODERS = {(ordinal, use_pred, dithered): _make_decoder(ordinal, use_pred, dithered)
+             for ordinal in (False, True) for use_pred in (False, True)
+             for dithered in (False, True) if not (ordinal and dithered)}
 
 
 def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
-                        ordinal: bool, step: float | int, block: int) -> None:
+                        ordinal: bool, step: float | int, block: int, dither: int | None = None,
+                        first: int = 0) -> None:
     """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
+    ``dither`` and ``first`` are as the encoder had them.
 
     Raises ``ValueError`` when the stream's length does not match its block
     widths, or a width is over 16, so damaged streams never index out of bounds.
@@ -443,21 +472,29 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
     if status != STREAM_OK:
         raise ValueError(_stream_problem(status, stream, n, block))
     step_f, step_i = _steps(ordinal, step)
+    seed = _seed(ordinal, dither)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
-    _DECODERS[ordinal, pred is not None](padded, offsets, out if pred is None else pred, out,
-                                         step_f, step_i, block)
+    _DECODERS[ordinal, pred is not None, seed >= 0](padded, offsets, out if pred is None else pred,
+                                                    out, step_f, step_i, block, seed,
+                                                    np.int64(first))
 
 
 @njit(inline="always")
-def _linear_step(values, q, width, step_f):
-    """``values`` after one linear step of symbols ``q`` (all 0 for a zero-width block)."""
-    if width:
+def _linear_step(values, q, width, step_f, seed, index):
+    """``values`` after one linear step of symbols ``q`` (all 0 for a zero-width block),
+    dithered if ``seed >= 0`` (``index``: the first value's element index)."""
+    one, zero = np.float64(1), np.float32(0.0)
+    if seed >= 0:
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], q[j], False, step_f, np.float64(1))
+            values[j] = _reconstruct(values[j], q[j] if width else np.int32(0), False, step_f,
+                                     one, _dither(index + j, seed))
+    elif width:
+        for j in range(values.shape[0]):
+            values[j] = _reconstruct(values[j], q[j], False, step_f, one, zero)
     else:  # no symbols to unpack, but -0.0 still becomes +0.0
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], np.int32(0), False, step_f, np.float64(1))
+            values[j] = _reconstruct(values[j], np.int32(0), False, step_f, one, zero)
 
 
 @njit(inline="always")
@@ -478,7 +515,8 @@ def _ordinal_step(keys, q, width, step_i):
 
 
 @njit(cache=True, nogil=True)
-def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, values):
+def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block, zero_start,
+                  values):
     """Apply the packed streams ``streams[bounds[t]:bounds[t + 1]]`` in turn to ``values``.
 
     Checks every stream first and returns the index of the first damaged one
@@ -516,7 +554,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, v
         keyed = False  # whether ``keys`` holds the running values rather than ``run``
         for t in range(n_steps):
             width = np.int64(streams[bounds[t] + b])
-            if not width and t and ordinal[t] == ordinal[t - 1]:
+            if not width and t and ordinal[t] == ordinal[t - 1] and seeds[t] < 0:
                 continue  # all-zero symbols after a step of the same domain change nothing
             if width:
                 _unpack(streams, offsets[t, b], width, q)
@@ -531,7 +569,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, v
                     for j in range(m):
                         run[j] = _value_of(keys[j])
                     keyed = False
-                _linear_step(run, q, width, step_f[t])
+                _linear_step(run, q, width, step_f[t], seeds[t], first + start)
         if keyed:
             for j in range(m):
                 run[j] = _value_of(keys[j])
@@ -540,19 +578,25 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, block, zero_start, v
 
 
 def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: list[bool],
-                        steps: list[float | int], block: int, zero_start: bool) -> None:
+                        steps: list[float | int], block: int, zero_start: bool,
+                        dithers: list[int | None] | None = None, first: int = 0) -> None:
     """Apply the packed streams of consecutive steps in order to the running values ``out``.
 
     The result is bit for bit that of calling :func:`decode_block_stream`
     once per stream, each against the previous result: the first against
-    ``out`` itself, or against zero with ``zero_start``. ``ordinal`` and
-    ``steps`` give each stream's domain and step; all share ``block``.
+    ``out`` itself, or against zero with ``zero_start``. ``ordinal``,
+    ``steps`` and ``dithers`` (default: none) give each stream's domain,
+    step and dither seed; all share ``block`` and ``first``, the index of
+    ``out``'s first element in its tensor.
     Raises ``ValueError`` naming the first damaged stream by its index
     before anything is written.
     """
-    if not len(streams) == len(ordinal) == len(steps):
-        raise ValueError(f"{len(streams)} streams, {len(ordinal)} domains and {len(steps)} steps")
+    dithers = [None] * len(streams) if dithers is None else dithers
+    if not len(streams) == len(ordinal) == len(steps) == len(dithers):
+        raise ValueError(f"{len(streams)} streams, {len(ordinal)} domains, {len(steps)} steps "
+                         f"and {len(dithers)} dithers")
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
+    seeds = np.array([_seed(o, d) for o, d in zip(ordinal, dithers, strict=True)], np.int64)
     bounds = np.zeros(len(streams) + 1, np.int64)
     np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
     flat = np.empty(bounds[-1] + 8, np.uint8)  # _unpack reads up to 8 bytes past a block
@@ -560,7 +604,8 @@ def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: 
         flat[lo:hi] = stream
     bad, status = _decode_steps(flat, bounds, np.array(ordinal, np.bool_),
                                 np.array([f for f, _ in coded], np.float32),
-                                np.array([i for _, i in coded], np.int64), block, zero_start, out)
+                                np.array([i for _, i in coded], np.int64), seeds,
+                                np.int64(first), block, zero_start, out)
     if status != STREAM_OK:
         raise ValueError(f"stream {bad}: "
                          f"{_stream_problem(status, streams[bad], out.shape[0], block)}")
@@ -574,6 +619,16 @@ def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
     if not (np.isfinite(step) and step > 0 and float(np.float32(step)) == step):
         raise ValueError(f"linear step must be a positive float32 value, got {step!r}")
     return np.float32(step), np.int64(1)
+
+
+def _seed(ordinal: bool, dither: int | None) -> np.int64:
+    """The kernels' dither seed: ``dither``, or -1 for none."""
+    if dither is None:
+        return np.int64(-1)
+    if ordinal or int(dither) != dither or not 0 <= dither < 1 << 32:
+        raise ValueError(f"a dither seed is an integer in [0, 2**32) of the linear domain, "
+                         f"got {dither!r} (ordinal={ordinal})")
+    return np.int64(dither)
 
 
 # -- numpy references (the executable spec) ---------------------------------------------
@@ -590,8 +645,19 @@ def numpy_from_keys(keys: np.ndarray) -> np.ndarray:
     return np.where(keys >= 0, keys, (-keys) | 0x80000000).astype(np.uint32).view(np.float32)
 
 
-def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
-                   step: float | int) -> tuple[np.ndarray, np.ndarray]:
+def numpy_dither(n: int, seed: int, first: int = 0) -> np.ndarray:
+    """Dither offsets (float32) of elements ``first .. first + n - 1`` for ``seed``."""
+    x = (np.arange(first, first + n, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(seed)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x21F0AAAD)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x735A2D97)
+    x ^= x >> np.uint32(15)
+    return (x >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
+
+
+def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, step: float | int,
+                   dither: int | None = None, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Symbols ``q`` (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
     p = np.zeros_like(x) if pred is None else pred
     if ordinal:
@@ -599,9 +665,10 @@ def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
         q = np.clip(np.rint(r / np.float64(step)), Q_MIN, Q_MAX).astype(np.int64)
         return q, numpy_from_keys(numpy_keys(p) + q * step)
     r = (x - p).astype(np.float32)
+    u = np.zeros(x.shape, np.float32) if dither is None else numpy_dither(x.size, dither, first)
     with np.errstate(over="ignore"):  # a quotient beyond float32 is clipped like any large one
-        q = np.clip(np.rint(r / np.float32(step)), Q_MIN, Q_MAX).astype(np.int64)
-    return q, (p + q.astype(np.float32) * np.float32(step)).astype(np.float32)
+        q = np.clip(np.rint(r / np.float32(step) + u), Q_MIN, Q_MAX).astype(np.int64)
+    return q, numpy_dequantize(q, p, ordinal=False, step=step, dither=dither, first=first)
 
 
 def numpy_pack(q: np.ndarray, block: int) -> np.ndarray:
@@ -634,18 +701,22 @@ def numpy_unpack(stream: np.ndarray, n: int, block: int) -> np.ndarray:
 
 
 def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
-                     step: float | int) -> np.ndarray:
-    """Reconstruction from symbols ``q`` and ``pred`` (or zero)."""
+                     step: float | int, dither: int | None = None, first: int = 0) -> np.ndarray:
+    """Reconstruction from symbols ``q`` and ``pred`` (or zero), dithered with seed ``dither``."""
     p = np.zeros(q.shape, np.float32) if pred is None else pred
     if ordinal:
         return numpy_from_keys(numpy_keys(p) + q * step)
-    return (p + q.astype(np.float32) * np.float32(step)).astype(np.float32)
+    u = np.zeros(q.shape, np.float32) if dither is None else numpy_dither(q.size, dither, first)
+    return (p + (q.astype(np.float32) - u) * np.float32(step)).astype(np.float32)
 
 
 def numpy_decode_steps(streams: list[np.ndarray], pred: np.ndarray | None, n: int, *,
-                       ordinal: list[bool], steps: list[float | int], block: int) -> np.ndarray:
+                       ordinal: list[bool], steps: list[float | int], block: int,
+                       dithers: list[int | None] | None = None, first: int = 0) -> np.ndarray:
     """Running values after applying each packed stream in turn to ``pred`` (or zero)."""
     values = pred
-    for stream, o, step in zip(streams, ordinal, steps, strict=True):
-        values = numpy_dequantize(numpy_unpack(stream, n, block), values, ordinal=o, step=step)
+    dithers = [None] * len(streams) if dithers is None else dithers
+    for stream, o, step, dither in zip(streams, ordinal, steps, dithers, strict=True):
+        values = numpy_dequantize(numpy_unpack(stream, n, block), values, ordinal=o, step=step,
+                                  dither=dither, first=first)
     return np.zeros(n, np.float32) if values is None else values

@@ -96,7 +96,8 @@ def _reference(root: Path, step: int) -> tuple[dict[str, bytes], dict[str, np.nd
                 lo, hi = chunk.raw_offset, chunk.raw_offset + chunk.raw_length
                 if chunk.codec == "quant":
                     state = values[record.name][lo // itemsize : hi // itemsize]
-                    decode_quant(source.stored(record, chunk), chunk.params, state, state)
+                    decode_quant(source.stored(record, chunk), chunk.params, state, state,
+                                 lo // itemsize)
                     out[lo:hi] = dtype_bytes(state, record.dtype)
                     source.check_raw(record, chunk, out[lo:hi])
                 else:

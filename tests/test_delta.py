@@ -724,6 +724,47 @@ def test_cast_from_a_wrong_source_is_refused(ckpt: Path, source: str) -> None:
         mgr.restore(1)
 
 
+def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path) -> None:
+    """Weights moved by less than half a step since a full step: undithered, a restore would give
+    them back unmoved (the error is minus the movement: resumed training loses it); the first
+    delta on a full step or a load dithers them, so the error averages zero and is spread over
+    the whole step. Later deltas keep the shifted grid and code unmoved weights as zeros."""
+    model = nn.Linear(100, 200)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optimizer, steps=1)
+    step_size = CompressionConfig.preset("balanced").weights.lr_step * 1e-3
+
+    def move_and_save(mgr: CheckpointManager, step: int) -> tuple[torch.Tensor, list[dict]]:
+        with torch.no_grad():
+            model.weight.add_(0.2 * step_size)
+        mgr.save(step, model, optimizer)
+        params = [c.params for c in mgr.metadata(step).tensor("model/weight").fragments[0].chunks]
+        return mgr.restore(step).tensors["model/weight"] - model.weight.detach(), params
+
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.save(0, model, optimizer)
+        error, params = move_and_save(mgr, 1)
+        assert {p.get("dither") is not None for p in params} == {True}
+        assert abs(error.mean().item()) < 0.02 * step_size  # undithered: -0.2 steps everywhere
+        assert error.std().item() > 0.2 * step_size  # uniform over the step: 0.29
+        assert error.abs().max().item() <= step_size / 2 * (1 + 1e-5)
+        error, params = move_and_save(mgr, 2)
+        assert {p.get("dither") for p in params} == {None}
+        assert error.abs().max().item() <= step_size / 2 * (1 + 1e-5)
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.load(2, model, optimizer)
+        error, params = move_and_save(mgr, 3)
+        assert {p.get("dither") is not None for p in params} == {True}
+        assert abs(error.mean().item()) < 0.02 * step_size
+    undithered = dataclasses.replace(CompressionConfig.preset("balanced"),
+                                     weights=Quantizer(step=5.0, lr_step=16.0, dither=False))
+    with CheckpointManager(ckpt / "plain", full_every=100, compression=undithered) as mgr:
+        mgr.save(0, model, optimizer)
+        error, params = move_and_save(mgr, 1)
+        assert {p.get("dither") for p in params} == {None}
+        assert error.mean().item() == pytest.approx(-0.2 * step_size, rel=1e-3)
+
+
 # -- 5. automatic full steps -----------------------------------------------------------------------
 
 

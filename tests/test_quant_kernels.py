@@ -92,6 +92,8 @@ class Case(NamedTuple):
     step: float | int
     block: int
     inplace: bool
+    dither: int | None = None  # a seed (linear domain only)
+    first: int = 0  # the index of the first element in its tensor (for the dither)
 
 
 @st.composite
@@ -106,7 +108,9 @@ def cases(draw: st.DrawFn, ordinal: bool | None = None, max_n: int = 3000) -> Ca
     x = _values(n, seed, draw(st.sampled_from(PATTERNS)))
     pred = _pred(x, seed, draw(st.sampled_from(["none", "near", "far", "equal"])))
     step = draw(st.sampled_from(ORDINAL_STEPS if ordinal else LINEAR_STEPS))
-    return Case(x, pred, ordinal, step, block, draw(st.booleans()))
+    dither = None if ordinal else draw(st.one_of(st.none(), st.integers(0, 2**32 - 1)))
+    return Case(x, pred, ordinal, step, block, draw(st.booleans()), dither,
+                draw(st.integers(0, 2**34)))
 
 
 def _encode(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,7 +119,8 @@ def _encode(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         pred = out = c.pred.copy()
     else:
         pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
-    stream, stats = encode_block_stream(c.x, pred, out, ordinal=c.ordinal, step=c.step, block=c.block)
+    stream, stats = encode_block_stream(c.x, pred, out, ordinal=c.ordinal, step=c.step, block=c.block,
+                                        dither=c.dither, first=c.first)
     if c.pred is not None and not c.inplace:
         assert pred.tobytes() == c.pred.tobytes(), "the encoder wrote to pred"
     return stream, stats, out
@@ -126,7 +131,8 @@ def _decode(c: Case, stream: np.ndarray) -> np.ndarray:
         pred = out = c.pred.copy()
     else:
         pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
-    decode_block_stream(stream, pred, out, ordinal=c.ordinal, step=c.step, block=c.block)
+    decode_block_stream(stream, pred, out, ordinal=c.ordinal, step=c.step, block=c.block,
+                        dither=c.dither, first=c.first)
     return out
 
 
@@ -208,7 +214,8 @@ def _check_error_bound(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray
 def test_encoder_matches_numpy_reference(c: Case) -> None:
     """Stream == numpy_pack(numpy_quantize symbols); reconstruction and stats match the reference."""
     stream, stats, recon = _encode(c)
-    q, expected_recon = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step)
+    q, expected_recon = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
+                                       first=c.first)
     assert_stream_equal(stream, numpy_pack(q, c.block))
     assert_bits_equal(recon, expected_recon, "reconstruction")
     _check_stats(stats, c.x, recon, q, c.block, c.ordinal)
@@ -242,7 +249,8 @@ def test_decode_reproduces_encoder_reconstruction(c: Case) -> None:
     stream, _, recon = _encode(c)
     assert_bits_equal(_decode(c, stream), recon, "decoded")
     q = numpy_unpack(stream, c.x.size, c.block)
-    assert_bits_equal(numpy_dequantize(q, c.pred, ordinal=c.ordinal, step=c.step), recon, "numpy decoded")
+    assert_bits_equal(numpy_dequantize(q, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
+                                       first=c.first), recon, "numpy decoded")
 
 
 @FEW
@@ -254,8 +262,10 @@ def test_chained_in_place_updates(c: Case, steps: int) -> None:
     rng = np.random.default_rng(c.x.size)
     x = c.x
     for _ in range(steps):
-        stream, _ = encode_block_stream(x, writer, writer, ordinal=c.ordinal, step=c.step, block=c.block)
-        decode_block_stream(stream, reader, reader, ordinal=c.ordinal, step=c.step, block=c.block)
+        stream, _ = encode_block_stream(x, writer, writer, ordinal=c.ordinal, step=c.step, block=c.block,
+                                        dither=c.dither, first=c.first)
+        decode_block_stream(stream, reader, reader, ordinal=c.ordinal, step=c.step, block=c.block,
+                            dither=c.dither, first=c.first)
         assert_bits_equal(reader, writer, "running reconstruction")
         x = np.where(rng.random(x.size) < 0.5, x, -x).astype(np.float32)
 
@@ -482,7 +492,7 @@ def test_keys_order_like_floats() -> None:
 def test_error_within_half_a_step(c: Case) -> None:
     """Unclipped: linear |s - x| <= step/2 (+rounding), ordinal keys within step//2; STAT_MAX_ABS agrees."""
     _, stats, recon = _encode(c)
-    q, _ = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step)
+    q, _ = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither, first=c.first)
     _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step)
     ok = (q != Q_MIN) & (q != Q_MAX)
     if not c.ordinal and c.x.size and ok.all():
@@ -533,7 +543,8 @@ def test_non_finite_inputs_are_counted_per_block(c: Case, data: st.DataObject) -
     good = np.repeat(bad_per_block == 0, c.block)[:n]
     safe_x = np.where(good, x, 0).astype(np.float32)
     safe_p = None if pred is None else np.where(good, pred, 0).astype(np.float32)
-    q, expected = numpy_quantize(safe_x, safe_p, ordinal=c.ordinal, step=c.step)
+    q, expected = numpy_quantize(safe_x, safe_p, ordinal=c.ordinal, step=c.step, dither=c.dither,
+                                 first=c.first)
     q[~good] = 0
     assert_stream_equal(stream, numpy_pack(q, c.block))
     assert (stream[:n_blocks][bad_per_block > 0] == 0).all()
@@ -638,6 +649,8 @@ class StepsCase(NamedTuple):
     steps: list[float | int]
     block: int
     zero_start: bool
+    dithers: list[int | None] | None = None
+    first: int = 0
 
 
 def _symbol_stream(n: int, block: int, rng: np.random.Generator) -> np.ndarray:
@@ -666,26 +679,28 @@ def steps_cases(draw: st.DrawFn, max_n: int = 2500) -> StepsCase:
     ordinal = [draw(st.booleans()) for _ in range(n_steps)]
     steps = [draw(st.sampled_from(ORDINAL_STEPS if o else LINEAR_STEPS)) for o in ordinal]
     zero_start = draw(st.booleans())
+    dithers = [None if o else draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))) for o in ordinal]
+    first = draw(st.integers(0, 2**34))
     running = None if zero_start else start.copy()
     streams = []
-    for o, step in zip(ordinal, steps, strict=True):
+    for o, step, dither in zip(ordinal, steps, dithers, strict=True):
         if draw(st.booleans()) or running is None or not np.isfinite(running).all():
             streams.append(_symbol_stream(n, block, rng))
             with np.errstate(invalid="ignore", over="ignore"):
                 running = numpy_decode_steps(streams[-1:], running, n, ordinal=[o], steps=[step],
-                                             block=block)
+                                             block=block, dithers=[dither], first=first)
         else:
             target = _values(n, int(rng.integers(2**32)), str(rng.choice(PATTERNS)))
             near = np.where(rng.random(n) < 0.7, running, target).astype(np.float32)
             streams.append(encode_block_stream(near, running, running, ordinal=o, step=step,
-                                               block=block)[0])
-    return StepsCase(start, streams, ordinal, steps, block, zero_start)
+                                               block=block, dither=dither, first=first)[0])
+    return StepsCase(start, streams, ordinal, steps, block, zero_start, dithers, first)
 
 
 def _decode_steps_case(c: StepsCase) -> np.ndarray:
     out = np.full(c.start.size, np.nan, np.float32) if c.zero_start else c.start.copy()
     decode_step_streams(c.streams, out, ordinal=c.ordinal, steps=c.steps, block=c.block,
-                        zero_start=c.zero_start)
+                        zero_start=c.zero_start, dithers=c.dithers, first=c.first)
     return out
 
 
@@ -697,12 +712,15 @@ def test_step_streams_match_references(c: StepsCase) -> None:
     actual = _decode_steps_case(c)
     with np.errstate(invalid="ignore", over="ignore"):
         expected = numpy_decode_steps(c.streams, None if c.zero_start else c.start.copy(),
-                                      c.start.size, ordinal=c.ordinal, steps=c.steps, block=c.block)
+                                      c.start.size, ordinal=c.ordinal, steps=c.steps, block=c.block,
+                                      dithers=c.dithers, first=c.first)
     assert_bits_equal(actual, expected, "numpy reference")
     sequential = c.start.copy()
-    for i, (stream, o, step) in enumerate(zip(c.streams, c.ordinal, c.steps, strict=True)):
+    for i, (stream, o, step, dither) in enumerate(zip(c.streams, c.ordinal, c.steps, c.dithers,
+                                                       strict=True)):
         pred = None if c.zero_start and i == 0 else sequential
-        decode_block_stream(stream, pred, sequential, ordinal=o, step=step, block=c.block)
+        decode_block_stream(stream, pred, sequential, ordinal=o, step=step, block=c.block,
+                            dither=dither, first=c.first)
     assert_bits_equal(actual, sequential, "decode_block_stream per step")
 
 
@@ -814,9 +832,13 @@ def test_step_streams_random_bytes(seed: int, n: int, block: int, ordinal: bool)
 def test_step_streams_argument_checks() -> None:
     out = np.zeros(10, np.float32)
     stream = np.zeros(3, np.uint8)
-    with pytest.raises(ValueError, match="2 streams, 1 domains and 2 steps"):
+    with pytest.raises(ValueError, match="2 streams, 1 domains, 2 steps and 2 dithers"):
         decode_step_streams([stream, stream], out, ordinal=[False], steps=[1.0, 1.0], block=4,
                             zero_start=False)
+    for ordinal, seed in ((True, 5), (False, -1), (False, 2**32)):
+        with pytest.raises(ValueError, match="dither seed"):
+            decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,
+                                zero_start=False, dithers=[seed])
     with pytest.raises(ValueError, match="step"):
         decode_step_streams([stream, stream], out, ordinal=[False, True], steps=[1.0, 1.5],
                             block=4, zero_start=False)

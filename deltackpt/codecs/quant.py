@@ -37,8 +37,10 @@ NAME = "quant"
 
 
 def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, ordinal: bool,
-                 step: float | int, block: int) -> tuple[EncodedChunk | None, np.ndarray]:
-    """Quantize float32 ``x`` against ``pred`` (or zero), writing the reconstruction to ``recon``.
+                 step: float | int, block: int, dither: int | None = None,
+                 first: int = 0) -> tuple[EncodedChunk | None, np.ndarray]:
+    """Quantize float32 ``x`` against ``pred`` (or zero), writing the reconstruction to ``recon``;
+    dithered with seed ``dither`` (``first``: index of the chunk's first element in its tensor).
 
     Returns the chunk and its per-block statistics (``kernels.quant.STAT_*``),
     or ``None`` for the chunk when an element cannot be coded within half a
@@ -46,17 +48,21 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     e.g. a sign flip in the ordinal domain); ``recon`` then holds garbage
     and the caller stores ``x`` exactly.
     """
-    stream, stats = encode_block_stream(x, pred, recon, ordinal=ordinal, step=step, block=block)
+    stream, stats = encode_block_stream(x, pred, recon, ordinal=ordinal, step=step, block=block,
+                                        dither=dither, first=first)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "zero" if pred is None else "base", "step": step, "block": block}
+    if dither is not None:
+        params["dither"] = dither
     return EncodedChunk(NAME, params, [zstd_compress(stream)]), stats
 
 
-def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int]:
-    """Validated ``(ordinal, uses_base, step, block)`` of a quant chunk."""
-    domain, pred, step, block = (params.get(k) for k in ("domain", "pred", "step", "block"))
+def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, int | None]:
+    """Validated ``(ordinal, uses_base, step, block, dither)`` of a quant chunk."""
+    domain, pred, step, block, dither = (params.get(k) for k in ("domain", "pred", "step", "block",
+                                                                  "dither"))
     ok = (domain in ("linear", "ordinal") and pred in ("base", "zero")
           and isinstance(block, int) and not isinstance(block, bool) and 1 <= block <= 1 << 24)
     if ok and domain == "ordinal":
@@ -64,9 +70,12 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int]:
     elif ok:
         ok = (isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0
               and float(np.float32(step)) == step)
+    if ok and dither is not None:
+        ok = (domain == "linear" and isinstance(dither, int) and not isinstance(dither, bool)
+              and 0 <= dither < 1 << 32)
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
-    return domain == "ordinal", pred == "base", step, block
+    return domain == "ordinal", pred == "base", step, block, dither
 
 
 def uses_base(params: dict[str, Any]) -> bool:
@@ -83,6 +92,7 @@ class QuantStream:
     with_base: bool
     step: float | int
     block: int
+    dither: int | None
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
@@ -92,43 +102,47 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
     for a frame or stream that does not decode, so a stream returned here
     always decodes.
     """
-    ordinal, with_base, step, block = quant_params(params)
+    ordinal, with_base, step, block, dither = quant_params(params)
     # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
     data = np.frombuffer(zstd_decompress_bounded(stored, -(-n // block) + 2 * n), dtype=np.uint8)
     try:
         check_stream(data, n, block)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
-    return QuantStream(data, ordinal, with_base, step, block)
+    return QuantStream(data, ordinal, with_base, step, block, dither)
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
-                 out: np.ndarray) -> None:
-    """Decode a quant chunk into float32 ``out`` (may be ``pred``: updated in place)."""
+                 out: np.ndarray, first: int) -> None:
+    """Decode a quant chunk into float32 ``out`` (may be ``pred``: updated in place);
+    ``first`` is the index of the chunk's first element in its tensor."""
     stream = quant_stream(stored, params, out.shape[0])
     if stream.with_base and pred is None:
         raise FormatError("quant chunk is coded against its base step, which was not given")
     decode_block_stream(stream.data, pred if stream.with_base else None, out,
-                        ordinal=stream.ordinal, step=stream.step, block=stream.block)
+                        ordinal=stream.ordinal, step=stream.step, block=stream.block,
+                        dither=stream.dither, first=first)
 
 
-def apply_quant_streams(streams: list[QuantStream], values: np.ndarray) -> None:
-    """Apply the streams of one chunk in consecutive steps, in order, to its running values.
+def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:
+    """Apply the streams of one chunk in consecutive steps, in order, to its running values
+    (``first``: the index of the chunk's first element in its tensor).
 
     ``values`` (float32) holds the running values before the first step
     (unused when that step predicts from zero) and is updated in place: the
     result is bit for bit that of :func:`decode_quant` once per step. Runs of
     steps with one block size are decoded in a single pass.
     """
-    first = 0
+    start = 0
     for i in range(1, len(streams) + 1):
-        if i == len(streams) or streams[i].block != streams[first].block \
+        if i == len(streams) or streams[i].block != streams[start].block \
                 or not streams[i].with_base:
-            run = streams[first:i]
+            run = streams[start:i]
             decode_step_streams([s.data for s in run], values, ordinal=[s.ordinal for s in run],
                                 steps=[s.step for s in run], block=run[0].block,
-                                zero_start=not run[0].with_base)
-            first = i
+                                zero_start=not run[0].with_base,
+                                dithers=[s.dither for s in run], first=first)
+            start = i
 
 
 def zstd_decompress_bounded(stored: memoryview, limit: int) -> bytes:
