@@ -201,19 +201,21 @@ class CompressionConfig:
 
 
 # Chosen with bench/fidelity.py (TinyGPT small, AdamW betas (0.9, 0.95), resumed 100 steps from a
-# delta step; the deviation is of the mean resumed loss). balanced: 89x at 0.13% saving every 20
-# steps, 55x at 0.55% every 100 steps; aggressive: 132x at 0.38% every 20 steps, 90x at 1.6% every
-# 100. Five restores 40 steps apart cost 5-7% (balanced, 3 seeds; near-lossless 0.2-0.4%), mostly
-# through the weights' error (exact weights: 1.6%). Weights moved by Adam are coded at a step
-# proportional to the learning rate (a step proportional to the change
-# since the last save grew with the interval: 59x at 2.7% every 100 steps), others relative to
-# their change. Adam's first moment forgets its past within tens of steps and the second only
-# scales the update, so both are coded coarsely: exp_avg nearly all zero, exp_avg_sq updated
-# where it moved by more than 16x.
+# delta step; the deviation is of the mean resumed loss). balanced: 74x at 0.10% saving every 20
+# steps, 50x at 0.08% every 100 steps; five restores 40 steps apart 0.7-1.1% (near-lossless
+# restores of the same runs: 0.4-0.5%). aggressive: 156x at 0.28% every 20 steps, 102x at 0.85%
+# every 100. Weights moved by Adam are coded at a step proportional to the learning rate (a step
+# proportional to the change since the last save grew with the interval: 59x at 2.7% every 100
+# steps) and dithered: undithered, five restores cost 5-7% of loss. Adam's first moment forgets
+# its past within tens of steps and the second only scales the update, so both are coded
+# coarsely: exp_avg nearly all zero, exp_avg_sq updated where it moved by more than 16x
+# (balanced) or 256x (aggressive).
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
-    "aggressive": CompressionConfig(weights=Quantizer(step=9.0, lr_step=32.0), name="aggressive"),
+    "aggressive": CompressionConfig(weights=Quantizer(step=9.0, lr_step=48.0),
+                                    exp_avg_sq=Quantizer(step=16.0, domain="ordinal"),
+                                    name="aggressive"),
 }
 
 

@@ -1110,7 +1110,7 @@ def test_exact_overrides(ckpt: Path, preset: str | None) -> None:
 
 def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
     """The same states saved with both presets: aggressive deltas are smaller, with larger errors.
-    (Saves 24 training steps apart: the presets' weight steps are 16 and 32 learning rates.)"""
+    (Saves 24 training steps apart: the presets' weight steps are 16 and 48 learning rates.)"""
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     managers = {name: CheckpointManager(tmp_path / name, full_every=100, compression=name)
