@@ -177,7 +177,7 @@ def test_codec_roundtrip_is_exact(run) -> None:
     recon = np.empty_like(x)
     chunk, _ = encode_quant(x, p, recon, ordinal=ordinal, step=step, block=1024)
     out = p.copy()
-    decode_quant(memoryview(chunk.parts[0]), chunk.params, out, out)
+    decode_quant(memoryview(chunk.parts[0]), chunk.params, out, out, first=0)
     assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))
 
 
