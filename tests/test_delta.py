@@ -568,6 +568,20 @@ def test_nonfinite_tensor_saves_without_warnings(ckpt: Path) -> None:
             assert mgr.save(1, model, rng=False).kind == "delta"
 
 
+def _continue_bf16_chain(ckpt: Path, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                         saved: dict, check: Callable[[CheckpointManager, int], None]) -> None:
+    """A new bf16 model and optimizer load step 3, train and save step 4: a delta on step 3."""
+    fresh = mlp(seed=7, dtype=torch.bfloat16)
+    fresh_opt = make_optimizer(fresh)
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.load(3, fresh, fresh_opt)
+        train(fresh, fresh_opt)
+        info = mgr.save(4, fresh, fresh_opt)
+        assert (info.kind, info.base_step) == ("delta", 3)
+        saved[4] = snapshot(fresh, fresh_opt)
+        check(mgr, 4)
+
+
 def test_bf16_model_and_chain_continues_after_load(ckpt: Path) -> None:
     """A bf16 model and AdamW: restored tensors are bf16 and within the recorded float32 error plus
     bf16 rounding; a new manager that loads the last delta continues its chain."""
@@ -597,15 +611,8 @@ def test_bf16_model_and_chain_continues_after_load(ckpt: Path) -> None:
         for step in range(4):
             check(mgr, step)
 
-    fresh = mlp(seed=7, dtype=torch.bfloat16)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    with CheckpointManager(ckpt, full_every=100) as mgr:
-        mgr.load(3, fresh, fresh_opt)
-        train(fresh, fresh_opt)
-        info = mgr.save(4, fresh, fresh_opt)
-        assert (info.kind, info.base_step) == ("delta", 3)
-        saved[4] = snapshot(fresh, fresh_opt)
-        check(mgr, 4)
+    _continue_bf16_chain(ckpt, lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         saved, check)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -694,15 +701,7 @@ def test_master_copies_code_16bit_parameters_as_casts(ckpt: Path) -> None:
         assert_bitwise_equal(mgr.restore(2).tensors["model/0.weight"], saved[2]["model/0.weight"])
         assert not any(mgr.verify(deep=True).values())
 
-    fresh = mlp(seed=7, dtype=torch.bfloat16)
-    fresh_opt = MasterAdamW(fresh.parameters())
-    with CheckpointManager(ckpt, full_every=100) as mgr:
-        mgr.load(3, fresh, fresh_opt)
-        train(fresh, fresh_opt)
-        info = mgr.save(4, fresh, fresh_opt)
-        assert (info.kind, info.base_step) == ("delta", 3)
-        saved[4] = snapshot(fresh, fresh_opt)
-        check(mgr, 4)
+    _continue_bf16_chain(ckpt, lambda model: MasterAdamW(model.parameters()), saved, check)
 
 
 @pytest.mark.parametrize("source", ["optimizer/state/0.weight/exp_avg_sq", "model/2.weight",
