@@ -44,7 +44,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 MAX_WIDTH = 16
 Q_MIN, Q_MAX = -(1 << (MAX_WIDTH - 1)), (1 << (MAX_WIDTH - 1)) - 1
@@ -79,17 +81,29 @@ def _value_of(key: np.int64) -> np.float32:
     return _float_of_key(np.int32(_clamp_key(key)))
 
 
-@njit(inline="always")
-def _dither(index: np.int64, seed: np.int64) -> np.float32:
+@intrinsic
+def _dither(typingctx, index, seed):
     """FORMAT.md 3.2's dither offset of element ``index`` for ``seed``: in [-0.5, 0.5), a
-    multiple of 2**-24 (exact in float32). A 32-bit integer hash, so it vectorizes."""
-    x = np.uint32(np.uint32(index & 0xFFFFFFFF) ^ np.uint32(seed))
-    x = np.uint32(x ^ (x >> np.uint32(16)))
-    x = np.uint32(x * np.uint32(0x21F0AAAD))
-    x = np.uint32(x ^ (x >> np.uint32(15)))
-    x = np.uint32(x * np.uint32(0x735A2D97))
-    x = np.uint32(x ^ (x >> np.uint32(15)))
-    return np.float32(np.float32(x >> np.uint32(8)) * np.float32(2.0**-24)) - np.float32(0.5)
+    multiple of 2**-24 (exact in float32), from a 32-bit integer hash (lowbias32).
+
+    Written in LLVM IR because Numba computes integer arithmetic in 64 bits,
+    and 64-bit vector multiplies do not exist before AVX-512: in 32-bit lanes
+    the hash vectorizes, twice as fast. ``numpy_dither`` is its reference.
+    """
+    def codegen(context, builder, signature, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        index64, seed64 = (context.cast(builder, a, t, types.int64)
+                           for a, t in zip(args, signature.args, strict=True))
+        x = builder.xor(builder.trunc(index64, i32), builder.trunc(seed64, i32))
+        for shift, factor in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
+            x = builder.mul(builder.xor(x, builder.lshr(x, ir.Constant(i32, shift))),
+                            ir.Constant(i32, factor))
+        x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 15)))
+        fraction = builder.fmul(builder.uitofp(builder.lshr(x, ir.Constant(i32, 8)), f32),
+                                ir.Constant(f32, 2.0**-24))
+        return builder.fsub(fraction, ir.Constant(f32, 0.5))
+
+    return types.float32(index, seed), codegen
 
 
 @njit(inline="always")
@@ -191,18 +205,38 @@ def _unpack_at(stream, pos, width, q):
         j += 1
 
 
+@njit(inline="always")
+def _unpack_bytewise(stream, pos, width, q):
+    """``_unpack_at`` for a width that divides 8: each byte holds ``8 // width`` whole symbols,
+    extracted in 32-bit lanes from the byte alone, which vectorizes."""
+    per = 8 // width
+    mask = np.int32((1 << width) - 1)
+    m = q.shape[0]
+    full = m // per
+    for i in range(full):
+        byte = np.int32(stream[pos + i])
+        for k in range(per):
+            z = (byte >> np.int32(k * width)) & mask
+            q[i * per + k] = (z >> np.int32(1)) ^ -(z & np.int32(1))
+    byte = np.int32(stream[pos + full])  # the symbols of a partial last byte
+    for j in range(full * per, m):
+        z = (byte >> np.int32((j - full * per) * width)) & mask
+        q[j] = (z >> np.int32(1)) ^ -(z & np.int32(1))
+
+
 @njit(cache=True, nogil=True)
 def _unpack(stream, pos, width, q):
     """``_unpack_at`` with a literal width for widths up to 8, the common ones: LLVM then folds
-    the shifts and masks, about 3x faster than with a variable width."""
+    the shifts and masks, about 3x faster than with a variable width. Widths that divide 8
+    unpack byte by byte, faster again (1.5-2.5x)."""
     if width == 1:
-        _unpack_at(stream, pos, 1, q)
+        _unpack_bytewise(stream, pos, 1, q)
     elif width == 2:
-        _unpack_at(stream, pos, 2, q)
+        _unpack_bytewise(stream, pos, 2, q)
     elif width == 3:
         _unpack_at(stream, pos, 3, q)
     elif width == 4:
-        _unpack_at(stream, pos, 4, q)
+        _unpack_bytewise(stream, pos, 4, q)
     elif width == 5:
         _unpack_at(stream, pos, 5, q)
     elif width == 6:
@@ -210,7 +244,7 @@ def _unpack(stream, pos, width, q):
     elif width == 7:
         _unpack_at(stream, pos, 7, q)
     elif width == 8:
-        _unpack_at(stream, pos, 8, q)
+        _unpack_bytewise(stream, pos, 8, q)
     else:
         _unpack_at(stream, pos, width, q)
 
