@@ -187,12 +187,14 @@ class _Fields:
 
     def get(self, key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
         value = self.obj.get(key)
+        # JSON values are exactly these classes, so an identity test suffices (and keeps bools
+        # out of int fields): the fast path of metadata with thousands of chunks.
+        cls = value.__class__
+        if cls is types or (types.__class__ is tuple and cls in types):
+            return value
         if value is None and optional:
             return None
-        if not isinstance(value, types) or (value.__class__ is bool and bool not in (
-                types if isinstance(types, tuple) else (types,))):
-            raise FormatError(f"field {key!r} is {value!r}, expected {types}")
-        return value
+        raise FormatError(f"field {key!r} is {value!r}, expected {types}")
 
     def nonneg(self, key: str, optional: bool = False) -> int | None:
         value = self.get(key, int, optional)
@@ -202,8 +204,9 @@ class _Fields:
 
     def int_list(self, key: str) -> list[int]:
         value = self.get(key, list)
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value):
-            raise FormatError(f"field {key!r} must hold non-negative integers, found {value!r}")
+        for v in value:
+            if v.__class__ is not int or v < 0:
+                raise FormatError(f"field {key!r} must hold non-negative integers, found {value!r}")
         return value
 
 
