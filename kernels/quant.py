@@ -143,7 +143,7 @@ def _bit_width(z: np.int64) -> np.int64:
 
 
 @njit(inline="always")
-def _pack(sym, width, slot):
+def _pack_at(sym, width, slot):
     """Pack ``sym`` at ``width`` bits each, LSB first, into ``slot`` (needs 8 spare bytes)."""
     m = sym.shape[0]
     pos = 0
@@ -171,6 +171,41 @@ def _pack(sym, width, slot):
         j += 1
     for k in range((filled + 7) // 8):
         slot[pos + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
+
+
+@njit(inline="always")
+def _pack_bytewise(sym, width, slot):
+    """``_pack_at`` for a width that divides 8: each byte is built from its ``8 // width``
+    symbols alone, which vectorizes."""
+    per = 8 // width
+    m = sym.shape[0]
+    full = m // per
+    for i in range(full):
+        byte = np.uint32(0)
+        for k in range(per):
+            byte |= np.uint32(sym[i * per + k]) << np.uint32(k * width)
+        slot[i] = np.uint8(byte)
+    byte = np.uint32(0)  # the symbols of a partial last byte
+    for j in range(full * per, m):
+        byte |= np.uint32(sym[j]) << np.uint32((j - full * per) * width)
+    slot[full] = np.uint8(byte)
+
+
+@njit(cache=True, nogil=True)
+def _pack(sym, width, slot):
+    """``_pack_at`` with a literal width for the common widths (as ``_unpack``)."""
+    if width == 1:
+        _pack_bytewise(sym, 1, slot)
+    elif width == 2:
+        _pack_bytewise(sym, 2, slot)
+    elif width == 3:
+        _pack_at(sym, 3, slot)
+    elif width == 4:
+        _pack_bytewise(sym, 4, slot)
+    elif width == 8:
+        _pack_bytewise(sym, 8, slot)
+    else:
+        _pack_at(sym, width, slot)
 
 
 @njit(inline="always")
@@ -254,32 +289,36 @@ def _finite(v: np.float32) -> bool:
     return (np.float32(v).view(np.uint32) & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _block_stats(x, out, sym, width, relative, row):
-    """Error statistics of one block (not part of the format: reassociated sums are fine).
+    """Error statistics of one block (not part of the format: reassociated sums are fine, but
+    no other fast-math flag: a reciprocal would make ``0 / tiny`` NaN).
 
     The relative error is only tracked where it means something (``relative``:
     the ordinal domain); symbols can only be clipped at the full 16-bit width.
+    Maxima are taken over the bit patterns of the (non-negative, finite)
+    errors, which order like the errors: LLVM vectorizes integer maxima, not
+    float ones (2.5x faster).
     """
-    max_abs, max_rel, sum_sq_err, sum_sq = np.float32(0), np.float32(0), 0.0, 0.0
-    nonzero, clipped = 0, 0
+    max_abs, sum_sq_err, sum_sq, nonzero = np.int32(0), 0.0, 0.0, np.int32(0)
     for j in range(x.shape[0]):
-        xi = x[j]
-        err = abs(out[j] - xi)
-        max_abs = max(max_abs, err)
+        err = out[j] - x[j]
+        max_abs = max(max_abs, np.float32(err).view(np.int32) & np.int32(0x7FFFFFFF))
         sum_sq_err += np.float64(err) * np.float64(err)
-        sum_sq += np.float64(xi) * np.float64(xi)
-        nonzero += sym[j] != 0
+        sum_sq += np.float64(x[j]) * np.float64(x[j])
+        nonzero += np.int32(sym[j] != 0)
+    max_rel = np.int32(0)
     if relative:
         for j in range(x.shape[0]):
             ax = abs(x[j])
-            if ax > 0:
-                max_rel = max(max_rel, abs(out[j] - x[j]) / ax)
+            rel = abs(out[j] - x[j]) / ax if ax > 0 else np.float32(0.0)
+            max_rel = max(max_rel, np.float32(rel).view(np.int32))
+    clipped = np.int32(0)
     if width == 16:
         for j in range(x.shape[0]):
-            clipped += sym[j] >= 0xFFFE
-    row[STAT_MAX_ABS] = max_abs
-    row[STAT_MAX_REL] = max_rel
+            clipped += np.int32(sym[j] >= 0xFFFE)
+    row[STAT_MAX_ABS] = np.int32(max_abs).view(np.float32)
+    row[STAT_MAX_REL] = np.int32(max_rel).view(np.float32)
     row[STAT_SUM_SQ_ERR] = sum_sq_err
     row[STAT_SUM_SQ] = sum_sq
     row[STAT_NONZERO] = nonzero
@@ -306,13 +345,12 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool):
             pb = pred[start:stop]
             m = stop - start
             ob = out_block[:m]
-            bad = 0
+            bad = np.int32(0)
             sym = sym_block[:m]
             zor = np.uint32(0)
             for j in range(m):  # branch-free and 32-bit, so that it vectorizes
                 p = pb[j] if use_pred else np.float32(0.0)
                 ok = _finite(xb[j]) & _finite(p)
-                bad += not ok
                 u = _dither(first + start + j, seed) if dithered else np.float32(0.0)
                 if ordinal:
                     r = np.float64(_key_of(xb[j])) - np.float64(_key_of(p))
@@ -323,8 +361,9 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool):
                     qf32 = np.rint(np.float32(np.float32(r32 / step_f) + u))
                     q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
                 s = _reconstruct(p, q, ordinal, step_f, step_k, u)
-                if not ordinal:
-                    bad += ok & (not _finite(s))  # overflow, only with absurd steps
+                if not ordinal:  # a linear reconstruction can overflow, with absurd steps
+                    ok &= _finite(s)
+                bad += np.int32(not ok)
                 ob[j] = s
                 z = _zigzag(q)
                 sym[j] = np.uint16(z)
