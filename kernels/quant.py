@@ -124,6 +124,13 @@ def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
 
 
 @njit(inline="always")
+def _element_step(step_f: np.float32, scale: np.float32, eps: np.float32) -> np.float32:
+    """FORMAT.md 3.2's step of an element of a ``scale``d chunk: ``step * (sqrt(scale) + eps)``,
+    each operation rounded to float32 (sqrt included: IEEE rounds it exactly)."""
+    return np.float32(step_f * np.float32(np.sqrt(scale) + eps))
+
+
+@njit(inline="always")
 def _zigzag(q: np.int32) -> np.uint32:
     return np.uint32((q << np.int32(1)) ^ (q >> np.int32(31)))
 
@@ -325,12 +332,13 @@ def _block_stats(x, out, sym, width, relative, row):
     row[STAT_CLIPPED] = clipped
 
 
-def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool):
-    """The fused encode kernel for one domain, prediction and dithering (compile-time
-    constants)."""
+def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
+    """The fused encode kernel for one domain, prediction, dithering and per-element scaling
+    (compile-time constants)."""
 
     @njit(cache=True, nogil=True)
-    def encode(x, pred, out, step_f, step_i, block, widths, slots, stats, seed, first):
+    def encode(x, pred, out, step_f, step_i, block, widths, slots, stats, seed, first, scale,
+               eps):
         n = x.shape[0]
         step_k = np.float64(step_i)
         sym_block = np.empty(block, np.uint16)
@@ -352,15 +360,16 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool):
                 p = pb[j] if use_pred else np.float32(0.0)
                 ok = _finite(xb[j]) & _finite(p)
                 u = _dither(first + start + j, seed) if dithered else np.float32(0.0)
+                st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
                 if ordinal:
                     r = np.float64(_key_of(xb[j])) - np.float64(_key_of(p))
                     qf = min(max(np.rint(r / step_k), np.float64(Q_MIN)), np.float64(Q_MAX))
                     q = np.int32(qf)
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
-                    qf32 = np.rint(np.float32(np.float32(r32 / step_f) + u))
+                    qf32 = np.rint(np.float32(np.float32(r32 / st) + u))
                     q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
-                s = _reconstruct(p, q, ordinal, step_f, step_k, u)
+                s = _reconstruct(p, q, ordinal, st, step_k, u)
                 if not ordinal:  # a linear reconstruction can overflow, with absurd steps
                     ok &= _finite(s)
                 bad += np.int32(not ok)
@@ -381,9 +390,12 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool):
     return encode
 
 
-_ENCODERS = {(ordinal, use_pred, dithered): _make_encoder(ordinal, use_pred, dithered)
-             for ordinal in (False, True) for use_pred in (False, True)
-             for dithered in (False, True) if not (ordinal and dithered)}
+# Dither and scale are of the linear domain; a scaled chunk predicts from zero, undithered.
+_VARIANTS = [(ordinal, use_pred, dithered, False) for ordinal in (False, True)
+             for use_pred in (False, True) for dithered in (False, True)
+             if not (ordinal and dithered)] + [(False, False, False, True)]
+_ENCODERS = {variant: _make_encoder(*variant) for variant in _VARIANTS}
+_NO_SCALE = np.zeros(0, np.float32)
 
 
 @njit(cache=True, nogil=True)
@@ -429,6 +441,7 @@ def n_blocks_of(n: int, block: int) -> int:
 def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int,
                         dither: int | None = None, first: int = 0,
+                        scale: np.ndarray | None = None, eps: float = 0.0,
                         ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
 
@@ -436,6 +449,10 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     quantized with the dither offset of index ``first + i`` (``first``: the
     chunk's first element in its tensor), which makes the error uniform and
     independent of the value coded.
+
+    ``scale`` (float32, one per element; linear domain, no prediction, no
+    dither) gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``:
+    Adam's first moment coded relative to the second's square root.
 
     Writes the reconstruction a reader will get into ``out`` (float32, may
     be ``pred`` itself: the encoder's reconstruction is updated in place).
@@ -452,10 +469,10 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither)
+    variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
     slots = _slots(n_blocks, block)
-    _ENCODERS[ordinal, pred is not None, seed >= 0](x, out if pred is None else pred, out, step_f,
-                                                    step_i, block, widths, slots, stats, seed,
-                                                    np.int64(first))
+    _ENCODERS[variant](x, out if pred is None else pred, out, step_f, step_i, block, widths, slots,
+                       stats, seed, np.int64(first), scale, eps32)
     offsets = _block_offsets(widths, n, block, n_blocks)
     stream = np.empty(offsets[-1], np.uint8)
     _compact(slots, widths, offsets, stream)
@@ -502,11 +519,11 @@ def check_stream(stream: np.ndarray, n: int, block: int) -> None:
         raise ValueError(_stream_problem(status, stream, n, block))
 
 
-def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool):
-    """The decode kernel for one domain, prediction and dithering."""
+def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
+    """The decode kernel for one domain, prediction, dithering and per-element scaling."""
 
     @njit(cache=True, nogil=True)
-    def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first):
+    def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps):
         n = out.shape[0]
         step_k = np.float64(step_i)
         q_block = np.empty(block, np.int32)
@@ -520,22 +537,22 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool):
             for j in range(m):
                 p = pred[start + j] if use_pred else np.float32(0.0)
                 u = _dither(first + start + j, seed) if dithered else np.float32(0.0)
-                out_block[j] = _reconstruct(p, q[j], ordinal, step_f, step_k, u)
+                st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
+                out_block[j] = _reconstruct(p, q[j], ordinal, st, step_k, u)
             out[start:stop] = out_block[:m]
 
     return decode
 
 
-_DECODERS = {(ordinal, use_pred, dithered): _make_decoder(ordinal, use_pred, dithered)
-             for ordinal in (False, True) for use_pred in (False, True)
-             for dithered in (False, True) if not (ordinal and dithered)}
+_DECODERS = {variant: _make_decoder(*variant) for variant in _VARIANTS}
 
 
 def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        first: int = 0) -> None:
+                        first: int = 0, scale: np.ndarray | None = None,
+                        eps: float = 0.0) -> None:
     """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
-    ``dither`` and ``first`` are as the encoder had them.
+    ``dither``, ``first``, ``scale`` and ``eps`` are as the encoder had them.
 
     Raises ``ValueError`` when the stream's length does not match its block
     widths, or a width is over 16, so damaged streams never index out of bounds.
@@ -546,11 +563,11 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
         raise ValueError(_stream_problem(status, stream, n, block))
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither)
+    variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
-    _DECODERS[ordinal, pred is not None, seed >= 0](padded, offsets, out if pred is None else pred,
-                                                    out, step_f, step_i, block, seed,
-                                                    np.int64(first))
+    _DECODERS[variant](padded, offsets, out if pred is None else pred, out, step_f, step_i, block,
+                       seed, np.int64(first), scale, eps32)
 
 
 @njit(inline="always")
@@ -704,6 +721,20 @@ def _seed(ordinal: bool, dither: int | None) -> np.int64:
     return np.int64(dither)
 
 
+def _variant(ordinal: bool, use_pred: bool, seed: np.int64, scale: np.ndarray | None,
+             eps: float, n: int) -> tuple[tuple[bool, bool, bool, bool], np.ndarray, np.float32]:
+    """The kernel variant of a call, and its scale array and epsilon as the kernels take them."""
+    if scale is None:
+        return (ordinal, use_pred, bool(seed >= 0), False), _NO_SCALE, np.float32(0)
+    if ordinal or use_pred or seed >= 0:
+        raise ValueError("a scale applies to the linear domain, without prediction or dither")
+    if scale.dtype != np.float32 or scale.shape != (n,):
+        raise ValueError(f"scale must be float32 of shape ({n},), got {scale.dtype} {scale.shape}")
+    if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
+        raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
+    return (False, False, False, True), scale, np.float32(eps)
+
+
 # -- numpy references (the executable spec) ---------------------------------------------
 
 def numpy_keys(values: np.ndarray) -> np.ndarray:
@@ -729,8 +760,16 @@ def numpy_dither(n: int, seed: int, first: int = 0) -> np.ndarray:
     return (x >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
 
 
+def numpy_element_steps(step: float, scale: np.ndarray | None, eps: float) -> np.ndarray | np.float32:
+    """The step of each element: ``step``, or ``step * (sqrt(scale) + eps)`` in float32."""
+    if scale is None:
+        return np.float32(step)
+    return np.float32(step) * (np.sqrt(scale.astype(np.float32)) + np.float32(eps))
+
+
 def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, step: float | int,
-                   dither: int | None = None, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                   dither: int | None = None, first: int = 0, scale: np.ndarray | None = None,
+                   eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Symbols ``q`` (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
     p = np.zeros_like(x) if pred is None else pred
     if ordinal:
@@ -740,8 +779,10 @@ def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, ste
     r = (x - p).astype(np.float32)
     u = np.zeros(x.shape, np.float32) if dither is None else numpy_dither(x.size, dither, first)
     with np.errstate(over="ignore"):  # a quotient beyond float32 is clipped like any large one
-        q = np.clip(np.rint(r / np.float32(step) + u), Q_MIN, Q_MAX).astype(np.int64)
-    return q, numpy_dequantize(q, p, ordinal=False, step=step, dither=dither, first=first)
+        q = np.clip(np.rint(r / numpy_element_steps(step, scale, eps) + u), Q_MIN,
+                    Q_MAX).astype(np.int64)
+    return q, numpy_dequantize(q, p, ordinal=False, step=step, dither=dither, first=first,
+                               scale=scale, eps=eps)
 
 
 def numpy_pack(q: np.ndarray, block: int) -> np.ndarray:
@@ -774,13 +815,16 @@ def numpy_unpack(stream: np.ndarray, n: int, block: int) -> np.ndarray:
 
 
 def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
-                     step: float | int, dither: int | None = None, first: int = 0) -> np.ndarray:
-    """Reconstruction from symbols ``q`` and ``pred`` (or zero), dithered with seed ``dither``."""
+                     step: float | int, dither: int | None = None, first: int = 0,
+                     scale: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
+    """Reconstruction from symbols ``q`` and ``pred`` (or zero), dithered with seed ``dither``,
+    scaled per element by ``scale``."""
     p = np.zeros(q.shape, np.float32) if pred is None else pred
     if ordinal:
         return numpy_from_keys(numpy_keys(p) + q * step)
     u = np.zeros(q.shape, np.float32) if dither is None else numpy_dither(q.size, dither, first)
-    return (p + (q.astype(np.float32) - u) * np.float32(step)).astype(np.float32)
+    return (p + (q.astype(np.float32) - u) * numpy_element_steps(step, scale, eps)).astype(
+        np.float32)
 
 
 def numpy_decode_steps(streams: list[np.ndarray], pred: np.ndarray | None, n: int, *,

@@ -26,6 +26,7 @@ from deltackpt.kernels.quant import (
     n_blocks_of,
     numpy_decode_steps,
     numpy_dequantize,
+    numpy_element_steps,
     numpy_from_keys,
     numpy_keys,
     numpy_pack,
@@ -294,6 +295,54 @@ def test_chunks_coded_on_threads_at_once(ordinal: bool) -> None:
         for _ in range(3):
             assert list(pool.map(code, chunks)) == alone
     assert all(recon == decoded for _, recon, decoded in alone)
+
+# -- 2b. per-element steps scaled by another tensor (Adam's exp_avg by sqrt(exp_avg_sq)) ------
+
+EPSILONS = [float(np.float32(e)) for e in (1e-8, 1e-3, 1.0)]
+
+
+@SETTINGS
+@given(n=st.integers(0, 3000), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**32 - 1),
+       x_pattern=st.sampled_from(PATTERNS), scale_pattern=st.sampled_from(PATTERNS),
+       step=st.sampled_from(LINEAR_STEPS), eps=st.sampled_from(EPSILONS))
+def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pattern: str,
+                                            scale_pattern: str, step: float, eps: float) -> None:
+    """Each element's step is ``step * (sqrt(scale) + eps)``: encoder, decoder and the numpy
+    references agree bit for bit, and every unclipped element is within half its step."""
+    x = _values(n, seed, x_pattern)
+    scale = np.abs(_values(n, seed + 7, scale_pattern))
+    recon = np.full(n, np.nan, np.float32)
+    stream, stats = encode_block_stream(x, None, recon, ordinal=False, step=step, block=block,
+                                        scale=scale, eps=eps)
+    q, expected = numpy_quantize(x, None, ordinal=False, step=step, scale=scale, eps=eps)
+    assert_stream_equal(stream, numpy_pack(q, block))
+    assert_bits_equal(recon, expected, "reconstruction")
+    _check_stats(stats, x, recon, q, block, False)
+    decoded = np.full(n, np.nan, np.float32)
+    decode_block_stream(stream, None, decoded, ordinal=False, step=step, block=block,
+                        scale=scale, eps=eps)
+    assert_bits_equal(decoded, recon, "decoded")
+    steps = numpy_element_steps(step, scale, eps).astype(np.float64)
+    ok = (q != Q_MIN) & (q != Q_MAX)
+    err = np.abs(recon.astype(np.float64) - x)
+    bound = steps / 2 * (1 + 1e-6) + 4 * np.spacing(np.abs(x)).astype(np.float64)
+    assert (err[ok] <= bound[ok]).all()
+
+
+def test_scale_only_without_prediction_dither_or_ordinal_domain() -> None:
+    x, scale = np.ones(8, np.float32), np.ones(8, np.float32)
+    out = np.empty(8, np.float32)
+    for kwargs in ({"pred": x.copy()}, {"dither": 5}, {"ordinal": True, "step": 4}):
+        args = {"pred": None, "ordinal": False, "step": 0.5, **kwargs}
+        with pytest.raises(ValueError, match="scale applies"):
+            encode_block_stream(x, args.pop("pred"), out, block=4, scale=scale, eps=1.0, **args)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        encode_block_stream(x, None, out, ordinal=False, step=0.5, block=4, scale=scale[:4], eps=1.0)
+    for eps in (0.0, -1.0, 0.1, float("nan")):
+        with pytest.raises(ValueError, match="eps"):
+            decode_block_stream(np.zeros(2, np.uint8), None, out, ordinal=False, step=0.5, block=4,
+                                scale=scale, eps=eps)
+
 
 # -- 3. packing ---------------------------------------------------------------------------
 
