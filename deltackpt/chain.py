@@ -31,7 +31,13 @@ import torch
 from deltackpt.codecs.cast import CAST_DTYPES, cast_source
 from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
-from deltackpt.codecs.quant import apply_quant_streams, quant_stream, uses_base
+from deltackpt.codecs.quant import (
+    apply_quant_streams,
+    decode_quant,
+    quant_stream,
+    scale_source,
+    uses_base,
+)
 from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
@@ -59,7 +65,9 @@ class Reconstruction:
     ``step``. A writer also knows ``errors``, the mean squared error its
     save left per tensor (a reader cannot know it: it lacks the truth).
     ``resumed`` marks the values training was loaded with: like a full
-    step's, they are the training state itself.
+    step's, they are the training state itself. ``scaled`` names the
+    tensors coded with scaled steps in this step, which no later delta may
+    code against (FORMAT.md 3.2).
     """
 
     step: int
@@ -70,6 +78,7 @@ class Reconstruction:
     errors: dict[str, float] = field(default_factory=dict)
     chain: list[int] = field(default_factory=list)
     resumed: bool = False
+    scaled: frozenset[str] = frozenset()
 
 
 def chain_of(storage: Storage, meta: StepMetadata,
@@ -117,6 +126,16 @@ def _cast_of(record: TensorRecord) -> str | None:
     return cast_source(record.fragments[0].chunks[0].params)
 
 
+def _scale_of(record: TensorRecord) -> str | None:
+    """The tensor whose values scale a record's quant chunks (FORMAT.md 3.2), or None."""
+    sources = {scale_source(c.params) for f in record.fragments for c in f.chunks
+               if c.codec == QUANT}
+    sources.discard(None)
+    if len(sources) > 1:
+        raise CorruptionError(f"tensor {record.name!r} is scaled by more than one tensor")
+    return sources.pop() if sources else None
+
+
 def _first_needed(chain: list[StepMetadata], records: list[dict[str, TensorRecord]],
                   name: str) -> int:
     """Index of the first step of the chain ``name`` must be decoded from.
@@ -136,10 +155,11 @@ def _first_needed(chain: list[StepMetadata], records: list[dict[str, TensorRecor
                     f"step {chain[i + 1].step}: tensor {name!r} ({later.dtype} {later.shape}) is "
                     f"coded against step {chain[i].step}, where it is {record.dtype} {record.shape}")
         if all(_self_contained(c) for f in record.fragments for c in f.chunks):
-            if i + 1 < len(chain) and _cast_of(record) is not None:
+            if i + 1 < len(chain) and (_cast_of(record) or _scale_of(record)) is not None:
                 raise CorruptionError(
                     f"step {chain[i + 1].step}: tensor {name!r} is coded against step "
-                    f"{chain[i].step}, where it is cast from another tensor (FORMAT.md 3.3)")
+                    f"{chain[i].step}, where it is cast from or scaled by another tensor "
+                    "(FORMAT.md 3.2, 3.3)")
             return i
     raise CorruptionError(f"tensor {name!r} of step {chain[-1].step} depends on a base in "
                           f"every step down to the full step {chain[0].step}")
@@ -257,6 +277,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     final = {r.name: r for r in meta.tensors if r.alias_of is None}
     casts = {name: _checked_cast(meta, record, final) for name, record in final.items()
              if _cast_of(record) is not None}
+    scaled = {name: _checked_scale(meta, record, final) for name, record in final.items()
+              if _scale_of(record) is not None}
     start = {name: _first_needed(chain, records, name) for name in final}
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, np.ndarray] = {}
@@ -270,7 +292,7 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
         tensors[name] = tensor.reshape(-1).contiguous()
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
     for name, record in final.items() if len(chain) > 1 else ():
-        if name in casts:
+        if name in casts or name in scaled:  # decoded from other tensors' values, after these
             continue
         if name not in tensors:
             spec = spec_named(record.dtype, name)
@@ -291,6 +313,10 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
                             f"apply deltas up to step {meta.step}", progress)
         for name, master in casts.items():
             tensors[name] = _restore_cast(sources[-1], final[name], values[master])
+        for name, source in scaled.items():
+            tensors[name] = torch.empty(final[name].numel, dtype=torch.float32)
+            _restore_scaled(sources[-1], final[name], tensors[name].numpy(),
+                            _state(values, final[source], tensors[source]))
     finally:
         for source in sources:
             source.close()
@@ -303,7 +329,7 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
         out[record.name] = tensors[record.alias_of or record.name]
     deltas = len(chain) - 1
     return out, Reconstruction(meta.step, deltas, layout_of(meta), values, meta.save_id,
-                               chain=[m.step for m in chain])
+                               chain=[m.step for m in chain], scaled=frozenset(scaled))
 
 
 def _checked_cast(meta: StepMetadata, record: TensorRecord,
@@ -323,6 +349,41 @@ def _checked_cast(meta: StepMetadata, record: TensorRecord,
     if any(c.length for c in record.fragments[0].chunks):
         raise CorruptionError(f"{where}: a cast chunk stores no bytes")
     return source
+
+
+def _checked_scale(meta: StepMetadata, record: TensorRecord,
+                   final: dict[str, TensorRecord]) -> str:
+    """The tensor whose values scale a delta step's tensor, checked against FORMAT.md 3.2."""
+    source = _scale_of(record)
+    scale = final.get(source)
+    where = f"step {meta.step}, tensor {record.name!r}"
+    if meta.kind != "delta" or record.dtype != "float32":
+        raise CorruptionError(f"{where}: scaled quant chunks belong to float32 tensors of delta "
+                              f"steps, not to a {record.dtype} tensor of a {meta.kind} step")
+    if scale is None or scale.dtype != "float32" or scale.shape != record.shape \
+            or (_cast_of(scale) or _scale_of(scale)) is not None:
+        raise CorruptionError(f"{where}: is scaled by {source!r}, which is not a float32 tensor "
+                              f"of the step with shape {record.shape} and no cast or scaled chunks")
+    _single_box(meta, record)
+    return source
+
+
+def _restore_scaled(source: ChunkSource, record: TensorRecord, out: np.ndarray,
+                    scale: np.ndarray) -> None:
+    """A float32 tensor of scaled quant chunks (and exact ones, for chunks that could not be
+    quantized) into ``out``, its values; ``scale`` holds the values that scale its steps."""
+    raw = out.view(np.uint8)
+    for chunk in record.fragments[0].chunks:
+        lo, hi = chunk.raw_offset // 4, (chunk.raw_offset + chunk.raw_length) // 4
+        if chunk.codec != QUANT:
+            source.decode(record, chunk, raw[4 * lo : 4 * hi])
+            continue
+        try:
+            decode_quant(source.stored(record, chunk), chunk.params, None, out[lo:hi], lo,
+                         scale[lo:hi])
+        except DeltackptError as exc:
+            raise type(exc)(f"{source.where(record, chunk)}: {exc}") from None
+        source.check_raw(record, chunk, raw[4 * lo : 4 * hi])
 
 
 def _restore_cast(source: ChunkSource, record: TensorRecord, master: np.ndarray) -> torch.Tensor:

@@ -72,6 +72,17 @@ class Quantizer:
             of movement of the saved one, however many steps apart the
             saves are. A step relative to the change since the last save
             grows with that interval, and so does the error.
+        update_step: Adam's ``exp_avg`` (linear domain, ``pred="zero"``):
+            each element's step as a multiple of its Adam denominator
+            ``sqrt(exp_avg_sq) + eps`` (the reconstructed ``exp_avg_sq`` of
+            the same save, the group's ``eps``; FORMAT.md 3.2, scaled
+            steps), used instead of ``step``/``density`` where the
+            parameter's ``exp_avg_sq`` is coded lossily too. The first
+            moment drives an update of ``exp_avg / (sqrt(exp_avg_sq) +
+            eps)``, so each element's restored update is then within
+            ``update_step / 2`` of a learning rate of the saved one. A step
+            relative to the whole tensor's spread zeroes most elements'
+            moments instead: resumed training restarts their momentum.
         dither: weights an Adam-family optimizer moves (linear domain,
             ``pred="base"``): the first delta after a full step or a load
             shifts each element's quantization grid by its own
@@ -88,6 +99,7 @@ class Quantizer:
     step: float | None = 1.0
     density: float | None = None
     lr_step: float | None = None
+    update_step: float | None = None
     domain: Literal["linear", "ordinal"] = "linear"
     pred: Literal["base", "zero"] = "base"
     dither: bool = True
@@ -115,6 +127,12 @@ class Quantizer:
                                  f"got {self.lr_step!r}")
             if (self.domain, self.pred) != ("linear", "base"):
                 raise ValueError("Quantizer lr_step= needs the linear domain and pred='base'")
+        if self.update_step is not None:
+            if not (math.isfinite(self.update_step) and self.update_step > 0):
+                raise ValueError(f"Quantizer update_step must be a positive number, "
+                                 f"got {self.update_step!r}")
+            if (self.domain, self.pred) != ("linear", "zero"):
+                raise ValueError("Quantizer update_step= needs the linear domain and pred='zero'")
 
     @property
     def dithers(self) -> bool:

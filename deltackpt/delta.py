@@ -23,7 +23,7 @@ import torch
 from deltackpt.chain import Layout, Reconstruction
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.cast import encode_cast
-from deltackpt.codecs.quant import encode_quant
+from deltackpt.codecs.quant import Scale, encode_quant
 from deltackpt.compression import (
     CompressionConfig,
     Quantizer,
@@ -45,7 +45,7 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
 )
-from deltackpt.state import CapturedState, adam_learning_rates, master_copies
+from deltackpt.state import CapturedState, adam_hyperparameters, master_copies
 
 
 def captured_layout(captured: CapturedState) -> Layout:
@@ -59,11 +59,13 @@ class _Plan:
     """How one tensor is coded in this save."""
 
     cls: str | None
-    quantizer: Quantizer
+    quantizer: Quantizer  # this save's: exact where a delta must store the tensor exactly
+    lossy: bool = False  # whether the config codes it lossily (its running values are kept)
     step: float | int = 0
     pred: bool = False
     cast_of: str | None = None  # the float32 master copy the tensor is rounded from
     dither: int | None = None  # seed of the dither that shifts its quantization grid
+    scale: tuple[str, float] | None = None  # (exp_avg_sq, eps) scaling its steps per element
 
 
 @dataclass
@@ -121,8 +123,9 @@ class StepEncoder:
     def _plan(self, captured: CapturedState) -> None:
         samples = []
         fixed = 0
-        learning_rates = adam_learning_rates(captured) if self.is_delta else {}
+        learning_rates = adam_hyperparameters(captured, "lr") if self.is_delta else {}
         masters = master_copies(captured) if self.is_delta else {}
+        scales = self._scales(captured) if self.is_delta else {}
         by_name = {item.name: item.tensor for item in captured.tensors}
         for item in captured.tensors:
             if item.alias_of is not None:
@@ -132,7 +135,7 @@ class StepEncoder:
             cls = tensor_class(item.role, item.state_key, spec, numel)
             quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
                 exact=True)
-            plan = self._plans[item.name] = _Plan(cls, quantizer)
+            plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact)
             self._numel[item.name] = numel
             master = masters.get(item.name)
             if master is not None and not quantizer.exact and self.is_delta:
@@ -141,6 +144,10 @@ class StepEncoder:
                     continue
                 # Changed apart from its master: stored exactly, so that no later delta needs
                 # the running value a cast gave it.
+                plan.quantizer = Quantizer(exact=True)
+            if self.is_delta and quantizer.pred == "base" and item.name in self.base.scaled:
+                # The base step's value came from a scaled chunk, which no delta may code against
+                # (FORMAT.md 3.2): stored exactly once.
                 plan.quantizer = Quantizer(exact=True)
             if plan.quantizer.exact or not self.is_delta:
                 fixed += numel * spec.itemsize
@@ -154,15 +161,22 @@ class StepEncoder:
                 # exactly (a full step, or a load): after it their grid stays shifted. One seed
                 # per tensor and base step.
                 plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
+            plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
             sample = None
-            if self.controller is not None or needs_sample(quantizer, lr):
-                flat = item.tensor.detach().reshape(-1)
+            if self.controller is not None or (plan.scale is None and needs_sample(quantizer, lr)):
                 stride = sample_stride(numel)
-                xs = flat[::stride].float().cpu().numpy()
+                xs = item.tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
                 ps = self._values[item.name][::stride] if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
-            carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-            plan.step = base_step(quantizer, sample, carried, lr)
+                if plan.scale is not None:  # in units of each element's step
+                    source, eps = plan.scale
+                    vs = by_name[source].detach().reshape(-1)[::stride].float().cpu().numpy()
+                    sample /= np.sqrt(np.maximum(vs, 0)) + eps
+            if plan.scale is not None:
+                plan.step = quantizer.update_step
+            else:
+                carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
+                plan.step = base_step(quantizer, sample, carried, lr)
             samples.append((sample, plan.step, numel, plan, ordinal))
         if samples and self.controller is not None:
             raw = sum(t.tensor.numel() * t.tensor.element_size() for t in captured.tensors
@@ -171,6 +185,27 @@ class StepEncoder:
                 [(s, step, n) for s, step, n, _, _ in samples], raw, fixed)
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
+
+    def _scales(self, captured: CapturedState) -> dict[str, tuple[str, float]]:
+        """``exp_avg`` name -> (name of its ``exp_avg_sq``, the group's eps in float32), where
+        the first moment can be coded relative to the second (``Quantizer.update_step``): both
+        float32 of one shape, the second coded lossily (so its reconstruction is kept)."""
+        epsilons = adam_hyperparameters(captured, "eps")
+        second = {t.fqn: t for t in captured.tensors
+                  if t.state_key == "exp_avg_sq" and t.alias_of is None}
+        scales = {}
+        for item in captured.tensors:
+            v = second.get(item.fqn)
+            eps = float(np.float32(epsilons.get(item.fqn, 0.0)))
+            if item.state_key != "exp_avg" or item.alias_of is not None or v is None or eps <= 0 \
+                    or {item.tensor.dtype, v.tensor.dtype} != {torch.float32} \
+                    or item.tensor.shape != v.tensor.shape:
+                continue
+            v_cls = tensor_class(v.role, v.state_key, spec_for(v.tensor.dtype, v.name),
+                                 v.tensor.numel())
+            if v_cls is not None and not self.config.quantizer_for(v.name, v.fqn, v_cls).exact:
+                scales[item.name] = (v.name, eps)
+        return scales
 
     def __call__(self, record: TensorRecord, spec: DTypeSpec, raw_offset: int,
                  raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
@@ -185,9 +220,12 @@ class StepEncoder:
             return chunk, raw
         x = float32_values(raw, record.dtype)
         recon = self._values[record.name][lo:hi]
+        scale = None if plan.scale is None else Scale(  # coded by now: see coded_last
+            plan.scale[0], self._values[plan.scale[0]][lo:hi], plan.scale[1])
         chunk, stats = encode_quant(x, recon if plan.pred else None, recon,
                                     ordinal=plan.quantizer.domain == "ordinal", step=plan.step,
-                                    block=self.config.block, dither=plan.dither, first=lo)
+                                    block=self.config.block, dither=plan.dither, first=lo,
+                                    scale=scale)
         if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
             chunk = encode_lossless(raw, spec)
@@ -217,14 +255,16 @@ class StepEncoder:
     @property
     def coded_last(self) -> frozenset[str]:
         """Tensors whose chunks are coded from other tensors' reconstruction (casts of master
-        copies): :func:`writer.write_step` codes them after every other chunk."""
-        return frozenset(name for name, plan in self._plans.items() if plan.cast_of is not None)
+        copies, first moments scaled by second ones): :func:`writer.write_step` codes them after
+        every other chunk."""
+        return frozenset(name for name, plan in self._plans.items()
+                         if plan.cast_of is not None or plan.scale is not None)
 
     def _keep_exact(self, record: TensorRecord, plan: _Plan, raw: np.ndarray, lo: int,
                     hi: int) -> None:
         """Record the running values of a tensor's chunk stored exactly (or cast): later deltas
         may code against them."""
-        if plan.cls is None or plan.quantizer.exact or not self.keep:
+        if not plan.lossy or not self.keep:
             return
         with self._lock:
             if record.name not in self._values:
@@ -268,7 +308,9 @@ class StepEncoder:
         deltas = self.base.deltas + 1 if self.base is not None else 0
         errors = {name: total / self._numel[name] for name, total in self._errors.items()}
         chain = (self.base.chain if self.base is not None else []) + [step]
-        return Reconstruction(step, deltas, self.layout, self._values, save_id, errors, chain)
+        scaled = frozenset(name for name, plan in self._plans.items() if plan.scale is not None)
+        return Reconstruction(step, deltas, self.layout, self._values, save_id, errors, chain,
+                              scaled=scaled)
 
     def learn(self) -> None:
         """Tell the target-ratio controller what this save stored."""

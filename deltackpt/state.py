@@ -136,29 +136,31 @@ def _capture_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     return {"class": type(optimizer).__qualname__, "param_groups": groups, "state": state}
 
 
-def adam_learning_rates(captured: CapturedState) -> dict[str, float]:
-    """``fqn -> lr`` of the parameters an Adam-family optimizer moves.
+def adam_hyperparameters(captured: CapturedState, key: str) -> dict[str, float]:
+    """``fqn -> value`` of a parameter group hyperparameter (``"lr"``, ``"eps"``) for the
+    parameters an Adam-family optimizer moves.
 
     Such an optimizer (its state holds ``exp_avg_sq``) normalizes every
     coordinate's update, so one training step moves a weight by about its
-    group's learning rate: the natural unit of a weight's error. Parameters
-    of groups whose ``lr`` is not a positive number (or a one-element
-    tensor) are left out.
+    group's learning rate, the natural unit of a weight's error; and its
+    first moment drives an update of ``exp_avg / (sqrt(exp_avg_sq) + eps)``.
+    Parameters of groups whose value is not a positive number (or a
+    one-element tensor) are left out: a learning rate of 0 freezes them.
     """
     optimizer = captured.tree.get("optimizer")
     if not optimizer:
         return {}
     normalized = {t.fqn for t in captured.tensors if t.state_key == "exp_avg_sq"}
     by_name = {t.name: t.tensor for t in captured.tensors}
-    rates: dict[str, float] = {}
+    values: dict[str, float] = {}
     for group in optimizer["param_groups"]:
-        lr = group.get("lr")
-        if isinstance(lr, dict) and "$tensor" in lr and by_name[lr["$tensor"]].numel() == 1:
-            lr = float(by_name[lr["$tensor"]].item())
-        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) \
-                and lr > 0:
-            rates.update((fqn, float(lr)) for fqn in group["params"] if fqn in normalized)
-    return rates
+        value = group.get(key)
+        if isinstance(value, dict) and "$tensor" in value and by_name[value["$tensor"]].numel() == 1:
+            value = float(by_name[value["$tensor"]].item())
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value) and value > 0:
+            values.update((fqn, float(value)) for fqn in group["params"] if fqn in normalized)
+    return values
 
 
 def master_copies(captured: CapturedState) -> dict[str, str]:

@@ -23,6 +23,7 @@ from test_huffman import reference_decode  # the huffman stream decoded bit by b
 from deltackpt import CorruptionError, DeltackptError, FormatError
 from deltackpt.codecs import CODECS, decode_into, encode_lossless
 from deltackpt.codecs.lossless import MIN_CODED_BYTES
+from deltackpt.codecs.quant import quant_params
 from deltackpt.dtypes import BY_NAME, DTypeSpec
 
 SETTINGS = settings(max_examples=100, deadline=None,
@@ -346,3 +347,29 @@ def test_raw_and_zstd_codecs_by_name() -> None:
         _decode("zstd", {}, b"not a zstd frame at all", len(payload))
     with pytest.raises(CorruptionError):
         _decode("raw", {}, payload[:-1], len(payload))
+
+
+# -- quant params (FORMAT.md 3.2) ------------------------------------------------------------
+
+QUANT_BASE = {"domain": "linear", "pred": "zero", "step": 0.5, "block": 64}
+SCALED_QUANT = {**QUANT_BASE, "scale": "optimizer/state/w/exp_avg_sq", "eps": float(np.float32(1e-8))}
+
+
+@pytest.mark.parametrize("params", [
+    QUANT_BASE, {**QUANT_BASE, "pred": "base", "dither": 7},
+    {"domain": "ordinal", "pred": "base", "step": 256, "block": 1024}, SCALED_QUANT,
+])
+def test_valid_quant_params(params: dict[str, Any]) -> None:
+    quant_params(params)
+
+
+@pytest.mark.parametrize("params", [
+    {**QUANT_BASE, "future": 1},  # unknown keys are refused, not ignored
+    {**SCALED_QUANT, "pred": "base"}, {**SCALED_QUANT, "dither": 3},
+    {**SCALED_QUANT, "domain": "ordinal", "step": 4}, {**SCALED_QUANT, "eps": 0.0},
+    {**SCALED_QUANT, "eps": 0.1}, {**SCALED_QUANT, "eps": True}, {**SCALED_QUANT, "scale": 3},
+    {**QUANT_BASE, "eps": 1.0}, {k: v for k, v in SCALED_QUANT.items() if k != "eps"},
+])
+def test_invalid_quant_params_are_refused(params: dict[str, Any]) -> None:
+    with pytest.raises(FormatError, match="quant params"):
+        quant_params(params)

@@ -37,7 +37,7 @@ from deltackpt import (
 from deltackpt.cli import main
 from deltackpt.compression import ScaleController
 from deltackpt.format import StepMetadata
-from deltackpt.state import adam_learning_rates, capture
+from deltackpt.state import adam_hyperparameters, capture
 from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
 
 BINADE = 1 << 23  # ordinal keys per power of two (FORMAT 3.2)
@@ -337,22 +337,28 @@ def test_weights_step_follows_the_learning_rate(ckpt: Path) -> None:
         assert {c.params["step"] for c in chunks} != {float(np.float32(0.1))}
 
 
-def test_adam_learning_rates_of_a_capture() -> None:
+def test_adam_hyperparameters_of_a_capture() -> None:
     """Which parameters move at an Adam-family learning rate: float or one-element tensor rates,
-    none for frozen groups (lr 0), SGD, or parameters without optimizer state yet."""
+    none for frozen groups (lr 0), SGD, or parameters without optimizer state yet; and their
+    groups' eps."""
     model = mlp()
     linears = [m for m in model if isinstance(m, nn.Linear)]
     optimizer = torch.optim.Adam([{"params": list(linears[0].parameters()), "lr": torch.tensor(3e-3)},
                                   {"params": list(linears[1].parameters()), "lr": 0.0},
-                                  {"params": list(linears[2].parameters()), "lr": 1e-3}])
-    assert adam_learning_rates(capture(model, optimizer, None, False)) == {}  # no state yet
+                                  {"params": list(linears[2].parameters()), "lr": 1e-3,
+                                   "eps": 1e-6}])
+    assert adam_hyperparameters(capture(model, optimizer, None, False), "lr") == {}  # no state yet
     train(model, optimizer, steps=1)
-    rates = adam_learning_rates(capture(model, optimizer, None, False))
+    captured = capture(model, optimizer, None, False)
+    rates = adam_hyperparameters(captured, "lr")
     assert rates == pytest.approx({"0.weight": 3e-3, "0.bias": 3e-3, "4.weight": 1e-3, "4.bias": 1e-3})
+    assert adam_hyperparameters(captured, "eps") == pytest.approx(
+        {"0.weight": 1e-8, "0.bias": 1e-8, "2.weight": 1e-8, "2.bias": 1e-8, "4.weight": 1e-6,
+         "4.bias": 1e-6})
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train(model, sgd, steps=1)
-    assert adam_learning_rates(capture(model, sgd, None, False)) == {}
-    assert adam_learning_rates(capture(model, None, None, False)) == {}
+    assert adam_hyperparameters(capture(model, sgd, None, False), "lr") == {}
+    assert adam_hyperparameters(capture(model, None, None, False), "lr") == {}
 
 
 def test_exp_avg_sq_relative_error_bound(ckpt: Path) -> None:
@@ -764,6 +770,93 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
         assert error.mean().item() == pytest.approx(-0.2 * step_size, rel=1e-3)
 
 
+SCALED = dataclasses.replace(CompressionConfig.preset("balanced"),
+                             exp_avg=Quantizer(update_step=1.0, pred="zero"))
+
+
+def test_first_moment_coded_relative_to_the_second(ckpt: Path) -> None:
+    """update_step: each exp_avg element's step is update_step * (sqrt(v) + eps), v the restored
+    exp_avg_sq of the same step and eps the group's, so every element's restored update is within
+    half a step, small moments included; the chunks are coded on threads after their scales, and
+    the chain restores and continues from a load."""
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-6)
+    saved = {}
+
+    def check(mgr: CheckpointManager, step: int) -> None:
+        restored = mgr.restore(step).tensors
+        for name in float_names(saved[step], "optimizer/state/"):
+            if not name.endswith("/exp_avg"):
+                continue
+            record = mgr.metadata(step).tensor(name)
+            assert {c.params.get("scale") for c in record.fragments[0].chunks} == {f"{name}_sq"}
+            assert {c.params["eps"] for c in record.fragments[0].chunks} == {float(np.float32(1e-6))}
+            v = restored[f"{name}_sq"].double()
+            error = (restored[name].double() - saved[step][name].double()).abs()
+            assert (error <= (v.sqrt() + 1e-6) / 2 * (1 + 1e-5)).all(), (step, name)
+            assert restored[name].count_nonzero() > restored[name].numel() / 2  # not zeroed
+
+    with CheckpointManager(ckpt, full_every=100, compression=SCALED, chunk_bytes=1024,
+                           workers=4) as mgr:
+        for step in range(3):
+            train(model, optimizer)
+            assert mgr.save(step, model, optimizer).kind == ("full" if step == 0 else "delta")
+            saved[step] = snapshot(model, optimizer)
+        for step in (1, 2):
+            check(mgr, step)
+        assert not any(mgr.verify(deep=True).values())
+    with CheckpointManager(ckpt, compression=SCALED) as mgr:
+        mgr.load(2, model, optimizer)
+        train(model, optimizer)
+        assert mgr.save(3, model, optimizer).kind == "delta"
+        saved[3] = snapshot(model, optimizer)
+        check(mgr, 3)
+
+
+def test_first_moment_after_a_scaled_step_is_never_coded_against_it(ckpt: Path) -> None:
+    """A config that codes exp_avg against its base after a save that scaled it (no reader could
+    follow: FORMAT.md 3.2): that save stores exp_avg exactly, later ones code against it."""
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    against_base = dataclasses.replace(SCALED, exp_avg=Quantizer(step=1.0))
+    with CheckpointManager(ckpt, full_every=100, compression=SCALED) as mgr:
+        for step in range(2):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+    with CheckpointManager(ckpt, compression=against_base) as mgr:
+        mgr.load(1, model, optimizer)
+        for step in (2, 3):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        name = "optimizer/state/0.weight/exp_avg"
+        assert "quant" not in mgr.metadata(2).tensor(name).codecs
+        assert {c.params["pred"] for c in mgr.metadata(3).tensor(name).fragments[0].chunks} \
+            == {"base"}
+        assert max_err(mgr.restore(3).tensors[name], optimizer.state_dict()["state"][0]["exp_avg"]) \
+            < 1e-2
+
+
+@pytest.mark.parametrize("source", ["optimizer/state/0.bias/exp_avg_sq", "model/0.weight",
+                                    "optimizer/state/0.weight/exp_avg", "model/missing"])
+def test_scale_from_a_wrong_source_is_refused(ckpt: Path, source: str) -> None:
+    """A scaled chunk naming another tensor than its exp_avg_sq: a float32 one of the same shape
+    decodes to values its checksum rejects; one of another shape, itself scaled, or missing is
+    refused outright. Either way the error names the step and tensor."""
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with CheckpointManager(ckpt, full_every=100, compression=SCALED) as mgr:
+        for step in range(2):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        meta = mgr.metadata(1)
+    for chunk in meta.tensor("optimizer/state/0.weight/exp_avg").fragments[0].chunks:
+        chunk.params["scale"] = source
+    (step_dir(ckpt, 1) / "metadata.json").write_text(meta.to_json())
+    with CheckpointManager(ckpt) as mgr, \
+            pytest.raises(CorruptionError, match=r"step 1.*0\.weight/exp_avg'"):
+        mgr.restore(1)
+
+
 # -- 5. automatic full steps -----------------------------------------------------------------------
 
 
@@ -1060,9 +1153,12 @@ def test_presets_and_validation(tmp_path: Path) -> None:
                    {"step": None}, {"domain": "log"}, {"pred": "mean"},
                    {"step": None, "density": 0.5, "domain": "ordinal"}, {"lr_step": 0.0},
                    {"lr_step": math.nan}, {"lr_step": 4.0, "domain": "ordinal"},
-                   {"lr_step": 4.0, "pred": "zero"}]:
+                   {"lr_step": 4.0, "pred": "zero"}, {"update_step": 0.0, "pred": "zero"},
+                   {"update_step": math.inf, "pred": "zero"}, {"update_step": 1.0},
+                   {"update_step": 1.0, "pred": "zero", "domain": "ordinal"}]:
         with pytest.raises(ValueError):
             Quantizer(**kwargs)
+    Quantizer(update_step=2.0, pred="zero")
     Quantizer(step=None, density=1.0)
     Quantizer(step=None, density=0.01)
     assert EXACT.exact

@@ -324,7 +324,7 @@ def test_newer_minor_metadata_with_a_new_role_is_read(mgr: CheckpointManager, ck
     mgr.save(1, extra={"t": torch.arange(10.0)}, rng=False)
 
     def edit(m: dict[str, Any]) -> None:
-        m["format_version"] = "1.2"
+        m["format_version"] = "1.9"
         m["tensors"][0]["role"] = "activation_statistics"
 
     _edit_metadata(ckpt_dir, 1, edit)
@@ -338,7 +338,7 @@ def test_unknown_codec_names_codec_step_tensor_and_file(mgr: CheckpointManager, 
     meta = mgr.metadata(1)
 
     def edit(m: dict[str, Any]) -> None:
-        m["format_version"] = "1.2"
+        m["format_version"] = "1.9"
         m["tensors"][0]["fragments"][0]["chunks"][0]["codec"] = "hyperzip"
 
     _edit_metadata(ckpt_dir, 1, edit)

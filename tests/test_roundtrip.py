@@ -25,6 +25,7 @@ from torch import nn
 import deltackpt
 from deltackpt import CheckpointManager
 from deltackpt.dtypes import BY_NAME
+from deltackpt.format import FORMAT_VERSION
 
 CHUNK = 4096
 
@@ -766,7 +767,7 @@ def test_metadata_describes_the_step(mgr: CheckpointManager, ckpt_dir: Path) -> 
     info = mgr.save(5, model=model, extra={"note": "hi"}, rng=False)
     meta = mgr.metadata(5)
     obj = json.loads((ckpt_dir / "step-000000000005" / "metadata.json").read_text())
-    assert obj["format"] == "deltackpt" and obj["format_version"] == "1.2"
+    assert obj["format"] == "deltackpt" and obj["format_version"] == FORMAT_VERSION
     assert (meta.step, meta.kind, meta.base_step, meta.world_size) == (5, "full", None, 1)
     assert meta.library_version == deltackpt.__version__
     assert re.fullmatch(r"[0-9a-f]+", meta.save_id)

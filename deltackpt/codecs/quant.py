@@ -3,9 +3,11 @@
 A chunk's stored bytes are one zstd frame of the packed symbol stream of
 :mod:`deltackpt.kernels.quant`. Decoding needs the chunk's prediction: zero,
 or the reconstruction of the same elements in the base step (``pred:
-"base"``), which the restore chain (:mod:`deltackpt.chain`) supplies. The
-decoded values are float32: the running reconstruction. A tensor of a
-16-bit dtype is that reconstruction rounded to its dtype.
+"base"``), which the restore chain (:mod:`deltackpt.chain`) supplies, and for
+a chunk with a ``scale`` the decoded values of the tensor it names, whose
+square roots scale its step element by element. The decoded values are
+float32: the running reconstruction. A tensor of a 16-bit dtype is that
+reconstruction rounded to its dtype.
 
 :func:`decode_quant` decodes one chunk; a restore chain checks each step's
 chunk with :func:`quant_stream` and applies all of them at once with
@@ -14,6 +16,7 @@ chunk with :func:`quant_stream` and applies all of them at once with
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +37,15 @@ from deltackpt.kernels.quant import (
 )
 
 NAME = "quant"
+PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "scale", "eps"})
 
 
 def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, ordinal: bool,
-                 step: float | int, block: int, dither: int | None = None,
-                 first: int = 0) -> tuple[EncodedChunk | None, np.ndarray]:
+                 step: float | int, block: int, dither: int | None = None, first: int = 0,
+                 scale: Scale | None = None) -> tuple[EncodedChunk | None, np.ndarray]:
     """Quantize float32 ``x`` against ``pred`` (or zero), writing the reconstruction to ``recon``;
-    dithered with seed ``dither`` (``first``: index of the chunk's first element in its tensor).
+    dithered with seed ``dither`` (``first``: index of the chunk's first element in its tensor),
+    or with steps scaled element by element by ``scale``.
 
     Returns the chunk and its per-block statistics (``kernels.quant.STAT_*``),
     or ``None`` for the chunk when an element cannot be coded within half a
@@ -48,22 +53,36 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     e.g. a sign flip in the ordinal domain); ``recon`` then holds garbage
     and the caller stores ``x`` exactly.
     """
-    stream, stats = encode_block_stream(x, pred, recon, ordinal=ordinal, step=step, block=block,
-                                        dither=dither, first=first)
+    stream, stats = encode_block_stream(
+        x, pred, recon, ordinal=ordinal, step=step, block=block, dither=dither, first=first,
+        scale=None if scale is None else scale.values, eps=0.0 if scale is None else scale.eps)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "zero" if pred is None else "base", "step": step, "block": block}
     if dither is not None:
         params["dither"] = dither
+    if scale is not None:
+        params.update(scale=scale.tensor, eps=scale.eps)
     return EncodedChunk(NAME, params, [zstd_compress(stream)]), stats
 
 
+@dataclass(frozen=True)
+class Scale:
+    """The per-element scale of a quant chunk (FORMAT.md 3.2): the decoded ``values`` of the
+    elements of tensor ``tensor`` in the same step, and ``eps`` (a positive float32 value)."""
+
+    tensor: str
+    values: np.ndarray
+    eps: float
+
+
 def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, int | None]:
-    """Validated ``(ordinal, uses_base, step, block, dither)`` of a quant chunk."""
+    """Validated ``(ordinal, uses_base, step, block, dither)`` of a quant chunk (and its scale:
+    :func:`scale_source`)."""
     domain, pred, step, block, dither = (params.get(k) for k in ("domain", "pred", "step", "block",
                                                                   "dither"))
-    ok = (domain in ("linear", "ordinal") and pred in ("base", "zero")
+    ok = (params.keys() <= PARAM_KEYS and domain in ("linear", "ordinal") and pred in ("base", "zero")
           and isinstance(block, int) and not isinstance(block, bool) and 1 <= block <= 1 << 24)
     if ok and domain == "ordinal":
         ok = isinstance(step, int) and not isinstance(step, bool) and 1 <= step <= MAX_KEY
@@ -73,9 +92,19 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
     if ok and dither is not None:
         ok = (domain == "linear" and isinstance(dither, int) and not isinstance(dither, bool)
               and 0 <= dither < 1 << 32)
+    if ok and ("scale" in params or "eps" in params):
+        eps = params.get("eps")
+        ok = (isinstance(params.get("scale"), str) and (domain, pred, dither) == ("linear", "zero", None)
+              and isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0
+              and math.isfinite(eps) and float(np.float32(eps)) == eps)
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
     return domain == "ordinal", pred == "base", step, block, dither
+
+
+def scale_source(params: dict[str, Any]) -> str | None:
+    """The tensor whose values scale a quant chunk's steps, or None (params not validated)."""
+    return params.get("scale")
 
 
 def uses_base(params: dict[str, Any]) -> bool:
@@ -93,6 +122,7 @@ class QuantStream:
     step: float | int
     block: int
     dither: int | None
+    eps: float | None  # set for a chunk whose steps are scaled by another tensor
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
@@ -109,19 +139,24 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
         check_stream(data, n, block)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
-    return QuantStream(data, ordinal, with_base, step, block, dither)
+    return QuantStream(data, ordinal, with_base, step, block, dither, params.get("eps"))
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
-                 out: np.ndarray, first: int) -> None:
+                 out: np.ndarray, first: int, scale: np.ndarray | None = None) -> None:
     """Decode a quant chunk into float32 ``out`` (may be ``pred``: updated in place);
-    ``first`` is the index of the chunk's first element in its tensor."""
+    ``first`` is the index of the chunk's first element in its tensor, ``scale`` the values of
+    the same elements of the tensor the chunk's ``scale`` param names."""
     stream = quant_stream(stored, params, out.shape[0])
     if stream.with_base and pred is None:
         raise FormatError("quant chunk is coded against its base step, which was not given")
+    if (stream.eps is None) != (scale is None):
+        raise FormatError("quant chunk is scaled by another tensor, whose values were not given"
+                          if scale is None else "quant chunk has no scale, yet one was given")
     decode_block_stream(stream.data, pred if stream.with_base else None, out,
                         ordinal=stream.ordinal, step=stream.step, block=stream.block,
-                        dither=stream.dither, first=first)
+                        dither=stream.dither, first=first, scale=scale,
+                        eps=stream.eps or 0.0)
 
 
 def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:
