@@ -121,18 +121,14 @@ class Quantizer:
                 raise ValueError(f"Quantizer density must be in (0, 1], got {self.density!r}")
             if self.domain != "linear":
                 raise ValueError("Quantizer density= needs the linear domain")
-        if self.lr_step is not None:
-            if not (math.isfinite(self.lr_step) and self.lr_step > 0):
-                raise ValueError(f"Quantizer lr_step must be a positive number, "
-                                 f"got {self.lr_step!r}")
-            if (self.domain, self.pred) != ("linear", "base"):
-                raise ValueError("Quantizer lr_step= needs the linear domain and pred='base'")
-        if self.update_step is not None:
-            if not (math.isfinite(self.update_step) and self.update_step > 0):
-                raise ValueError(f"Quantizer update_step must be a positive number, "
-                                 f"got {self.update_step!r}")
-            if (self.domain, self.pred) != ("linear", "zero"):
-                raise ValueError("Quantizer update_step= needs the linear domain and pred='zero'")
+        for key, pred in (("lr_step", "base"), ("update_step", "zero")):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Quantizer {key} must be a positive number, got {value!r}")
+            if (self.domain, self.pred) != ("linear", pred):
+                raise ValueError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
 
     @property
     def dithers(self) -> bool:

@@ -721,12 +721,18 @@ def test_cast_from_a_wrong_source_is_refused(ckpt: Path, source: str) -> None:
         for step in range(2):
             train(model, optimizer)
             mgr.save(step, model, optimizer)
-        meta = mgr.metadata(1)
-    for chunk in meta.tensor("model/0.weight").fragments[0].chunks:
-        chunk.params["source"] = source
-    (step_dir(ckpt, 1) / "metadata.json").write_text(meta.to_json())
+    _set_chunk_params(ckpt, 1, "model/0.weight", source=source)
     with CheckpointManager(ckpt) as mgr, pytest.raises(CorruptionError, match=r"step 1.*0\.weight"):
         mgr.restore(1)
+
+
+def _set_chunk_params(ckpt: Path, step: int, name: str, **params: object) -> None:
+    """Rewrite the params of every chunk of tensor ``name`` in ``step``'s metadata."""
+    with CheckpointManager(ckpt) as mgr:
+        meta = mgr.metadata(step)
+    for chunk in meta.tensor(name).fragments[0].chunks:
+        chunk.params.update(params)
+    (step_dir(ckpt, step) / "metadata.json").write_text(meta.to_json())
 
 
 def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path) -> None:
@@ -848,10 +854,7 @@ def test_scale_from_a_wrong_source_is_refused(ckpt: Path, source: str) -> None:
         for step in range(2):
             train(model, optimizer)
             mgr.save(step, model, optimizer)
-        meta = mgr.metadata(1)
-    for chunk in meta.tensor("optimizer/state/0.weight/exp_avg").fragments[0].chunks:
-        chunk.params["scale"] = source
-    (step_dir(ckpt, 1) / "metadata.json").write_text(meta.to_json())
+    _set_chunk_params(ckpt, 1, "optimizer/state/0.weight/exp_avg", scale=source)
     with CheckpointManager(ckpt) as mgr, \
             pytest.raises(CorruptionError, match=r"step 1.*0\.weight/exp_avg'"):
         mgr.restore(1)
