@@ -109,8 +109,14 @@ def test_memcpy(benchmark, run) -> None:
     record(benchmark, "memcpy", sum(a.nbytes for a in arrays))
 
 
-def _coding(run) -> list[tuple[np.ndarray, np.ndarray | None, bool, float | int]]:
-    """(x, prediction, ordinal, step) per chunk of a save, as the balanced preset codes a delta.
+EPS = float(np.float32(1e-8))  # AdamW's default eps, as a float32 value
+
+
+def _coding(run) -> list[tuple[np.ndarray, np.ndarray | None, bool, float | int, np.ndarray | None]]:
+    """(x, prediction, ordinal, step, scale) per chunk of a save, about as the balanced preset
+    codes a delta: weights against the previous state (at 4 RMS of the change, where a save
+    uses the learning rate), exp_avg from zero scaled by sqrt(exp_avg_sq), exp_avg_sq at 16
+    binades.
 
     Tensors are cut into the chunks a save codes (``DEFAULT_CHUNK_BYTES``).
     """
@@ -120,15 +126,15 @@ def _coding(run) -> list[tuple[np.ndarray, np.ndarray | None, bool, float | int]
         if name.startswith("w/"):
             r = x - old[name]
             step = float(np.float32(4 * np.sqrt(np.mean(r.astype(np.float64) ** 2)) or 1.0))
-            job = (x, old[name].copy(), False, step)
+            job = (x, old[name].copy(), False, step, None)
         elif name.startswith("exp_avg_sq"):
-            job = (x, old[name].copy(), True, 1 << 24)
+            job = (x, old[name].copy(), True, 16 << 23, None)
         else:
-            job = (x, None, False, float(np.float32(4 * np.sqrt(np.mean(x ** 2)) or 1.0)))
-        x, p, ordinal, step = job
+            job = (x, None, False, 2.0, new[name.replace("exp_avg", "exp_avg_sq")])
+        x, p, ordinal, step, scale = job
         n = DEFAULT_CHUNK_BYTES // 4
-        jobs += [(x[i : i + n], None if p is None else p[i : i + n], ordinal, step)
-                 for i in range(0, x.size, n)]
+        jobs += [(x[i : i + n], None if p is None else p[i : i + n], ordinal, step,
+                  None if scale is None else scale[i : i + n]) for i in range(0, x.size, n)]
     return jobs
 
 
@@ -139,13 +145,14 @@ def test_encode_kernel(benchmark, run) -> None:
     recons = [np.empty_like(x) for x, *_ in jobs]
 
     def setup() -> None:  # untimed: the reconstructions back to the previous state
-        for recon, (_, p, _, _) in zip(recons, jobs, strict=True):
+        for recon, (_, p, *_) in zip(recons, jobs, strict=True):
             recon[:] = 0 if p is None else p
 
     def encode_one(i: int) -> int:
-        x, p, ordinal, step = jobs[i]
+        x, p, ordinal, step, scale = jobs[i]
         return encode_block_stream(x, None if p is None else recons[i], recons[i],
-                                   ordinal=ordinal, step=step, block=1024)[0].size
+                                   ordinal=ordinal, step=step, block=1024, scale=scale,
+                                   eps=EPS)[0].size
 
     with ThreadPoolExecutor(default_workers()) as pool:
         packed = benchmark.pedantic(lambda: sum(pool.map(encode_one, range(len(jobs)))),
@@ -156,14 +163,14 @@ def test_encode_kernel(benchmark, run) -> None:
 def test_decode_kernel(benchmark, run) -> None:
     """Unpack, dequantize and add into the running reconstruction, in place; one chunk per task."""
     jobs = _coding(run)
-    streams = [encode_block_stream(x, p, np.empty_like(x), ordinal=o, step=s, block=1024)[0]
-               for x, p, o, s in jobs]
+    streams = [encode_block_stream(x, p, np.empty_like(x), ordinal=o, step=s, block=1024,
+                                   scale=scale, eps=EPS)[0] for x, p, o, s, scale in jobs]
     outs = [np.empty_like(x) if p is None else p.copy() for x, p, *_ in jobs]
 
     def decode_one(i: int) -> None:
-        _, p, ordinal, step = jobs[i]
+        _, p, ordinal, step, scale = jobs[i]
         decode_block_stream(streams[i], None if p is None else outs[i], outs[i], ordinal=ordinal,
-                            step=step, block=1024)
+                            step=step, block=1024, scale=scale, eps=EPS)
 
     with ThreadPoolExecutor(default_workers()) as pool:
         benchmark.pedantic(lambda: list(pool.map(decode_one, range(len(jobs)))),
@@ -173,7 +180,7 @@ def test_decode_kernel(benchmark, run) -> None:
 
 def test_codec_roundtrip_is_exact(run) -> None:
     """What the benchmarks time decodes to what the encoder kept (a guard, not a timing)."""
-    x, p, ordinal, step = _coding(run)[0]
+    x, p, ordinal, step, _ = _coding(run)[0]
     recon = np.empty_like(x)
     chunk, _ = encode_quant(x, p, recon, ordinal=ordinal, step=step, block=1024)
     out = p.copy()

@@ -162,8 +162,8 @@ class CompressionConfig:
     """
 
     weights: Quantizer = Quantizer(step=5.0, lr_step=16.0)
-    exp_avg: Quantizer = Quantizer(step=16.0, pred="zero")
-    exp_avg_sq: Quantizer = Quantizer(step=8.0, domain="ordinal")
+    exp_avg: Quantizer = Quantizer(step=16.0, update_step=2.0, pred="zero")
+    exp_avg_sq: Quantizer = Quantizer(step=16.0, domain="ordinal")
     optimizer_other: Quantizer = Quantizer(step=2.0**-10, domain="ordinal")
     overrides: Mapping[str, Quantizer] = field(default_factory=dict)
     target_ratio: float | None = None
@@ -215,20 +215,20 @@ class CompressionConfig:
 
 
 # Chosen with bench/fidelity.py (TinyGPT small, AdamW betas (0.9, 0.95), resumed 100 steps from a
-# delta step; the deviation is of the mean resumed loss). balanced: 74x at 0.10% saving every 20
-# steps, 50x at 0.08% every 100 steps; five restores 40 steps apart 0.7-1.1% (near-lossless
-# restores of the same runs: 0.4-0.5%). aggressive: 156x at 0.28% every 20 steps, 102x at 0.85%
+# delta step; the deviation is of the mean resumed loss). balanced: 78x at 0.14% saving every 20
+# steps, 55x at 0.47% every 100 steps. aggressive: 156x at 0.28% every 20 steps, 102x at 0.85%
 # every 100. Weights moved by Adam are coded at a step proportional to the learning rate (a step
 # proportional to the change since the last save grew with the interval: 59x at 2.7% every 100
-# steps) and dithered: undithered, five restores cost 5-7% of loss. Adam's first moment forgets
-# its past within tens of steps and the second only scales the update, so both are coded
-# coarsely: exp_avg nearly all zero, exp_avg_sq updated where it moved by more than 16x
-# (balanced) or 256x (aggressive).
+# steps) and dithered: undithered, five restores 40 steps apart cost 5-7% of loss. balanced codes
+# exp_avg relative to sqrt(exp_avg_sq), within one learning rate of the update: a step relative
+# to its spread zeroed nearly all of it, and five restores then cost 0.7-1.1% (near-lossless
+# restores of the same runs: 0.4-0.5%); aggressive still does, for its ratio. exp_avg_sq only
+# scales the update: updated where it moved by more than 256x.
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
     "aggressive": CompressionConfig(weights=Quantizer(step=9.0, lr_step=48.0),
-                                    exp_avg_sq=Quantizer(step=16.0, domain="ordinal"),
+                                    exp_avg=Quantizer(step=16.0, pred="zero"),
                                     name="aggressive"),
 }
 
