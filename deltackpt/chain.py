@@ -311,12 +311,19 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
             tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
             run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
                             f"apply deltas up to step {meta.step}", progress)
-        for name, master in casts.items():
-            tensors[name] = _restore_cast(sources[-1], final[name], values[master])
-        for name, source in scaled.items():
-            tensors[name] = torch.empty(final[name].numel, dtype=torch.float32)
-            _restore_scaled(sources[-1], final[name], tensors[name].numpy(),
-                            _state(values, final[source], tensors[source]))
+        derived = []  # chunks decoded from other tensors' running values in this step
+        for name, source in {**casts, **scaled}.items():
+            record = final[name]
+            spec = spec_named(record.dtype, name)
+            tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
+            raw = tensors[name].view(torch.uint8).numpy()
+            source_values = _state(values, final[source], tensors[source])
+            for c in record.fragments[0].chunks:
+                lo, hi = c.raw_offset // spec.itemsize, (c.raw_offset + c.raw_length) // spec.itemsize
+                derived.append(_DerivedTask(record, c, raw[c.raw_offset : c.raw_offset + c.raw_length],
+                                            source_values[lo:hi], lo))
+        run_chunk_tasks(derived, lambda t: _restore_derived(sources[-1], t), workers,
+                        f"decode casts and scaled moments of step {meta.step}", progress)
     finally:
         for source in sources:
             source.close()
@@ -368,34 +375,34 @@ def _checked_scale(meta: StepMetadata, record: TensorRecord,
     return source
 
 
-def _restore_scaled(source: ChunkSource, record: TensorRecord, out: np.ndarray,
-                    scale: np.ndarray) -> None:
-    """A float32 tensor of scaled quant chunks (and exact ones, for chunks that could not be
-    quantized) into ``out``, its values; ``scale`` holds the values that scale its steps."""
-    raw = out.view(np.uint8)
-    for chunk in record.fragments[0].chunks:
-        lo, hi = chunk.raw_offset // 4, (chunk.raw_offset + chunk.raw_length) // 4
-        if chunk.codec != QUANT:
-            source.decode(record, chunk, raw[4 * lo : 4 * hi])
-            continue
+@dataclass
+class _DerivedTask:
+    """A chunk of a delta step decoded from another tensor's running values in the same step:
+    a cast chunk (FORMAT.md 3.3), a scaled quant chunk (3.2), or an exact chunk of a tensor of
+    scaled ones."""
+
+    record: TensorRecord
+    chunk: Chunk
+    out: np.ndarray  # the chunk's raw bytes in its tensor
+    source: np.ndarray  # the source tensor's running values over the chunk's elements
+    first: int  # index of the chunk's first element in the tensor
+
+
+def _restore_derived(step: ChunkSource, task: _DerivedTask) -> None:
+    """Decode a derived chunk into its tensor and check it against its ``raw_xxh3``."""
+    record, chunk = task.record, task.chunk
+    if chunk.codec == CAST:
+        task.out[:] = dtype_bytes(task.source, record.dtype)
+    elif chunk.codec == QUANT:
         try:
-            decode_quant(source.stored(record, chunk), chunk.params, None, out[lo:hi], lo,
-                         scale[lo:hi])
+            decode_quant(step.stored(record, chunk), chunk.params, None,
+                         task.out.view(np.float32), task.first, task.source)
         except DeltackptError as exc:
-            raise type(exc)(f"{source.where(record, chunk)}: {exc}") from None
-        source.check_raw(record, chunk, raw[4 * lo : 4 * hi])
-
-
-def _restore_cast(source: ChunkSource, record: TensorRecord, master: np.ndarray) -> torch.Tensor:
-    """A tensor of cast chunks: its master's running values rounded, each chunk checked."""
-    spec = spec_named(record.dtype, record.name)
-    flat = torch.empty(record.numel, dtype=spec.torch_dtype)
-    raw = flat.view(torch.uint8).numpy()
-    for chunk in record.fragments[0].chunks:
-        lo, hi = chunk.raw_offset, chunk.raw_offset + chunk.raw_length
-        raw[lo:hi] = dtype_bytes(master[lo // spec.itemsize : hi // spec.itemsize], record.dtype)
-        source.check_raw(record, chunk, raw[lo:hi])
-    return flat
+            raise type(exc)(f"{step.where(record, chunk)}: {exc}") from None
+    else:
+        step.decode(record, chunk, task.out)  # checked there
+        return
+    step.check_raw(record, chunk, task.out)
 
 
 def _state(values: dict[str, np.ndarray], record: TensorRecord, flat: torch.Tensor,
