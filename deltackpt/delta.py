@@ -169,9 +169,11 @@ class StepEncoder:
                 ps = self._values[item.name][::stride] if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
                 if plan.scale is not None:  # in units of each element's step
+                    # The scale will be this save's reconstruction of exp_avg_sq, which moves
+                    # only where exp_avg_sq moved by more than its step: the base's is closer
+                    # to it than exp_avg_sq itself.
                     source, eps = plan.scale
-                    vs = by_name[source].detach().reshape(-1)[::stride].float().cpu().numpy()
-                    sample /= np.sqrt(np.maximum(vs, 0)) + eps
+                    sample /= np.sqrt(np.maximum(self._values[source][::stride], 0)) + eps
             if plan.scale is not None:
                 plan.step = quantizer.update_step
             else:
