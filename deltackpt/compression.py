@@ -215,15 +215,16 @@ class CompressionConfig:
 
 
 # Chosen with bench/fidelity.py (TinyGPT small, AdamW betas (0.9, 0.95), resumed 100 steps from a
-# delta step; the deviation is of the mean resumed loss). balanced: 78x at 0.14% saving every 20
-# steps, 55x at 0.47% every 100 steps. aggressive: 156x at 0.28% every 20 steps, 102x at 0.85%
-# every 100. Weights moved by Adam are coded at a step proportional to the learning rate (a step
-# proportional to the change since the last save grew with the interval: 59x at 2.7% every 100
-# steps) and dithered: undithered, five restores 40 steps apart cost 5-7% of loss. balanced codes
-# exp_avg relative to sqrt(exp_avg_sq), within one learning rate of the update: a step relative
-# to its spread zeroed nearly all of it, and five restores then cost 0.7-1.1% (near-lossless
-# restores of the same runs: 0.4-0.5%); aggressive still does, for its ratio. exp_avg_sq only
-# scales the update: updated where it moved by more than 256x.
+# delta step; the deviation is of the mean resumed loss). balanced: 79x at 0.05% saving every 20
+# steps, 55x at 0.21% every 100 steps; five restores 40 steps apart 0.06-0.9% over four runs,
+# where near-lossless restores of the same runs cost 0.3-0.5%. aggressive: 156x at 0.28% every
+# 20 steps, 102x at 0.85% every 100. Weights moved by Adam are coded at a step proportional to
+# the learning rate (a step proportional to the change since the last save grew with the
+# interval: 59x at 2.7% every 100 steps) and dithered: undithered, five restores cost 5-7% of
+# loss. balanced codes exp_avg relative to sqrt(exp_avg_sq), within a learning rate of the
+# update it drives: at a step relative to its spread (aggressive, for its ratio) it is stored
+# nearly all zero, and five restores then cost 0.7-1.1%. exp_avg_sq only scales the update:
+# updated where it moved by more than 256x.
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
