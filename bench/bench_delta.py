@@ -115,27 +115,29 @@ EPS = float(np.float32(1e-8))  # AdamW's default eps, as a float32 value
 def _coding(run) -> list[tuple[np.ndarray, np.ndarray | None, bool, float | int, np.ndarray | None]]:
     """(x, prediction, ordinal, step, scale) per chunk of a save, about as the balanced preset
     codes a delta: weights against the previous state (at 4 RMS of the change, where a save
-    uses the learning rate), exp_avg from zero scaled by sqrt(exp_avg_sq), exp_avg_sq at 16
-    binades.
+    uses the learning rate), exp_avg_sq at 16 binades, exp_avg from zero scaled by the square
+    root of exp_avg_sq's reconstruction.
 
     Tensors are cut into the chunks a save codes (``DEFAULT_CHUNK_BYTES``).
     """
     new, old = dict(_tensors(run[2][-1])), dict(_tensors(run[2][-2]))
-    jobs = []
-    for name, x in new.items():
+    jobs = {}
+    for name, x in sorted(new.items(), key=lambda item: item[0].startswith("exp_avg/")):
         if name.startswith("w/"):
             r = x - old[name]
             step = float(np.float32(4 * np.sqrt(np.mean(r.astype(np.float64) ** 2)) or 1.0))
-            job = (x, old[name].copy(), False, step, None)
+            jobs[name] = (x, old[name].copy(), False, step, None)
         elif name.startswith("exp_avg_sq"):
-            job = (x, old[name].copy(), True, 16 << 23, None)
-        else:
-            job = (x, None, False, 2.0, new[name.replace("exp_avg", "exp_avg_sq")])
-        x, p, ordinal, step, scale = job
-        n = DEFAULT_CHUNK_BYTES // 4
-        jobs += [(x[i : i + n], None if p is None else p[i : i + n], ordinal, step,
-                  None if scale is None else scale[i : i + n]) for i in range(0, x.size, n)]
-    return jobs
+            jobs[name] = (x, old[name].copy(), True, 16 << 23, None)
+        else:  # after its exp_avg_sq, whose reconstruction scales it
+            v, v_pred, _, v_step, _ = jobs[name.replace("exp_avg", "exp_avg_sq")]
+            v_recon = np.empty_like(v)
+            encode_block_stream(v, v_pred, v_recon, ordinal=True, step=v_step, block=1024)
+            jobs[name] = (x, None, False, 2.0, v_recon)
+    n = DEFAULT_CHUNK_BYTES // 4
+    return [(x[i : i + n], None if p is None else p[i : i + n], ordinal, step,
+             None if scale is None else scale[i : i + n])
+            for x, p, ordinal, step, scale in jobs.values() for i in range(0, x.size, n)]
 
 
 def test_encode_kernel(benchmark, run) -> None:

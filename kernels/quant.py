@@ -123,11 +123,23 @@ def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
     return np.float32(p + np.float32(np.float32(np.float32(q) - u) * step_f))
 
 
+@intrinsic
+def _sqrt32(typingctx, value):
+    """The float32 square root, correctly rounded (IEEE), as LLVM's ``llvm.sqrt.f32``: Numba
+    calls libm's ``sqrtf`` for ``np.sqrt``, which may set errno, so no loop around it
+    vectorizes."""
+    def codegen(context, builder, signature, args):
+        sqrt = builder.module.declare_intrinsic("llvm.sqrt", [ir.FloatType()])
+        return builder.call(sqrt, [args[0]])
+
+    return types.float32(types.float32), codegen
+
+
 @njit(inline="always")
 def _element_step(step_f: np.float32, scale: np.float32, eps: np.float32) -> np.float32:
     """FORMAT.md 3.2's step of an element of a ``scale``d chunk: ``step * (sqrt(scale) + eps)``,
     each operation rounded to float32 (sqrt included: IEEE rounds it exactly)."""
-    return np.float32(step_f * np.float32(np.sqrt(scale) + eps))
+    return np.float32(step_f * np.float32(_sqrt32(np.float32(scale)) + eps))
 
 
 @njit(inline="always")
@@ -336,7 +348,9 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     """The fused encode kernel for one domain, prediction, dithering and per-element scaling
     (compile-time constants)."""
 
-    @njit(cache=True, nogil=True)
+    # error_model="numpy": a float division by zero is inf, not Python's ZeroDivisionError,
+    # whose check on every element's own step (scaled chunks) keeps the loop from vectorizing.
+    @njit(cache=True, nogil=True, error_model="numpy")
     def encode(x, pred, out, step_f, step_i, block, widths, slots, stats, seed, first, scale,
                eps):
         n = x.shape[0]
@@ -522,7 +536,7 @@ def check_stream(stream: np.ndarray, n: int, block: int) -> None:
 def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     """The decode kernel for one domain, prediction, dithering and per-element scaling."""
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=True, nogil=True, error_model="numpy")  # as the encoder's
     def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps):
         n = out.shape[0]
         step_k = np.float64(step_i)
