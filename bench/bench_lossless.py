@@ -22,9 +22,9 @@ from conftest import durable_torch_save, note, record
 
 from deltackpt import CheckpointManager
 from deltackpt.codecs import encode_lossless
-from deltackpt.dtypes import spec_for
+from deltackpt.dtypes import raw_bytes, spec_for
 from deltackpt.format import step_dir_name
-from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers, raw_bytes
+from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers
 
 ROUNDS = 5
 

@@ -13,6 +13,7 @@ from deltackpt.compression import EXACT, CompressionConfig, Quantizer
 from deltackpt.errors import (
     CorruptionError,
     DeltackptError,
+    DistributedError,
     FormatError,
     NotACheckpointError,
     StateMismatchError,
@@ -31,6 +32,7 @@ __all__ = [
     "CompressionConfig",
     "CorruptionError",
     "DeltackptError",
+    "DistributedError",
     "FormatError",
     "GCReport",
     "LoadReport",

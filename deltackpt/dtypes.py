@@ -97,3 +97,12 @@ def dtype_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return values.view(np.uint8)
     return torch.from_numpy(values).to(spec_named(dtype).torch_dtype).view(torch.uint8).numpy()
+
+
+def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's elements in row-major order as a 1-d uint8 array (a view when possible)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()

@@ -36,3 +36,7 @@ class StateMismatchError(DeltackptError):
 
 class WriterLockedError(DeltackptError):
     """Another process (or manager) is writing to the same checkpoint directory."""
+
+
+class DistributedError(DeltackptError):
+    """A collective save or load failed on some rank; raised on every rank, naming it."""

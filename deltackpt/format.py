@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from deltackpt.dtypes import spec_named
 from deltackpt.errors import FormatError
 
@@ -273,10 +275,26 @@ def _parse_tensor(obj: Any, n_files: int) -> TensorRecord:
             raise FormatError("an alias must not have fragments")
         return record
     record.fragments = _located(_parse_fragment, fragments, "fragment", record, n_files)
-    covered = sum(frag.numel for frag in record.fragments)
+    check_tiling(record)
+    return record
+
+
+def check_tiling(record: TensorRecord) -> None:
+    """Raise :class:`FormatError` unless the record's fragments (boxes within its shape) tile
+    it: no two overlap, and together they cover every element (FORMAT.md 2)."""
+    boxes = [f for f in record.fragments if f.numel]
+    covered = sum(frag.numel for frag in boxes)
+    if len(boxes) > 1:
+        lo = np.array([f.offsets for f in boxes], np.int64)
+        hi = lo + np.array([f.sizes for f in boxes], np.int64)
+        overlap = ((lo[:, None] < hi[None]) & (lo[None] < hi[:, None])).all(axis=2)
+        np.fill_diagonal(overlap, False)
+        if overlap.any():
+            i, j = (int(k) for k in np.argwhere(overlap)[0])
+            raise FormatError(f"fragments {boxes[i].offsets}+{boxes[i].sizes} and "
+                              f"{boxes[j].offsets}+{boxes[j].sizes} overlap")
     if covered != record.numel and record.numel > 0:
         raise FormatError(f"fragments cover {covered} of {record.numel} elements")
-    return record
 
 
 def parse_step_metadata(text: str | bytes, where: str) -> StepMetadata:

@@ -8,6 +8,7 @@ import json
 import logging
 import operator
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,10 @@ from torch import nn
 from deltackpt.chain import Reconstruction, chain_of, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import StepEncoder, captured_layout
+from deltackpt.distributed import Group, check_same_state
 from deltackpt.errors import (
     DeltackptError,
+    DistributedError,
     NotACheckpointError,
     StepExistsError,
     StepNotFoundError,
@@ -40,7 +43,17 @@ from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
 from deltackpt.universal import UniversalCheckpoint
-from deltackpt.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced, write_step
+from deltackpt.writer import (
+    DEFAULT_CHUNK_BYTES,
+    WrittenData,
+    commit_step,
+    merge_written,
+    new_save_id,
+    remove_unreferenced,
+    step_metadata,
+    write_data,
+    write_step,
+)
 
 log = logging.getLogger("deltackpt")
 
@@ -170,15 +183,19 @@ class CheckpointManager:
             state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
             raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
                                       f"(it {state})")
-        elif storage.exists("") and any(n != LOCK_FILE and not n.endswith(".tmp")
+        elif storage.exists("") and any(n not in (LOCK_FILE, ROOT_MARKER) and not n.endswith(".tmp")
                                         for n in storage.listdir()):
             raise NotACheckpointError(
                 f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "
                 f"(no {ROOT_MARKER}); refusing to write into it")
         else:
             storage.makedirs()
-            storage.commit_file(ROOT_MARKER, json.dumps(
-                {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
+            try:
+                storage.commit_file(ROOT_MARKER, json.dumps(
+                    {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
+            except FileNotFoundError:  # another process (a rank) created it at the same time,
+                if not storage.exists(ROOT_MARKER):  # and its clean-up took our temporary file
+                    raise
         if not self.read_only:
             lock = storage.try_lock()
             if lock is not None:
@@ -261,16 +278,10 @@ class CheckpointManager:
         """Write already captured state as ``step`` (used by :meth:`save` and
         :meth:`UniversalCheckpoint.save_universal`)."""
         step = _check_step(step)
-        self._acquire_writer()
-        if self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
-            if not overwrite:
-                raise StepExistsError(f"step {step} already exists in {self.path}; "
-                                      "pass overwrite=True to replace it")
-            dependents = self.dependents(step)
-            if dependents:
-                raise StepExistsError(
-                    f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
-                    "against it; remove them first (gc) or overwrite them")
+        group = Group.current()
+        if group is not None:
+            return self._save_distributed(step, captured, group, overwrite, progress)
+        self._prepare_save(step, overwrite)
         base = self._delta_base(step, captured)
         encoder = StepEncoder(captured, self.compression, base, self._controller,
                               keep=self.compression.deltas and self.full_every > 1)
@@ -289,6 +300,81 @@ class CheckpointManager:
         if self.keep is not None:
             self.gc(self.keep)
         return info
+
+    def _prepare_save(self, step: int, overwrite: bool) -> None:
+        """Take the writer lock and check that ``step`` may be written."""
+        self._acquire_writer()
+        if self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
+            if not overwrite:
+                raise StepExistsError(f"step {step} already exists in {self.path}; "
+                                      "pass overwrite=True to replace it")
+            dependents = self.dependents(step)
+            if dependents:
+                raise StepExistsError(
+                    f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
+                    "against it; remove them first (gc) or overwrite them")
+
+    def _save_distributed(self, step: int, captured: CapturedState, group: Group,
+                          overwrite: bool, progress: bool) -> SaveInfo:
+        """A collective save: every rank writes the boxes it holds, rank 0 commits the step.
+
+        Rank 0 holds the writer lock and decides; any rank's failure is
+        raised on every rank, and leaves no step visible (an existing step
+        being overwritten stays intact). Saves are full steps: per-shard
+        deltas are not implemented yet.
+        """
+        started = time.perf_counter()
+        check_same_state(captured, group)
+        save_id, error = None, None
+        if group.rank == 0:
+            try:
+                self._prepare_save(step, overwrite)
+                self.storage.makedirs(step_dir_name(step))
+                save_id = new_save_id()
+            except Exception as exc:  # raised on every rank by the check below
+                error = f"{type(exc).__name__}: {exc}"
+        group.check(error, f"save of step {step}")
+        save_id = group.broadcast(save_id)
+        self._recon = None
+        written, error = None, None
+        try:
+            written = write_data(self.storage, step, save_id, captured, group=group,
+                                 chunk_bytes=self.chunk_bytes, workers=self.workers,
+                                 progress=progress and group.rank == 0)
+        except Exception as exc:  # reported to every rank below, then raised there
+            error = f"{type(exc).__name__}: {exc}"
+        everyone = group.gather((written, error))
+        outcome: SaveInfo | str
+        if group.rank == 0:
+            outcome = self._commit_distributed(step, save_id, captured, everyone, started)
+        outcome = group.broadcast(outcome if group.rank == 0 else None)
+        if isinstance(outcome, str):
+            raise DistributedError(outcome)
+        return outcome
+
+    def _commit_distributed(self, step: int, save_id: str, captured: CapturedState,
+                            everyone: list[tuple[WrittenData | None, str | None]],
+                            started: float) -> SaveInfo | str:
+        """Rank 0: commit what every rank wrote, or clean up after a failed rank. Returns the
+        save's summary, or the error every rank raises."""
+        failed = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(everyone) if error]
+        try:
+            if failed:
+                raise DistributedError(f"save of step {step} failed on " + "; ".join(failed))
+            written = merge_written([w for w, _ in everyone])
+            meta = step_metadata(step, save_id, written, captured.tree, kind="full",
+                                 base_step=None, world_size=len(everyone),
+                                 seconds=time.perf_counter() - started)
+            commit_step(self.storage, meta)
+            if self.keep is not None:
+                self.gc(self.keep)
+            return SaveInfo.of(meta)
+        except Exception as exc:  # every rank raises it: no rank may be left waiting
+            for written, _ in everyone:  # the failed ranks deleted their own files
+                for f in written.files if written else ():
+                    with contextlib.suppress(OSError):
+                        self.storage.remove(f"{step_dir_name(step)}/{f.name}")
+            return str(exc)
 
     def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
         """Delete the steps a retention policy does not keep (default: the manager's ``keep``).

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from deltackpt.codecs.cast import MASTER_KEYS
+from deltackpt.distributed import local_values
 from deltackpt.format import tensor_name
 from deltackpt.tree import encode_tree
 
@@ -62,8 +63,9 @@ class _TensorTable:
         tensor = tensor.detach()
         alias_of = None
         if role in ("param", "buffer") and tensor.numel() > 0:
-            view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-                    tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+            local = local_values(tensor)  # a DTensor's shard: one per tensor, as the tensor
+            view = (local.untyped_storage().data_ptr(), local.storage_offset(),
+                    tuple(tensor.shape), tuple(local.stride()), tensor.dtype, local.device)
             alias_of = self._by_view.setdefault(view, name)
             alias_of = None if alias_of == name else alias_of
         self.tensors.append(CapturedTensor(name, role, tensor, fqn, state_key, alias_of))

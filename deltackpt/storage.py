@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,9 +118,14 @@ class LocalStorage:
         handle.close()
 
     def commit_file(self, rel: str, data: bytes) -> None:
-        """Replace ``rel`` with ``data`` atomically and durably (write, fsync, rename, fsync dir)."""
+        """Replace ``rel`` with ``data`` atomically and durably (write, fsync, rename, fsync dir).
+
+        The temporary file's name is unique to the call, so processes that
+        commit the same file at once (every rank creating a checkpoint
+        directory) each rename a whole file of their own.
+        """
         path = self._path(rel)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         with open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -20,13 +20,14 @@ from datetime import datetime, timezone
 from typing import IO
 
 import numpy as np
-import torch
 import xxhash
 
 from deltackpt import __version__
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.lossless import zstd_compress
-from deltackpt.dtypes import DTypeSpec, spec_for
+from deltackpt.distributed import Group, parts_to_write
+from deltackpt.dtypes import DTypeSpec, raw_bytes, spec_for
+from deltackpt.errors import FormatError
 from deltackpt.format import (
     METADATA_FILE,
     Chunk,
@@ -35,6 +36,7 @@ from deltackpt.format import (
     StepMetadata,
     StepStats,
     TensorRecord,
+    check_tiling,
     data_file_name,
     step_dir_name,
 )
@@ -59,29 +61,21 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's elements in row-major order as a 1-d uint8 array (a view when possible)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
 @dataclass
 class _Job:
     record: TensorRecord
+    fragment: Fragment
     spec: DTypeSpec
     raw_offset: int  # where the chunk starts in the tensor's raw bytes
     raw: np.ndarray  # the chunk's raw bytes
 
 
-def _chunk_jobs(stored: list[tuple[TensorRecord, DTypeSpec, np.ndarray]],
+def _chunk_jobs(stored: list[tuple[TensorRecord, Fragment, DTypeSpec, np.ndarray]],
                 chunk_bytes: int) -> Iterator[_Job]:
-    for record, spec, raw in stored:
+    for record, fragment, spec, raw in stored:
         step = max(spec.itemsize, chunk_bytes - chunk_bytes % spec.itemsize)
         for start in range(0, raw.size, step):
-            yield _Job(record, spec, start, raw[start : start + step])
+            yield _Job(record, fragment, spec, start, raw[start : start + step])
 
 
 class _DataFiles:
@@ -92,8 +86,8 @@ class _DataFiles:
     save run in parallel.
     """
 
-    def __init__(self, storage: Storage, step_dir: str, save_id: str) -> None:
-        self.storage, self.step_dir, self.save_id = storage, step_dir, save_id
+    def __init__(self, storage: Storage, step_dir: str, save_id: str, rank: int) -> None:
+        self.storage, self.step_dir, self.save_id, self.rank = storage, step_dir, save_id, rank
         self.names: list[str] = []
         self.handles: list[IO[bytes]] = []
         self.sizes: list[int] = []
@@ -106,7 +100,7 @@ class _DataFiles:
         if index is None:
             with self._lock:
                 index = len(self.names)
-                name = data_file_name(self.save_id, 0, index)
+                name = data_file_name(self.save_id, self.rank, index)
                 self.handles.append(self.storage.create(f"{self.step_dir}/{name}"))
                 self.names.append(name)
                 self.sizes.append(0)
@@ -119,7 +113,8 @@ class _DataFiles:
 
     def records(self) -> list[DataFile]:
         """The files written, as metadata."""
-        return [DataFile(name, 0, size) for name, size in zip(self.names, self.sizes, strict=True)]
+        return [DataFile(name, self.rank, size)
+                for name, size in zip(self.names, self.sizes, strict=True)]
 
     def abort(self) -> None:
         """Close and delete every file (the save failed)."""
@@ -138,24 +133,31 @@ def _encode_and_write(job: _Job, encoder: ChunkEncoder, files: _DataFiles) -> Ch
                  encoded.params, digest.hexdigest(), xxhash.xxh3_64_hexdigest(decoded))
 
 
-def write_step(storage: Storage, step: int, captured: CapturedState, *,
-               kind: str = "full", base_step: int | None = None,
-               encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
+@dataclass
+class WrittenData:
+    """What one process wrote for a step: its tensor records (with the fragments it wrote and
+    their chunks), its data files and the raw bytes it coded."""
+
+    records: list[TensorRecord]
+    files: list[DataFile]
+    raw_bytes: int
+
+
+def write_data(storage: Storage, step: int, save_id: str, captured: CapturedState, *,
+               group: Group | None = None, encoder: ChunkEncoder = encode_exact,
                coded_last: Collection[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               workers: int | None = None, progress: bool = False) -> StepMetadata:
-    """Write ``captured`` as step ``step`` and commit it; returns its metadata.
+               workers: int | None = None, progress: bool = False) -> WrittenData:
+    """Encode and durably write this process's part of ``captured`` into step ``step``'s
+    directory (which must exist), in data files named by ``save_id`` and the rank.
 
-    ``encoder`` codes each chunk (default: losslessly); ``summary``, called
-    once every chunk is coded, gives what the step's ``stats`` record about
-    the coding (a delta's error statistics). The chunks of the tensors named
-    in ``coded_last`` are coded only once every other chunk is (their coding
-    reads what the others' left, e.g. a cast of a master copy).
-
-    The step only becomes visible at the final rename of ``metadata.json``.
-    An existing version of the step stays intact until that moment, and its
-    data files are removed only after it.
+    ``group`` (a multi-rank save) decides which boxes of each tensor this
+    rank writes (:func:`distributed.parts_to_write`); records keep the global
+    shape. ``encoder`` codes each chunk (default: losslessly). The chunks of
+    the tensors named in ``coded_last`` are coded only once every other
+    chunk is (their coding reads what the others' left, e.g. a cast of a
+    master copy). Nothing is visible until a commit lists the files; on an
+    error this process's files are deleted.
     """
-    started = time.perf_counter()
     workers = workers or default_workers()
     records, stored = [], []
     for item in captured.tensors:
@@ -164,14 +166,13 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
                               item.fqn, item.state_key, item.alias_of)
         records.append(record)
         if item.alias_of is None:
-            record.fragments = [Fragment([0] * item.tensor.dim(), list(item.tensor.shape))]
-            stored.append((record, spec, raw_bytes(item.tensor)))
-    raw_total = sum(raw.size for _, _, raw in stored)
+            for part in parts_to_write(item.name, item.role, item.tensor, group):
+                fragment = Fragment(part.offsets, part.sizes)
+                record.fragments.append(fragment)
+                stored.append((record, fragment, spec, raw_bytes(part.values)))
+    raw_total = sum(raw.size for *_, raw in stored)
 
-    step_dir = step_dir_name(step)
-    storage.makedirs(step_dir)
-    save_id = secrets.token_hex(8)
-    files = _DataFiles(storage, step_dir, save_id)
+    files = _DataFiles(storage, step_dir_name(step), save_id, group.rank if group else 0)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-encode") as pool, \
                 progress_bar(raw_total, f"save step {step}", progress) as bar:
@@ -179,7 +180,7 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
 
             def collect_oldest() -> None:
                 job, future = in_flight.popleft()
-                job.record.fragments[0].chunks.append(future.result())
+                job.fragment.chunks.append(future.result())
                 bar.update(job.raw.size)
 
             for last in (False, True):
@@ -194,21 +195,93 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
     except BaseException:
         files.abort()
         raise
+    return WrittenData(records, files.records(), raw_total)
 
-    data_files = files.records()
-    meta = StepMetadata(
+
+def merge_written(per_rank: list[WrittenData]) -> WrittenData:
+    """One step's data from what every rank wrote (in rank order): each tensor's record with
+    every rank's fragments, and every rank's files, chunks pointed at their merged index.
+
+    Raises :class:`FormatError` naming the tensor whose fragments do not
+    tile it exactly once.
+    """
+    records = [TensorRecord(r.name, r.role, r.dtype, r.shape, r.fqn, r.state_key, r.alias_of)
+               for r in per_rank[0].records]
+    files: list[DataFile] = []
+    for written in per_rank:
+        for record, theirs in zip(records, written.records, strict=True):
+            if theirs.name != record.name:
+                raise FormatError(f"ranks list tensor {record.name!r} and {theirs.name!r} "
+                                  "at the same position")
+            for fragment in theirs.fragments:
+                for chunk in fragment.chunks:
+                    chunk.file += len(files)
+                record.fragments.append(fragment)
+        files += written.files
+    for record in records:
+        record.fragments.sort(key=lambda f: f.offsets)
+        try:
+            check_tiling(record)
+        except FormatError as exc:
+            raise FormatError(f"tensor {record.name!r}: {exc}") from None
+    return WrittenData(records, files, sum(w.raw_bytes for w in per_rank))
+
+
+def step_metadata(step: int, save_id: str, written: WrittenData, tree: dict, *, kind: str,
+                  base_step: int | None, world_size: int, seconds: float,
+                  summary: dict | None = None) -> StepMetadata:
+    """The metadata of a step whose data ``written`` holds (every rank's, merged)."""
+    return StepMetadata(
         step=step, kind=kind, base_step=base_step, save_id=save_id,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__, world_size=1, files=data_files, tensors=records,
-        state=captured.tree, stats=StepStats(raw_total, sum(f.size for f in data_files), 0.0,
-                                             **(summary() if summary else {})))
-    meta.stats.seconds = round(time.perf_counter() - started, 6)
+        library_version=__version__, world_size=world_size, files=written.files,
+        tensors=written.records, state=tree,
+        stats=StepStats(written.raw_bytes, sum(f.size for f in written.files), round(seconds, 6),
+                        **(summary or {})))
+
+
+def commit_step(storage: Storage, meta: StepMetadata) -> None:
+    """Make ``meta``'s step visible (the rename of its ``metadata.json``), then delete the files
+    of its directory it does not reference (those of a step it replaces)."""
     text = meta.to_json().encode()
-    if kind == "delta":  # a delta's data is small enough that its metadata's size matters
+    if meta.kind == "delta":  # a delta's data is small enough that its metadata's size matters
         text = zstd_compress(text)
+    step_dir = step_dir_name(meta.step)
     storage.commit_file(f"{step_dir}/{METADATA_FILE}", text)
     remove_unreferenced(storage, step_dir, meta)
+
+
+def write_step(storage: Storage, step: int, captured: CapturedState, *,
+               kind: str = "full", base_step: int | None = None,
+               encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
+               coded_last: Collection[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               workers: int | None = None, progress: bool = False) -> StepMetadata:
+    """Write ``captured`` as step ``step`` from a single process and commit it; returns its
+    metadata.
+
+    ``summary``, called once every chunk is coded, gives what the step's
+    ``stats`` record about the coding (a delta's error statistics); the
+    other arguments are :func:`write_data`'s. The step only becomes visible
+    at the final rename of ``metadata.json``. An existing version of the
+    step stays intact until that moment, and its data files are removed
+    only after it.
+    """
+    started = time.perf_counter()
+    storage.makedirs(step_dir_name(step))
+    save_id = new_save_id()
+    written = write_data(storage, step, save_id, captured, encoder=encoder,
+                         coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
+                         progress=progress)
+    meta = step_metadata(step, save_id, written, captured.tree, kind=kind, base_step=base_step,
+                         world_size=1, seconds=time.perf_counter() - started,
+                         summary=summary() if summary else None)
+    commit_step(storage, meta)
     return meta
+
+
+def new_save_id() -> str:
+    """A fresh identifier of one save (it names the save's data files)."""
+    return secrets.token_hex(8)
 
 
 def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata) -> None:

@@ -308,7 +308,7 @@ def _finite(v: np.float32) -> bool:
     return (np.float32(v).view(np.uint32) & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy")
 def _block_stats(x, out, sym, width, relative, row):
     """Error statistics of one block (not part of the format: reassociated sums are fine, but
     no other fast-math flag: a reciprocal would make ``0 / tiny`` NaN).

@@ -1,0 +1,190 @@
+"""Saving under torch.distributed: which box of each tensor a rank writes, and collectives that
+carry one rank's failure to every rank instead of leaving the others waiting.
+
+A step saved by several ranks stores every tensor in global coordinates
+(docs/FORMAT.md 2): each rank writes the boxes it holds, as fragments, and
+one rank commits the metadata that lists them all. Which boxes:
+
+* a ``DTensor`` contributes its local shard, at the global offset its
+  placements give it. Ranks that hold the same shard (``Replicate`` mesh
+  dimensions) split it along its first dimension, each writing one part,
+  so a replicated tensor is written once and its coding is shared out;
+* a plain tensor is taken to be replicated on every rank (as DDP and the
+  step counters of FSDP2 optimizers are) and split the same way. Its bytes
+  are compared across ranks first: a plain tensor that differs between
+  ranks (a hand-sharded layout) is refused rather than stitched together;
+* RNG states and ``extra`` are rank 0's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from deltackpt.dtypes import raw_bytes
+from deltackpt.errors import DistributedError
+
+if TYPE_CHECKING:
+    from deltackpt.state import CapturedState
+
+# Roles whose tensors only rank 0 writes (they may differ between ranks, by design).
+RANK0_ROLES = frozenset({"rng", "extra"})
+
+
+@dataclass(frozen=True)
+class Group:
+    """The default process group of a run with more than one rank."""
+
+    rank: int
+    world_size: int
+
+    @staticmethod
+    def current() -> Group | None:
+        """The running group, or None outside torch.distributed or with a single rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return Group(dist.get_rank(), dist.get_world_size())
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def check(self, error: str | None, what: str) -> None:
+        """Raise :class:`DistributedError` on every rank if ``error`` is set on any rank.
+
+        Every rank calls this at the same point, so a failure on one rank
+        reaches all of them instead of leaving the others waiting in the
+        next collective.
+        """
+        errors = [(r, e) for r, e in enumerate(self.all_gather(error)) if e is not None]
+        if errors:
+            raise DistributedError(f"{what} failed on " + "; ".join(
+                f"rank {r}: {e}" for r, e in errors))
+
+
+@dataclass
+class Part:
+    """A box of a global tensor that this rank writes: ``offsets`` and ``sizes`` in global
+    coordinates, ``values`` the box's elements (a local tensor of shape ``sizes``)."""
+
+    offsets: list[int]
+    sizes: list[int]
+    values: torch.Tensor
+
+
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without distributed support
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements this process holds: a DTensor's local shard, or the tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | None) -> list[Part]:
+    """The boxes of ``tensor`` (global shape ``tensor.shape``) that this rank writes.
+
+    Without a group: the whole tensor. Raises ``ValueError`` naming the
+    tensor for a DTensor with ``Partial`` placements (reduce it first).
+    """
+    shape = list(tensor.shape)
+    if group is None:
+        return [Part([0] * len(shape), shape, tensor)]
+    if role in RANK0_ROLES:
+        return [Part([0] * len(shape), shape, tensor)] if group.rank == 0 else []
+    if is_dtensor(tensor):
+        offsets, sizes, values, replica, replicas = _dtensor_box(name, tensor)
+    else:
+        offsets, sizes, values = [0] * len(shape), shape, tensor
+        replica, replicas = group.rank, group.world_size
+    if replica is None:
+        return []
+    if not sizes:  # a scalar: the first replica writes it
+        return [Part(offsets, sizes, values)] if replica == 0 else []
+    rows = sizes[0]
+    lo, hi = rows * replica // replicas, rows * (replica + 1) // replicas
+    if hi == lo:
+        return []
+    return [Part([offsets[0] + lo, *offsets[1:]], [hi - lo, *sizes[1:]], values[lo:hi])]
+
+
+def _dtensor_box(name: str, tensor: Any) -> tuple[list[int], list[int], torch.Tensor,
+                                                 int | None, int]:
+    """Global offsets and sizes of a DTensor's local shard, the shard, and this rank's index
+    among the ranks that hold the same shard (None when the rank is outside the mesh)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if any(p.is_partial() for p in placements):
+        raise ValueError(f"tensor {name!r} is a DTensor with Partial placements {placements}: "
+                         "reduce it (redistribute to Shard or Replicate) before saving")
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return [], [], tensor.to_local(), None, 1
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    replicated = [d for d, p in enumerate(placements) if p.is_replicate()]
+    replicas = math.prod(mesh.size(d) for d in replicated)
+    replica = 0
+    for d in replicated:
+        replica = replica * mesh.size(d) + coordinate[d]
+    return list(offsets), list(sizes), tensor.to_local(), replica, replicas
+
+
+def check_same_state(captured: CapturedState, group: Group) -> None:
+    """Raise :class:`DistributedError` on every rank unless all ranks captured the same
+    tensors (names, roles, dtypes, global shapes, aliases) and equal plain tensors.
+
+    Every rank sees every rank's description and reaches the same verdict,
+    so all of them raise together.
+    """
+    mine = {}
+    for t in captured.tensors:
+        plain = t.alias_of is None and t.role not in RANK0_ROLES and not is_dtensor(t.tensor)
+        digest = xxhash.xxh3_64_hexdigest(raw_bytes(t.tensor)) if plain else None
+        mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of, digest)
+    everyone = group.all_gather(mine)
+    problems = []
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for name in sorted(everyone[0].keys() ^ theirs.keys()):
+            where = "rank 0" if name in everyone[0] else f"rank {rank}"
+            problems.append(f"tensor {name!r} is only captured on {where} (of ranks 0, {rank})")
+        for name in sorted(everyone[0].keys() & theirs.keys()):
+            ours, other = everyone[0][name], theirs[name]
+            if ours[:4] != other[:4]:
+                problems.append(f"tensor {name!r} is {ours[:4]} on rank 0, {other[:4]} on rank "
+                                f"{rank} (role, dtype, shape, alias)")
+            elif ours[4] != other[4]:
+                problems.append(f"tensor {name!r} is a plain tensor whose values differ between "
+                                f"ranks 0 and {rank}: only DTensors may hold different shards")
+    if problems:
+        raise DistributedError("ranks disagree on the state to save: " + "; ".join(problems[:20])
+                                   + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))

@@ -1,0 +1,170 @@
+"""Saves under torch.distributed: 2-4 CPU ranks on gloo, forked from the test process.
+
+Each scenario runs on every rank; what the ranks held is written to a file
+the test then compares with what a single process restores.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from deltackpt import CheckpointManager, DistributedError
+from deltackpt.distributed import Group, parts_to_write
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, scenario, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        scenario(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(scenario, world: int, *args) -> None:
+    """Run ``scenario(rank, world, *args)`` on ``world`` forked gloo ranks; a rank's exception
+    fails the test with its traceback."""
+    mp.start_processes(_rank_main, args=(scenario, world, _free_port(), args), nprocs=world,
+                       start_method="fork")
+
+
+class Net(nn.Module):
+    """Layers whose sizes do not divide by the world size: uneven shards, some empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.outer = nn.Linear(7, 3)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.relu(self.inner(x))) * self.scale[0]
+
+
+def _fsdp_trained(rank: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model.inner)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        model(torch.randn(4, 5, generator=generator)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor by universal name, gathered whole (a collective)."""
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+    out = {f"model/{k}": whole(v) for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        out.update({f"optimizer/state/{names[id(param)]}/{k}": whole(v) for k, v in state.items()})
+    return out
+
+
+def _save_fsdp(rank: int, world: int, path: str, expected: str) -> None:
+    model, optimizer = _fsdp_trained(rank)
+    with CheckpointManager(path) as mgr:
+        info = mgr.save(1, model, optimizer, rng=False, extra={"epoch": 3})
+    assert info.kind == "full" and info.step == 1
+    full = _full_state(model, optimizer)
+    if rank == 0:
+        torch.save(full, expected)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_save_restores_whole_in_one_process(tmp_path: Path, world: int) -> None:
+    path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    run_ranks(_save_fsdp, world, str(path), str(expected))
+    ckpt = CheckpointManager(path, read_only=True).restore(1)
+    want = torch.load(expected, weights_only=True)
+    assert ckpt.metadata.world_size == world
+    assert sorted(ckpt.tensors) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(ckpt.tensors[name], tensor), name
+    assert ckpt.extra == {"epoch": 3}
+    sharded = [r for r in ckpt.metadata.tensors if r.name == "model/inner.weight"][0]
+    assert len(sharded.fragments) == min(world, 7)  # one shard per rank
+    ranks = {ckpt.metadata.files[c.file].rank for f in sharded.fragments for c in f.chunks}
+    assert ranks == set(range(world))
+
+
+def _fail_on_rank_1(rank: int, world: int, path: str) -> None:
+    model, optimizer = _fsdp_trained(rank)
+    with CheckpointManager(path) as mgr:
+        mgr.save(1, model, optimizer, rng=False)
+        if rank == 1:  # a tensor this rank cannot write: a Partial DTensor
+            from torch.distributed.tensor import Partial, distribute_tensor
+
+            mesh = model.inner.weight.device_mesh
+            bad = distribute_tensor(torch.ones(4), mesh, [Partial()])
+            optimizer.state[model.outer.bias]["bad"] = bad
+        else:
+            from torch.distributed.tensor import Replicate, distribute_tensor
+
+            mesh = model.inner.weight.device_mesh
+            optimizer.state[model.outer.bias]["bad"] = distribute_tensor(torch.ones(4), mesh,
+                                                                         [Replicate()])
+        with pytest.raises(DistributedError, match="rank 1: ValueError: tensor "
+                           "'optimizer/state/outer.bias/bad' is a DTensor with Partial"):
+            mgr.save(2, model, optimizer, rng=False)
+        assert mgr.steps() == [1]
+
+
+def test_a_failing_rank_fails_every_rank_and_leaves_no_step(tmp_path: Path) -> None:
+    run_ranks(_fail_on_rank_1, 2, str(tmp_path / "ckpt"))
+    assert CheckpointManager(tmp_path / "ckpt", read_only=True).steps() == [1]
+    leftover = tmp_path / "ckpt" / "step-000000000002"
+    assert not leftover.exists() or os.listdir(leftover) == []  # every rank's files deleted
+
+
+def _differing_plain_tensor(rank: int, world: int, path: str) -> None:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.bias.fill_(rank)  # not replicated, yet a plain tensor
+    with CheckpointManager(path) as mgr, pytest.raises(
+            DistributedError, match="'model/bias' is a plain tensor whose values differ"):
+        mgr.save(1, model, rng=False)
+
+
+def test_plain_tensors_that_differ_between_ranks_are_refused(tmp_path: Path) -> None:
+    run_ranks(_differing_plain_tensor, 2, str(tmp_path / "ckpt"))
+    assert CheckpointManager(tmp_path / "ckpt").steps() == []
+
+
+def _replicated_parts(rank: int, world: int) -> None:
+    group = Group.current()
+    parts = parts_to_write("x", "param", torch.arange(10.0).reshape(5, 2), group)
+    lo, hi = 5 * rank // world, 5 * (rank + 1) // world
+    assert [(p.offsets, p.sizes) for p in parts] == ([([lo, 0], [hi - lo, 2])] if hi > lo else [])
+    assert parts_to_write("s", "param", torch.tensor(1.0), group) == [] if rank else True
+    assert parts_to_write("r", "rng", torch.zeros(3), group) == [] if rank else True
+
+
+def test_replicated_tensors_are_split_between_the_ranks_that_hold_them() -> None:
+    run_ranks(_replicated_parts, 3)
