@@ -30,6 +30,9 @@ from deltackpt.dtypes import raw_bytes
 from deltackpt.errors import DistributedError
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from deltackpt.format import TensorRecord
     from deltackpt.state import CapturedState
 
 # Roles whose tensors only rank 0 writes (they may differ between ranks, by design).
@@ -188,3 +191,36 @@ def check_same_state(captured: CapturedState, group: Group) -> None:
     if problems:
         raise DistributedError("ranks disagree on the state to save: " + "; ".join(problems[:20])
                                    + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
+
+
+def sharded_targets(records: list[TensorRecord], model: nn.Module | None) -> dict[str, Any]:
+    """The DTensors whose layout saved tensors take when loaded into ``model``: by tensor
+    name, a parameter or buffer of the model that is a DTensor of the saved shape, for the
+    tensor itself and for its optimizer states of the same shape (``exp_avg``, ...)."""
+    if model is None:
+        return {}
+    current = {fqn: t for fqn, t in model.state_dict().items() if is_dtensor(t)}
+    targets = {}
+    for record in records:
+        target = current.get(record.fqn) if record.role in ("param", "buffer", "optimizer") \
+            else None
+        if target is not None and list(target.shape) == list(record.shape):
+            targets[record.name] = target
+    return targets
+
+
+def local_box(target: Any) -> tuple[list[int], list[int]]:
+    """Global offsets and sizes of the shard of DTensor ``target`` this rank holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                           target.placements)
+    return list(offsets), list(sizes)
+
+
+def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor laid out as ``target`` whose shard on this rank is ``local`` (its box)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(target.device), target.device_mesh, target.placements,
+                              run_check=False, shape=target.shape, stride=target.stride())

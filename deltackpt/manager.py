@@ -19,7 +19,7 @@ from torch import nn
 from deltackpt.chain import Reconstruction, chain_of, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import StepEncoder, captured_layout
-from deltackpt.distributed import Group, check_same_state
+from deltackpt.distributed import Group, check_same_state, local_box, shard_like, sharded_targets
 from deltackpt.errors import (
     DeltackptError,
     DistributedError,
@@ -38,7 +38,14 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
-from deltackpt.reader import list_steps, read_metadata, read_save_id, step_not_found, verify_step
+from deltackpt.reader import (
+    list_steps,
+    read_metadata,
+    read_save_id,
+    read_tensors,
+    step_not_found,
+    verify_step,
+)
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
@@ -268,6 +275,13 @@ class CheckpointManager:
             overwrite: replace an existing step (atomically) instead of refusing.
             progress: show a progress bar.
 
+        Under torch.distributed with several ranks, every rank calls ``save``
+        (collective): each writes the shards it holds, with no gather of
+        full tensors, and rank 0 commits the step. ``rng`` and ``extra`` are
+        rank 0's, plain (non-DTensor) tensors must be equal on every rank,
+        and the step is full. Any rank's failure raises
+        :class:`DistributedError` on every rank and leaves no step.
+
         Returns the kind, raw and stored bytes, ratio and seconds of the save.
         """
         captured = capture(model, optimizer, extra, rng)
@@ -438,10 +452,10 @@ class CheckpointManager:
         deltas in between, each chunk checked; a missing or damaged link
         raises an error naming the step and what is missing.
         """
-        return self._restore(step, progress)[0]
+        return self._restore(self.metadata(self.resolve_step(step)), progress)[0]
 
-    def _restore(self, step: int | None, progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
-        meta = self.metadata(self.resolve_step(step))
+    def _restore(self, meta: StepMetadata,
+                 progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
         tensors, recon = restore_chain(self.storage, meta, workers=self.workers, progress=progress)
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
@@ -461,16 +475,59 @@ class CheckpointManager:
         (while ``full_every`` allows), coded against the same reconstruction.
 
         Returns the ``extra`` saved with the step.
+
+        Under torch.distributed, or into a model whose parameters are
+        DTensors (FSDP2, tensor parallel), every rank calls ``load``
+        (collective): each reads and decodes only the chunks of a full step
+        that hold its shards, whatever layout and world size saved the step
+        (a delta step is rebuilt whole, then cut). A rank's failure is raised
+        on every rank before any of them changes its model. RNG states are
+        rank 0's (see :meth:`save`), so ranks keep their own. The next save
+        is then a full step.
         """
-        ckpt, recon = self._restore(step, progress)
-        if not self.read_only:  # the loaded tensors go to the optimizer: keep our own copy
-            recon.values = {name: values.copy() for name, values in recon.values.items()}
-            recon.resumed = True
-            self._recon = recon
+        group = Group.current()
+        meta = self.metadata(self.resolve_step(step))
+        targets = sharded_targets(meta.tensors, model)
+        if group is None and not targets:
+            ckpt, recon = self._restore(meta, progress)
+            if not self.read_only:  # the loaded tensors go to the optimizer: keep our own copy
+                recon.values = {name: values.copy() for name, values in recon.values.items()}
+                recon.resumed = True
+                self._recon = recon
+        else:
+            ckpt = self._restore_shards(meta, targets, group, progress)
+            self._recon = None
+            rng = rng and group is None  # the saved RNG states are rank 0's
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
         return report.extra
+
+    def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],
+                        group: Group | None, progress: bool) -> UniversalCheckpoint:
+        """Step ``meta`` with every tensor named in ``targets`` as a DTensor laid out like its
+        target, holding this rank's shard; any rank's failure is raised on every rank."""
+        tensors, error = {}, None
+        boxes = {name: local_box(target) for name, target in targets.items()}
+        try:
+            if meta.kind == "full":
+                tensors = read_tensors(self.storage, meta, boxes=boxes, workers=self.workers,
+                                       progress=progress)
+            else:  # per-shard chain restore is not implemented: rebuilt whole, then cut
+                tensors = restore_chain(self.storage, meta, workers=self.workers,
+                                        progress=progress)[0]
+                tensors = {name: t[tuple(slice(o, o + n) for o, n in zip(*boxes[name],
+                                                                         strict=True))]
+                           if name in boxes else t for name, t in tensors.items()}
+        except Exception as exc:  # raised on every rank by the check below
+            if group is None:
+                raise
+            error = f"{type(exc).__name__}: {exc}"
+        if group is not None:
+            group.check(error, f"load of step {meta.step}")
+        for name, target in targets.items():
+            tensors[name] = shard_like(target, tensors[name])
+        return UniversalCheckpoint(meta.step, tensors, meta)
 
     def verify(self, step: int | None = None, *, deep: bool = False,
                progress: bool = False) -> dict[int, list[str]]:

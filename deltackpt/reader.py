@@ -8,6 +8,7 @@ with the step, tensor and file it hit instead of surfacing as wrong numbers.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -171,11 +172,40 @@ class _Task:
     out: np.ndarray
 
 
-def _fragment_view(tensor: torch.Tensor, frag: Fragment) -> tuple[torch.Tensor, bool]:
-    """Where a fragment's bytes go: the tensor itself, or a new box to copy in after."""
-    if list(frag.sizes) == list(tensor.shape):
-        return tensor, False
-    return torch.empty(frag.sizes, dtype=tensor.dtype), True
+Box = tuple[list[int], list[int]]
+"""A dense box of a tensor: offsets and sizes, one each per dimension."""
+
+
+@dataclass
+class _Placement:
+    """Where part of a fragment's decoded bytes go once its chunks are decoded: ``buffer``
+    holds its elements from ``first`` on; the box ``inter`` (global coordinates) of them is
+    copied into ``out``, whose box starts at ``origin``."""
+
+    frag: Fragment
+    buffer: torch.Tensor
+    first: int
+    inter: Box
+    out: torch.Tensor
+    origin: list[int]
+
+    def place(self) -> None:
+        (offsets, sizes), frag = self.inter, self.frag
+        row = math.prod(frag.sizes[1:])
+        start = (offsets[0] - frag.offsets[0]) * row - self.first
+        rows = self.buffer[start : start + sizes[0] * row].view(sizes[0], *frag.sizes[1:])
+        src = rows[(slice(None), *(slice(o - fo, o - fo + n) for o, fo, n in zip(
+            offsets[1:], frag.offsets[1:], sizes[1:], strict=True)))]
+        self.out[tuple(slice(o - b, o - b + n) for o, b, n in zip(
+            offsets, self.origin, sizes, strict=True))] = src
+
+
+def _intersection(a: Box, b: Box) -> Box | None:
+    lo = [max(x, y) for x, y in zip(a[0], b[0], strict=True)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, [h - low for low, h in zip(lo, hi, strict=True)]
 
 
 def _flat_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -183,36 +213,59 @@ def _flat_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | None = None, *,
-                 workers: int | None = None, progress: bool = False) -> dict[str, torch.Tensor]:
-    """Decode the tensors ``names`` (default: all) of a step; aliases share their target."""
+                 boxes: dict[str, Box] | None = None, workers: int | None = None,
+                 progress: bool = False) -> dict[str, torch.Tensor]:
+    """Decode the tensors ``names`` (default: all) of a step; aliases share their target.
+
+    ``boxes`` restricts a tensor to one box (in global coordinates; the
+    result has the box's sizes): only the chunks that hold its rows are read
+    and decoded, so a rank loading its shard of a tensor saved under
+    another layout reads little more than that shard.
+    """
     wanted = {r.name for r in meta.tensors} if names is None else set(names)
     records = {r.name: r for r in meta.tensors}
     unknown = sorted(wanted - records.keys())
     if unknown:
         raise KeyError(f"step {meta.step} has no tensor(s) {unknown}")
+    boxes = boxes or {}
     targets = {records[n].alias_of or n for n in wanted}
     tensors: dict[str, torch.Tensor] = {}
     tasks: list[_Task] = []
-    boxes: list[tuple[torch.Tensor, torch.Tensor, Fragment]] = []
+    placements: list[_Placement] = []
     for name in sorted(targets):
         record = records[name]
-        tensor = torch.empty(record.shape, dtype=spec_named(record.dtype, name).torch_dtype)
+        box = boxes.get(name, ([0] * len(record.shape), list(record.shape)))
+        tensor = torch.empty(box[1], dtype=spec_named(record.dtype, name).torch_dtype)
         tensors[name] = tensor
         for frag in record.fragments:
-            dest, is_box = _fragment_view(tensor, frag)
-            if is_box:
-                boxes.append((tensor, dest, frag))
-            flat = _flat_bytes(dest)
-            tasks.extend(_Task(record, c, flat[c.raw_offset : c.raw_offset + c.raw_length])
-                         for c in frag.chunks)
+            if (frag.offsets, frag.sizes) == (box[0], box[1]):  # decoded in place
+                flat = _flat_bytes(tensor)
+                tasks.extend(_Task(record, c, flat[c.raw_offset : c.raw_offset + c.raw_length])
+                             for c in frag.chunks)
+                continue
+            inter = _intersection((frag.offsets, frag.sizes), box) if frag.sizes else None
+            if inter is None:
+                continue
+            # The chunks that hold the rows (along the first dimension) the box needs.
+            row_bytes = math.prod(frag.sizes[1:]) * tensor.element_size()
+            lo = (inter[0][0] - frag.offsets[0]) * row_bytes
+            hi = lo + inter[1][0] * row_bytes
+            chunks = [c for c in frag.chunks if c.raw_offset < hi and c.raw_offset + c.raw_length > lo]
+            first, last = chunks[0].raw_offset, chunks[-1].raw_offset + chunks[-1].raw_length
+            buffer = torch.empty(last - first, dtype=torch.uint8)
+            flat = buffer.numpy()
+            tasks.extend(_Task(record, c, flat[c.raw_offset - first : c.raw_offset - first
+                                               + c.raw_length]) for c in chunks)
+            placements.append(_Placement(frag, buffer.view(tensor.dtype),
+                                         first // tensor.element_size(), inter, tensor, box[0]))
     source = ChunkSource(storage, meta)
     try:
         run_chunk_tasks(tasks, lambda t: source.decode(t.record, t.chunk, t.out), workers,
              f"restore step {meta.step}", progress)
     finally:
         source.close()
-    for tensor, box, frag in boxes:
-        tensor[tuple(slice(o, o + s) for o, s in zip(frag.offsets, frag.sizes, strict=True))] = box
+    for placement in placements:
+        placement.place()
     for name in wanted:
         if records[name].alias_of is not None:
             tensors[name] = tensors[records[name].alias_of]
