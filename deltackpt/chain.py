@@ -200,10 +200,16 @@ def _whole(record: TensorRecord) -> bool:
     return len(record.fragments) == 1 and record.fragments[0].sizes == record.shape
 
 
-def _single_box(meta: StepMetadata, record: TensorRecord) -> None:
-    if not _whole(record):
-        raise CorruptionError(f"step {meta.step}, tensor {record.name!r}: a delta step must "
-                              "store each tensor as one whole fragment")
+def _boxes(record: TensorRecord) -> list[tuple[list[int], list[int]]]:
+    return [(f.offsets, f.sizes) for f in record.fragments]
+
+
+def _same_boxes(meta: StepMetadata, record: TensorRecord, like: TensorRecord,
+                what: str) -> None:
+    """Raise unless ``record`` (of step ``meta``) has the fragments of ``like`` (FORMAT.md 5)."""
+    if _boxes(record) != _boxes(like):
+        raise CorruptionError(f"step {meta.step}, tensor {record.name!r}: its fragments "
+                              f"{_boxes(record)} differ from those of {what} {_boxes(like)}")
 
 
 def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
@@ -235,8 +241,9 @@ def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
 
 
 def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord]], name: str,
-                 first: int, state: np.ndarray | None, raw: np.ndarray) -> list[list[_RangeTask]]:
-    """The tasks that take tensor ``name`` from step ``first`` of the chain to the last.
+                 first: int, k: int, piece: _Piece) -> list[list[_RangeTask]]:
+    """The tasks that take fragment ``k`` of tensor ``name`` from step ``first`` of the chain
+    to the last (every step from ``first`` on has the same fragments).
 
     One list of tasks when its chunks line up in every step from ``first``
     on: a task per chunk range, from the last step where that chunk is
@@ -245,23 +252,81 @@ def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord
     """
     steps = [(d, records[d][name]) for d in range(first, len(chain))]
     for d, record in steps:
-        _single_box(chain[d], record)
+        _same_boxes(chain[d], record, steps[-1][1], f"step {chain[-1].step}")
     itemsize = spec_named(steps[0][1].dtype, name).itemsize
+    state, raw = piece.state, piece.raw
 
     def task(links: list[_Link]) -> _RangeTask:
         lo, hi = links[-1].chunk.raw_offset, links[-1].chunk.raw_offset + links[-1].chunk.raw_length
         return _RangeTask(links, None if state is None else state[lo // itemsize : hi // itemsize],
                           raw[lo:hi], lo // itemsize)
 
-    bounds = {tuple((c.raw_offset, c.raw_length) for c in r.fragments[0].chunks) for _, r in steps}
+    bounds = {tuple((c.raw_offset, c.raw_length) for c in r.fragments[k].chunks) for _, r in steps}
     if len(bounds) > 1:
-        return [[task([_Link(d, r, c)]) for c in r.fragments[0].chunks] for d, r in steps]
+        return [[task([_Link(d, r, c)]) for c in r.fragments[k].chunks] for d, r in steps]
     tasks = []
-    for i in range(len(steps[-1][1].fragments[0].chunks)):
-        links = [_Link(d, r, r.fragments[0].chunks[i]) for d, r in steps]
+    for i in range(len(steps[-1][1].fragments[k].chunks)):
+        links = [_Link(d, r, r.fragments[k].chunks[i]) for d, r in steps]
         start = max((j for j, link in enumerate(links) if _self_contained(link.chunk)), default=0)
         tasks.append(task(links[start:]))
     return [tasks]
+
+
+@dataclass
+class _Piece:
+    """One fragment of a tensor being restored: its raw bytes and float32 running values
+    (None for dtypes never coded lossily), row-major in the fragment's box. For a tensor of
+    one whole fragment they are the tensor's own memory; otherwise buffers that
+    :func:`_assemble` copies into the tensor once decoded."""
+
+    box: tuple[list[int], list[int]]
+    buffer: torch.Tensor
+    state: np.ndarray | None
+
+    @property
+    def raw(self) -> np.ndarray:
+        return self.buffer.reshape(-1).view(torch.uint8).numpy()
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(*self.box, strict=True))
+
+
+def _pieces(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch.Tensor,
+            decoded: bool) -> list[_Piece]:
+    """The pieces of ``tensor`` (flat, holding its values if ``decoded``), one per fragment of
+    ``record``."""
+    if _whole(record):
+        return [_Piece((record.fragments[0].offsets, record.shape), tensor,
+                       _state(values, record, tensor, decoded))]
+    shaped = tensor.view(record.shape)
+    pieces = []
+    for frag in record.fragments:
+        box = (frag.offsets, frag.sizes)
+        index = tuple(slice(o, o + n) for o, n in zip(*box, strict=True))
+        buffer = shaped[index].contiguous() if decoded else torch.empty(frag.sizes,
+                                                                        dtype=tensor.dtype)
+        state = None
+        if record.dtype in LOSSY_DTYPES:
+            state = buffer.reshape(-1).numpy().view(np.float32) if record.dtype == "float32" \
+                else buffer.reshape(-1).float().numpy()
+        pieces.append(_Piece(box, buffer, state))
+    return pieces
+
+
+def _assemble(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch.Tensor,
+              pieces: list[_Piece]) -> None:
+    """Copy decoded pieces into their tensor (flat) and its running values."""
+    if _whole(record):
+        return
+    shaped = tensor.view(record.shape)
+    for piece in pieces:
+        shaped[piece.index] = piece.buffer.view(piece.box[1])
+    if record.dtype in LOSSY_DTYPES:
+        whole = np.empty(record.numel, np.float32).reshape(record.shape)
+        for piece in pieces:
+            whole[piece.index] = piece.state.reshape(piece.box[1])
+        values[record.name] = whole.reshape(-1)
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None = None,
@@ -283,13 +348,14 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, np.ndarray] = {}
 
-    # A tensor stored in the full step as one whole fragment is decoded from it inside its chunk
-    # ranges' tasks, together with the deltas; others are read from the full step first.
+    # A tensor stored in the full step with the fragments it has in the deltas is decoded from it
+    # inside its chunk ranges' tasks, together with the deltas; others are read from it first.
     read_first = {n for n, i in start.items()
-                  if i == 0 and (len(chain) == 1 or not _whole(records[0][n]))}
+                  if i == 0 and (len(chain) == 1 or _boxes(records[0][n]) != _boxes(final[n]))}
     for name, tensor in read_tensors(storage, chain[0], read_first, workers=workers,
                                      progress=progress).items():
         tensors[name] = tensor.reshape(-1).contiguous()
+    pieces: dict[str, list[_Piece]] = {}
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
     for name, record in final.items() if len(chain) > 1 else ():
         if name in casts or name in scaled:  # decoded from other tensors' values, after these
@@ -297,14 +363,13 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
         if name not in tensors:
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
-        flat = tensors[name]
         was_read = name in read_first
-        state = _state(values, record, flat, decoded=was_read)
-        planned = _range_tasks(chain, records, name, 1 if was_read else start[name], state,
-                               flat.view(torch.uint8).numpy())
-        rounds += [[] for _ in range(len(planned) - len(rounds))]
-        for round_tasks, tasks in zip(rounds, planned, strict=False):
-            round_tasks += tasks
+        pieces[name] = _pieces(values, record, tensors[name], decoded=was_read)
+        for k, piece in enumerate(pieces[name]):
+            planned = _range_tasks(chain, records, name, 1 if was_read else start[name], k, piece)
+            rounds += [[] for _ in range(len(planned) - len(rounds))]
+            for round_tasks, tasks in zip(rounds, planned, strict=False):
+                round_tasks += tasks
     sources = [ChunkSource(storage, m) for m in chain]
     try:
         for tasks in rounds:  # the longest first: no thread is left alone with one at the end
@@ -316,17 +381,21 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
             record = final[name]
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
-            raw = tensors[name].view(torch.uint8).numpy()
-            source_values = _state(values, final[source], tensors[source])
-            for c in record.fragments[0].chunks:
-                lo, hi = c.raw_offset // spec.itemsize, (c.raw_offset + c.raw_length) // spec.itemsize
-                derived.append(_DerivedTask(record, c, raw[c.raw_offset : c.raw_offset + c.raw_length],
-                                            source_values[lo:hi], lo))
+            pieces[name] = _pieces(values, record, tensors[name], decoded=False)
+            for frag, piece, source_piece in zip(record.fragments, pieces[name], pieces[source],
+                                                 strict=True):
+                for c in frag.chunks:
+                    lo, hi = c.raw_offset // spec.itemsize, (c.raw_offset + c.raw_length) // spec.itemsize
+                    derived.append(_DerivedTask(record, c, piece.raw[c.raw_offset : c.raw_offset
+                                                                     + c.raw_length],
+                                                source_piece.state[lo:hi], lo))
         run_chunk_tasks(derived, lambda t: _restore_derived(sources[-1], t), workers,
                         f"decode casts and scaled moments of step {meta.step}", progress)
     finally:
         for source in sources:
             source.close()
+    for name, tensor_pieces in pieces.items():
+        _assemble(values, final[name], tensors[name], tensor_pieces)
 
     for name, record in final.items():
         _state(values, record, tensors[name])  # running values of tensors no delta touched
@@ -352,7 +421,7 @@ def _checked_cast(meta: StepMetadata, record: TensorRecord,
             or _cast_of(master) is not None:
         raise CorruptionError(f"{where}: is cast from {source!r}, which is not a float32 "
                               f"tensor of the step with shape {record.shape}")
-    _single_box(meta, record)
+    _same_boxes(meta, record, master, f"its master {source!r}")
     if any(c.length for c in record.fragments[0].chunks):
         raise CorruptionError(f"{where}: a cast chunk stores no bytes")
     return source
@@ -371,7 +440,7 @@ def _checked_scale(meta: StepMetadata, record: TensorRecord,
             or (_cast_of(scale) or _scale_of(scale)) is not None:
         raise CorruptionError(f"{where}: is scaled by {source!r}, which is not a float32 tensor "
                               f"of the step with shape {record.shape} and no cast or scaled chunks")
-    _single_box(meta, record)
+    _same_boxes(meta, record, scale, f"its scale {source!r}")
     return source
 
 

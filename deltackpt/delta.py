@@ -48,10 +48,14 @@ from deltackpt.kernels.quant import (
 from deltackpt.state import CapturedState, adam_hyperparameters, master_copies
 
 
-def captured_layout(captured: CapturedState) -> Layout:
-    """Role, dtype and shape of every stored tensor of a capture (as ``chain.layout_of``)."""
-    return {t.name: (t.role, spec_for(t.tensor.dtype, t.name).name, tuple(t.tensor.shape))
-            for t in captured.tensors if t.alias_of is None}
+def captured_layout(captured: CapturedState,
+                    local: dict[str, torch.Tensor] | None = None) -> Layout:
+    """Role, dtype and shape of every stored tensor of a capture (as ``chain.layout_of``), or of
+    the ``local`` parts of its tensors that one rank codes."""
+    if local is None:
+        local = {t.name: t.tensor for t in captured.tensors if t.alias_of is None}
+    return {t.name: (t.role, spec_for(t.tensor.dtype, t.name).name, tuple(local[t.name].shape))
+            for t in captured.tensors if t.name in local}
 
 
 @dataclass
@@ -81,6 +85,15 @@ class _ClassStats:
     sum_sq_err: float = 0.0
     sum_sq: float = 0.0
 
+    def merge(self, other: _ClassStats) -> None:
+        """Add another rank's statistics of the same class."""
+        for key in ("tensors", "elements", "raw_bytes", "stored_bytes", "exact_elements",
+                    "nonzero", "sum_sq_err", "sum_sq"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        self.max_abs_error = max(self.max_abs_error, other.max_abs_error)
+        if other.max_rel_error is not None:
+            self.max_rel_error = max(self.max_rel_error or 0.0, other.max_rel_error)
+
     def as_json(self) -> dict:
         rms = (self.sum_sq_err / self.sum_sq) ** 0.5 if self.sum_sq > 0 else 0.0
         return {"tensors": self.tensors, "elements": self.elements, "raw_bytes": self.raw_bytes,
@@ -98,13 +111,18 @@ class StepEncoder:
         base: reconstruction of the previous save for a delta step, or
             ``None`` for a full step. A delta updates its arrays in place.
         controller: meets ``config.target_ratio`` from save to save.
+        local: under torch.distributed, the part of each tensor this rank
+            writes (its one fragment), by name; the encoder codes and keeps
+            the running values of these alone. Default: every tensor whole.
     """
 
     def __init__(self, captured: CapturedState, config: CompressionConfig,
                  base: Reconstruction | None, controller: ScaleController | None, *,
-                 keep: bool = True) -> None:
+                 keep: bool = True, local: dict[str, torch.Tensor] | None = None) -> None:
         self.config, self.base, self.controller, self.keep = config, base, controller, keep
-        self.layout = captured_layout(captured)
+        self.local = local if local is not None else {
+            t.name: t.tensor for t in captured.tensors if t.alias_of is None}
+        self.layout = captured_layout(captured, self.local)
         self.scale = 1.0
         self.estimated_bits: float | None = None
         self._lock = threading.Lock()
@@ -126,12 +144,12 @@ class StepEncoder:
         learning_rates = adam_hyperparameters(captured, "lr") if self.is_delta else {}
         masters = master_copies(captured) if self.is_delta else {}
         scales = self._scales(captured) if self.is_delta else {}
-        by_name = {item.name: item.tensor for item in captured.tensors}
         for item in captured.tensors:
-            if item.alias_of is not None:
+            tensor = self.local.get(item.name)
+            if tensor is None:  # an alias, or a tensor another rank writes
                 continue
-            spec = spec_for(item.tensor.dtype, item.name)
-            numel = item.tensor.numel()
+            spec = spec_for(tensor.dtype, item.name)
+            numel = tensor.numel()
             cls = tensor_class(item.role, item.state_key, spec, numel)
             quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
                 exact=True)
@@ -139,7 +157,7 @@ class StepEncoder:
             self._numel[item.name] = numel
             master = masters.get(item.name)
             if master is not None and not quantizer.exact and self.is_delta:
-                if torch.equal(item.tensor, by_name[master].to(item.tensor.dtype)):
+                if torch.equal(tensor, self.local[master].to(tensor.dtype)):
                     plan.cast_of = master
                     continue
                 # Changed apart from its master: stored exactly, so that no later delta needs
@@ -165,7 +183,7 @@ class StepEncoder:
             sample = None
             if self.controller is not None or (plan.scale is None and needs_sample(quantizer, lr)):
                 stride = sample_stride(numel)
-                xs = item.tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+                xs = tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
                 ps = self._values[item.name][::stride] if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
                 if plan.scale is not None:  # in units of each element's step
@@ -181,8 +199,7 @@ class StepEncoder:
                 plan.step = base_step(quantizer, sample, carried, lr)
             samples.append((sample, plan.step, numel, plan, ordinal))
         if samples and self.controller is not None:
-            raw = sum(t.tensor.numel() * t.tensor.element_size() for t in captured.tensors
-                      if t.alias_of is None)
+            raw = sum(t.numel() * t.element_size() for t in self.local.values())
             self.scale, self.estimated_bits = self.controller.choose(
                 [(s, step, n) for s, step, n, _, _ in samples], raw, fixed)
         for _, step, _, plan, ordinal in samples:
@@ -193,18 +210,19 @@ class StepEncoder:
         the first moment can be coded relative to the second (``Quantizer.update_step``): both
         float32 of one shape, the second coded lossily (so its reconstruction is kept)."""
         epsilons = adam_hyperparameters(captured, "eps")
+        local = self.local
         second = {t.fqn: t for t in captured.tensors
-                  if t.state_key == "exp_avg_sq" and t.alias_of is None}
+                  if t.state_key == "exp_avg_sq" and t.name in local}
         scales = {}
         for item in captured.tensors:
             v = second.get(item.fqn)
             eps = float(np.float32(epsilons.get(item.fqn, 0.0)))
-            if item.state_key != "exp_avg" or item.alias_of is not None or v is None or eps <= 0 \
-                    or {item.tensor.dtype, v.tensor.dtype} != {torch.float32} \
-                    or item.tensor.shape != v.tensor.shape:
+            if item.state_key != "exp_avg" or item.name not in local or v is None or eps <= 0 \
+                    or {local[item.name].dtype, local[v.name].dtype} != {torch.float32} \
+                    or local[item.name].shape != local[v.name].shape:
                 continue
-            v_cls = tensor_class(v.role, v.state_key, spec_for(v.tensor.dtype, v.name),
-                                 v.tensor.numel())
+            v_cls = tensor_class(v.role, v.state_key, spec_for(local[v.name].dtype, v.name),
+                                 local[v.name].numel())
             if v_cls is not None and not self.config.quantizer_for(v.name, v.fqn, v_cls).exact:
                 scales[item.name] = (v.name, eps)
         return scales
@@ -270,7 +288,7 @@ class StepEncoder:
             return
         with self._lock:
             if record.name not in self._values:
-                self._values[record.name] = np.empty(record.numel, np.float32)
+                self._values[record.name] = np.empty(self._numel[record.name], np.float32)
             values = self._values[record.name]
         values[lo:hi] = float32_values(raw, record.dtype)
 
@@ -294,9 +312,22 @@ class StepEncoder:
                 c.sum_sq_err += float(stats[:, STAT_SUM_SQ_ERR].sum())
                 c.sum_sq += float(stats[:, STAT_SUM_SQ].sum())
 
-    def summary(self) -> dict:
-        """What the step's ``stats`` record: per-class statistics and, for a delta, the config."""
-        out: dict = {"classes": {k: v.as_json() for k, v in sorted(self._stats.items())}}
+    @property
+    def class_stats(self) -> dict[str, _ClassStats]:
+        """The error statistics of this process's chunks, per tensor class."""
+        return self._stats
+
+    def summary(self, ranks: list[dict[str, _ClassStats]] | None = None) -> dict:
+        """What the step's ``stats`` record: per-class statistics and, for a delta, the config.
+
+        ``ranks``: every rank's :attr:`class_stats` in a distributed save,
+        merged into the step's (default: this process's alone).
+        """
+        merged: dict[str, _ClassStats] = {}
+        for stats in ranks if ranks is not None else [self._stats]:
+            for key, c in stats.items():
+                merged.setdefault(key, _ClassStats()).merge(c)
+        out: dict = {"classes": {k: v.as_json() for k, v in sorted(merged.items())}}
         if self.is_delta:
             compression = self.config.describe()
             compression["scale"] = self.scale

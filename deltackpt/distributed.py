@@ -18,7 +18,9 @@ one rank commits the metadata that lists them all. Which boxes:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,19 +58,22 @@ class Group:
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        with _collective("gather"):
+            dist.gather_object(obj, out, dst=0)
         return out
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with _collective("broadcast"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with _collective("all_gather"):
+            dist.all_gather_object(out, obj)
         return out
 
     def check(self, error: str | None, what: str) -> None:
@@ -82,6 +87,17 @@ class Group:
         if errors:
             raise DistributedError(f"{what} failed on " + "; ".join(
                 f"rank {r}: {e}" for r, e in errors))
+
+
+@contextlib.contextmanager
+def _collective(name: str) -> Iterator[None]:
+    """Raise :class:`DistributedError` when a collective fails: a rank died or the process
+    group timed out (the backend's error says which)."""
+    try:
+        yield
+    except RuntimeError as exc:  # what gloo and NCCL raise for a lost peer or a timeout
+        raise DistributedError(f"{name} across ranks failed (a rank stopped or timed out): "
+                               f"{exc}") from exc
 
 
 @dataclass
@@ -169,12 +185,18 @@ def check_same_state(captured: CapturedState, group: Group) -> None:
     Every rank sees every rank's description and reaches the same verdict,
     so all of them raise together.
     """
-    mine = {}
-    for t in captured.tensors:
-        plain = t.alias_of is None and t.role not in RANK0_ROLES and not is_dtensor(t.tensor)
-        digest = xxhash.xxh3_64_hexdigest(raw_bytes(t.tensor)) if plain else None
-        mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of, digest)
+    mine: dict | str = {}
+    try:
+        for t in captured.tensors:
+            plain = t.alias_of is None and t.role not in RANK0_ROLES and not is_dtensor(t.tensor)
+            digest = xxhash.xxh3_64_hexdigest(raw_bytes(t.tensor)) if plain else None
+            mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of, digest)
+    except Exception as exc:  # raised on every rank below
+        mine = f"{type(exc).__name__}: {exc}"
     everyone = group.all_gather(mine)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(everyone) if isinstance(e, str)]
+    if failed:
+        raise DistributedError("capturing the state failed on " + "; ".join(failed))
     problems = []
     for rank, theirs in enumerate(everyone[1:], start=1):
         for name in sorted(everyone[0].keys() ^ theirs.keys()):
@@ -224,3 +246,14 @@ def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local.to(target.device), target.device_mesh, target.placements,
                               run_check=False, shape=target.shape, stride=target.stride())
+
+
+def local_parts(captured: CapturedState, group: Group) -> dict[str, torch.Tensor]:
+    """The part of each stored tensor this rank writes (at most one a tensor), by name: what
+    its delta encoder codes and keeps running values of."""
+    out = {}
+    for t in captured.tensors:
+        if t.alias_of is None:
+            for part in parts_to_write(t.name, t.role, t.tensor, group):
+                out[t.name] = part.values
+    return out

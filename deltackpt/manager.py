@@ -19,7 +19,14 @@ from torch import nn
 from deltackpt.chain import Reconstruction, chain_of, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import StepEncoder, captured_layout
-from deltackpt.distributed import Group, check_same_state, local_box, shard_like, sharded_targets
+from deltackpt.distributed import (
+    Group,
+    check_same_state,
+    local_box,
+    local_parts,
+    shard_like,
+    sharded_targets,
+)
 from deltackpt.errors import (
     DeltackptError,
     DistributedError,
@@ -277,10 +284,11 @@ class CheckpointManager:
 
         Under torch.distributed with several ranks, every rank calls ``save``
         (collective): each writes the shards it holds, with no gather of
-        full tensors, and rank 0 commits the step. ``rng`` and ``extra`` are
-        rank 0's, plain (non-DTensor) tensors must be equal on every rank,
-        and the step is full. Any rank's failure raises
-        :class:`DistributedError` on every rank and leaves no step.
+        full tensors, and rank 0 commits the step; a delta codes each rank's
+        shards against that rank's reconstruction of them. ``rng`` and
+        ``extra`` are rank 0's, and plain (non-DTensor) tensors must be equal
+        on every rank. Any rank's failure raises :class:`DistributedError`
+        on every rank and leaves no step.
 
         Returns the kind, raw and stored bytes, ratio and seconds of the save.
         """
@@ -334,57 +342,74 @@ class CheckpointManager:
 
         Rank 0 holds the writer lock and decides; any rank's failure is
         raised on every rank, and leaves no step visible (an existing step
-        being overwritten stays intact). Saves are full steps: per-shard
-        deltas are not implemented yet.
+        being overwritten stays intact). Each rank keeps the reconstruction
+        of its own boxes, so the next save can be a delta if every rank can
+        code one against the same step.
         """
         started = time.perf_counter()
         check_same_state(captured, group)
-        save_id, error = None, None
-        if group.rank == 0:
-            try:
+        local, base, save_id, error = {}, None, None, None
+        try:
+            local = local_parts(captured, group)
+            base = self._delta_base(step, captured, local)
+            if group.rank == 0:
                 self._prepare_save(step, overwrite)
                 self.storage.makedirs(step_dir_name(step))
                 save_id = new_save_id()
-            except Exception as exc:  # raised on every rank by the check below
-                error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # raised on every rank by the check below
+            error = f"{type(exc).__name__}: {exc}"
         group.check(error, f"save of step {step}")
+        bases = group.all_gather(None if base is None else (base.step, base.save_id))
+        if None in bases or len(set(bases)) > 1:  # every rank codes against one step, or none
+            base = None
         save_id = group.broadcast(save_id)
-        self._recon = None
-        written, error = None, None
+        self._recon = None  # a failed save leaves it half updated; the next save is then full
+        encoder, written, stats, error = None, None, None, None
         try:
+            encoder = StepEncoder(captured, self.compression, base, self._controller,
+                                  keep=self.compression.deltas and self.full_every > 1,
+                                  local=local)
             written = write_data(self.storage, step, save_id, captured, group=group,
+                                 encoder=encoder, coded_last=encoder.coded_last,
                                  chunk_bytes=self.chunk_bytes, workers=self.workers,
                                  progress=progress and group.rank == 0)
+            stats = encoder.class_stats
         except Exception as exc:  # reported to every rank below, then raised there
             error = f"{type(exc).__name__}: {exc}"
-        everyone = group.gather((written, error))
-        outcome: SaveInfo | str
+        everyone = group.gather((written, stats, error))
+        outcome: SaveInfo | str | None = None
         if group.rank == 0:
-            outcome = self._commit_distributed(step, save_id, captured, everyone, started)
-        outcome = group.broadcast(outcome if group.rank == 0 else None)
+            outcome = self._commit_distributed(step, save_id, captured, base, encoder, everyone,
+                                               started)
+        outcome = group.broadcast(outcome)
         if isinstance(outcome, str):
             raise DistributedError(outcome)
+        encoder.learn()
+        self._recon = encoder.reconstruction(step, save_id)
         return outcome
 
     def _commit_distributed(self, step: int, save_id: str, captured: CapturedState,
-                            everyone: list[tuple[WrittenData | None, str | None]],
+                            base: Reconstruction | None, encoder: StepEncoder | None,
+                            everyone: list[tuple[WrittenData | None, dict | None, str | None]],
                             started: float) -> SaveInfo | str:
         """Rank 0: commit what every rank wrote, or clean up after a failed rank. Returns the
         save's summary, or the error every rank raises."""
-        failed = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(everyone) if error]
+        failed = [f"rank {rank}: {error}" for rank, (*_, error) in enumerate(everyone) if error]
         try:
             if failed:
                 raise DistributedError(f"save of step {step} failed on " + "; ".join(failed))
-            written = merge_written([w for w, _ in everyone])
-            meta = step_metadata(step, save_id, written, captured.tree, kind="full",
-                                 base_step=None, world_size=len(everyone),
-                                 seconds=time.perf_counter() - started)
+            written = merge_written([w for w, _, _ in everyone])
+            meta = step_metadata(step, save_id, written, captured.tree,
+                                 kind="delta" if base else "full",
+                                 base_step=base.step if base else None,
+                                 world_size=len(everyone), seconds=time.perf_counter() - started,
+                                 summary=encoder.summary([s for _, s, _ in everyone]))
             commit_step(self.storage, meta)
             if self.keep is not None:
                 self.gc(self.keep)
             return SaveInfo.of(meta)
         except Exception as exc:  # every rank raises it: no rank may be left waiting
-            for written, _ in everyone:  # the failed ranks deleted their own files
+            for written, _, _ in everyone:  # the failed ranks deleted their own files
                 for f in written.files if written else ():
                     with contextlib.suppress(OSError):
                         self.storage.remove(f"{step_dir_name(step)}/{f.name}")
@@ -406,11 +431,13 @@ class CheckpointManager:
         report = collect_garbage(self, policy, dry_run=dry_run)
         return report
 
-    def _delta_base(self, step: int, captured: CapturedState) -> Reconstruction | None:
-        """The reconstruction to code ``step`` against, or None when it must be a full step."""
+    def _delta_base(self, step: int, captured: CapturedState,
+                    local: dict[str, torch.Tensor] | None = None) -> Reconstruction | None:
+        """The reconstruction to code ``step`` against, or None when it must be a full step
+        (``local``: the parts of the tensors this rank writes, in a distributed save)."""
         recon = self._recon
         if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
-                or step <= recon.step or recon.layout != captured_layout(captured)):
+                or step <= recon.step or recon.layout != captured_layout(captured, local)):
             return None
         # The base must still be the step this reconstruction came from, with its chain below.
         if read_save_id(self.storage, recon.step) != recon.save_id or not all(

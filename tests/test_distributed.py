@@ -50,27 +50,28 @@ def run_ranks(scenario, world: int, *args) -> None:
 class Net(nn.Module):
     """Layers whose sizes do not divide by the world size: uneven shards, some empty."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: int = 5, hidden: int = 7) -> None:
         super().__init__()
-        self.inner = nn.Linear(5, 7)
-        self.outer = nn.Linear(7, 3)
+        self.inner = nn.Linear(inputs, hidden)
+        self.outer = nn.Linear(hidden, 3)
         self.register_buffer("scale", torch.tensor([0.5, 2.0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.outer(torch.relu(self.inner(x))) * self.scale[0]
 
 
-def _fsdp_trained(rank: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _fsdp_trained(rank: int, steps: int = 2, inputs: int = 5,
+                  hidden: int = 7) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net(inputs, hidden)
     fully_shard(model.inner)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        model(torch.randn(4, 5, generator=generator)).sum().backward()
+        model(torch.randn(4, inputs, generator=generator)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
@@ -250,8 +251,9 @@ def test_row_sharded_step_loads_column_sharded_on_a_2d_mesh(tmp_path: Path) -> N
     run_ranks(_load_columnwise_2d, 4, str(tmp_path / "ckpt"))
 
 
-def _load_matches_restore(rank: int, world: int, path: str, step: int) -> None:
-    model, optimizer = _fsdp_trained(rank, steps=1)
+def _load_matches_restore(rank: int, world: int, path: str, step: int, inputs: int = 5,
+                          hidden: int = 7) -> None:
+    model, optimizer = _fsdp_trained(rank, steps=1, inputs=inputs, hidden=hidden)
     with CheckpointManager(path) as mgr:
         mgr.load(step, model, optimizer)
         restored = mgr.restore(step).tensors
@@ -307,3 +309,78 @@ def test_overlapping_fragments_are_refused() -> None:
         check_tiling(record)
     record.fragments = [Fragment([0, 0], [3, 2]), Fragment([3, 0], [1, 2])]
     check_tiling(record)
+
+
+def _save_fsdp_deltas(rank: int, world: int, path: str, expected: str) -> None:
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)  # shards big enough to quantize
+    states = []
+    with CheckpointManager(path, full_every=3) as mgr:
+        for step in range(1, 4):
+            info = mgr.save(step, model, optimizer, rng=False)
+            assert info.kind == ("full" if step == 1 else "delta"), (step, info)
+            states.append(_full_state(model, optimizer))
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            for _ in range(5):
+                model(torch.randn(4, 8, generator=generator)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    if rank == 0:
+        torch.save(states, expected)
+
+
+def test_fsdp_ranks_save_deltas_of_their_shards(tmp_path: Path) -> None:
+    path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    run_ranks(_save_fsdp_deltas, 4, str(path), str(expected))
+    mgr = CheckpointManager(path, read_only=True)
+    saved = torch.load(expected, weights_only=True)
+    for step, want in zip((1, 2, 3), saved, strict=True):
+        ckpt = mgr.restore(step)
+        meta = ckpt.metadata
+        assert (meta.kind, meta.world_size) == ("full" if step == 1 else "delta", 4)
+        bound = {c: s["max_abs_error"] for c, s in meta.stats.classes.items()} if step > 1 else {}
+        for name, tensor in want.items():
+            got = ckpt.tensors[name]
+            if step == 1 or name.endswith("/step"):
+                assert torch.equal(got, tensor), (step, name)
+            else:  # within the error the step records for its tensor class
+                assert (got - tensor).abs().max() <= max(bound.values()), (step, name)
+        assert mgr.verify(step) == {step: []}
+    delta = mgr.metadata(3)
+    weight = next(r for r in delta.tensors if r.name == "model/inner.weight")
+    assert len(weight.fragments) == 4 and {c.codec for f in weight.fragments for c in f.chunks} \
+        == {"quant"}
+    assert delta.stats.classes["weights"]["tensors"] == 4 + 3  # each rank's rows (3 of outer)
+    run_ranks(_load_matches_restore, 2, str(path), 3, 8, 30)
+
+
+def _killed_mid_save(rank: int, world: int, path: str, report: str) -> None:
+    import deltackpt.writer as writer
+
+    model, optimizer = _fsdp_trained(rank)
+    with CheckpointManager(path) as mgr:
+        mgr.save(1, model, optimizer, rng=False)
+        if rank == 1:  # dies while writing its data, as a preempted node does
+            encode = writer._encode_and_write
+
+            def die(job, encoder, files):
+                encode(job, encoder, files)
+                os._exit(3)
+
+            writer._encode_and_write = die
+        try:
+            mgr.save(2, model, optimizer, rng=False)
+        except Exception as exc:  # the survivor fails instead of waiting forever
+            Path(report).write_text(type(exc).__name__)
+
+
+def test_a_rank_killed_mid_save_leaves_earlier_steps_and_no_partial_step(tmp_path: Path) -> None:
+    report = tmp_path / "rank0.txt"
+    context = mp.start_processes(_rank_main, args=(_killed_mid_save, 2, _free_port(), (
+        str(tmp_path / "ckpt"), str(report))), nprocs=2, start_method="fork", join=False)
+    for process in context.processes:
+        process.join(timeout=120)
+    assert [p.exitcode for p in context.processes] == [0, 3]
+    assert report.read_text() == "DistributedError"  # rank 0 raised
+    mgr = CheckpointManager(tmp_path / "ckpt", read_only=True)
+    assert mgr.steps() == [1]
+    assert mgr.verify() == {1: []}
