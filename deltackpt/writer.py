@@ -219,6 +219,8 @@ def merge_written(per_rank: list[WrittenData]) -> WrittenData:
                 record.fragments.append(fragment)
         files += written.files
     for record in records:
+        if record.alias_of is not None:  # stored under the tensor it aliases
+            continue
         record.fragments.sort(key=lambda f: f.offsets)
         try:
             check_tiling(record)

@@ -384,3 +384,28 @@ def test_a_rank_killed_mid_save_leaves_earlier_steps_and_no_partial_step(tmp_pat
     mgr = CheckpointManager(tmp_path / "ckpt", read_only=True)
     assert mgr.steps() == [1]
     assert mgr.verify() == {1: []}
+
+
+def _save_tied(rank: int, world: int, path: str, expected: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from deltackpt.training import SIZES, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(SIZES["tiny"])  # its output head is tied to the token embedding
+    fully_shard(model)
+    with CheckpointManager(path) as mgr:
+        mgr.save(1, model, rng=False)
+    full = _full_state(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if rank == 0:
+        torch.save(full, expected)
+
+
+def test_tied_weights_are_saved_once_by_the_ranks(tmp_path: Path) -> None:
+    run_ranks(_save_tied, 2, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt"))
+    ckpt = CheckpointManager(tmp_path / "ckpt", read_only=True).restore(1)
+    head = next(r for r in ckpt.metadata.tensors if r.name == "model/head.weight")
+    assert head.alias_of == "model/tok.weight"
+    assert ckpt.tensors["model/head.weight"] is ckpt.tensors["model/tok.weight"]
+    for name, tensor in torch.load(tmp_path / "expected.pt", weights_only=True).items():
+        assert torch.equal(ckpt.tensors[name], tensor), name
