@@ -248,12 +248,8 @@ def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
                               run_check=False, shape=target.shape, stride=target.stride())
 
 
-def local_parts(captured: CapturedState, group: Group) -> dict[str, torch.Tensor]:
-    """The part of each stored tensor this rank writes (at most one a tensor), by name: what
-    its delta encoder codes and keeps running values of."""
-    out = {}
-    for t in captured.tensors:
-        if t.alias_of is None:
-            for part in parts_to_write(t.name, t.role, t.tensor, group):
-                out[t.name] = part.values
-    return out
+def shard_parts(captured: CapturedState, group: Group) -> dict[str, list[Part]]:
+    """The boxes of each stored tensor this rank writes (:func:`parts_to_write`), by name; a
+    tensor has at most one, whose values its delta encoder codes."""
+    return {t.name: parts_to_write(t.name, t.role, t.tensor, group)
+            for t in captured.tensors if t.alias_of is None}

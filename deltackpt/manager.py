@@ -23,8 +23,8 @@ from deltackpt.distributed import (
     Group,
     check_same_state,
     local_box,
-    local_parts,
     shard_like,
+    shard_parts,
     sharded_targets,
 )
 from deltackpt.errors import (
@@ -348,9 +348,10 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         check_same_state(captured, group)
-        local, base, save_id, error = {}, None, None, None
+        parts, local, base, save_id, error = {}, {}, None, None, None
         try:
-            local = local_parts(captured, group)
+            parts = shard_parts(captured, group)
+            local = {name: p[0].values for name, p in parts.items() if p}
             base = self._delta_base(step, captured, local)
             if group.rank == 0:
                 self._prepare_save(step, overwrite)
@@ -369,8 +370,8 @@ class CheckpointManager:
             encoder = StepEncoder(captured, self.compression, base, self._controller,
                                   keep=self.compression.deltas and self.full_every > 1,
                                   local=local)
-            written = write_data(self.storage, step, save_id, captured, group=group,
-                                 encoder=encoder, coded_last=encoder.coded_last,
+            written = write_data(self.storage, step, save_id, captured, parts=parts,
+                                 rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
                                  chunk_bytes=self.chunk_bytes, workers=self.workers,
                                  progress=progress and group.rank == 0)
             stats = encoder.class_stats

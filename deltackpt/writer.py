@@ -25,7 +25,7 @@ import xxhash
 from deltackpt import __version__
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.lossless import zstd_compress
-from deltackpt.distributed import Group, parts_to_write
+from deltackpt.distributed import Part
 from deltackpt.dtypes import DTypeSpec, raw_bytes, spec_for
 from deltackpt.errors import FormatError
 from deltackpt.format import (
@@ -144,15 +144,17 @@ class WrittenData:
 
 
 def write_data(storage: Storage, step: int, save_id: str, captured: CapturedState, *,
-               group: Group | None = None, encoder: ChunkEncoder = encode_exact,
+               parts: dict[str, list[Part]] | None = None, rank: int = 0,
+               encoder: ChunkEncoder = encode_exact,
                coded_last: Collection[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                workers: int | None = None, progress: bool = False) -> WrittenData:
     """Encode and durably write this process's part of ``captured`` into step ``step``'s
     directory (which must exist), in data files named by ``save_id`` and the rank.
 
-    ``group`` (a multi-rank save) decides which boxes of each tensor this
-    rank writes (:func:`distributed.parts_to_write`); records keep the global
-    shape. ``encoder`` codes each chunk (default: losslessly). The chunks of
+    ``parts`` (a multi-rank save, :func:`distributed.shard_parts`) gives
+    the boxes of each tensor that ``rank`` writes (default: every tensor
+    whole); records keep the global shape. ``encoder`` codes each chunk
+    (default: losslessly). The chunks of
     the tensors named in ``coded_last`` are coded only once every other
     chunk is (their coding reads what the others' left, e.g. a cast of a
     master copy). Nothing is visible until a commit lists the files; on an
@@ -166,13 +168,14 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                               item.fqn, item.state_key, item.alias_of)
         records.append(record)
         if item.alias_of is None:
-            for part in parts_to_write(item.name, item.role, item.tensor, group):
+            whole = [Part([0] * item.tensor.dim(), list(item.tensor.shape), item.tensor)]
+            for part in whole if parts is None else parts[item.name]:
                 fragment = Fragment(part.offsets, part.sizes)
                 record.fragments.append(fragment)
                 stored.append((record, fragment, spec, raw_bytes(part.values)))
     raw_total = sum(raw.size for *_, raw in stored)
 
-    files = _DataFiles(storage, step_dir_name(step), save_id, group.rank if group else 0)
+    files = _DataFiles(storage, step_dir_name(step), save_id, rank)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-encode") as pool, \
                 progress_bar(raw_total, f"save step {step}", progress) as bar:
