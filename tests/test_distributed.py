@@ -409,3 +409,23 @@ def test_tied_weights_are_saved_once_by_the_ranks(tmp_path: Path) -> None:
     assert ckpt.tensors["model/head.weight"] is ckpt.tensors["model/tok.weight"]
     for name, tensor in torch.load(tmp_path / "expected.pt", weights_only=True).items():
         assert torch.equal(ckpt.tensors[name], tensor), name
+
+
+def _load_into_other_shapes(rank: int, world: int, path: str) -> None:
+    from deltackpt import StateMismatchError
+
+    model, optimizer = _fsdp_trained(rank, steps=1, hidden=9)  # saved with hidden=7
+    before = _full_state(model, optimizer)
+    with CheckpointManager(path) as mgr, pytest.raises(
+            StateMismatchError, match=r"inner\.weight: checkpoint float32\[7, 5\], model "
+                                      r"float32\[9, 5\]"):
+        mgr.load(1, model, optimizer)
+    after = _full_state(model, optimizer)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was loaded
+
+
+def test_a_layout_that_cannot_hold_the_step_fails_on_every_rank_and_loads_nothing(
+        tmp_path: Path) -> None:
+    path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    run_ranks(_save_fsdp, 2, str(path), str(expected))
+    run_ranks(_load_into_other_shapes, 2, str(path))
