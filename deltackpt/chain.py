@@ -41,7 +41,7 @@ from deltackpt.codecs.quant import (
 from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
-from deltackpt.format import Chunk, StepMetadata, TensorRecord
+from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index
 from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
 from deltackpt.storage import Storage
 
@@ -279,7 +279,7 @@ class _Piece:
     one whole fragment they are the tensor's own memory; otherwise buffers that
     :func:`_assemble` copies into the tensor once decoded."""
 
-    box: tuple[list[int], list[int]]
+    box: Box
     buffer: torch.Tensor
     state: np.ndarray | None
 
@@ -289,7 +289,7 @@ class _Piece:
 
     @property
     def index(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(*self.box, strict=True))
+        return box_index(*self.box)
 
 
 def _pieces(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch.Tensor,
@@ -303,9 +303,8 @@ def _pieces(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch.T
     pieces = []
     for frag in record.fragments:
         box = (frag.offsets, frag.sizes)
-        index = tuple(slice(o, o + n) for o, n in zip(*box, strict=True))
-        buffer = shaped[index].contiguous() if decoded else torch.empty(frag.sizes,
-                                                                        dtype=tensor.dtype)
+        buffer = shaped[box_index(*box)].contiguous() if decoded else torch.empty(
+            frag.sizes, dtype=tensor.dtype)
         state = None
         if record.dtype in LOSSY_DTYPES:
             state = buffer.reshape(-1).numpy().view(np.float32) if record.dtype == "float32" \

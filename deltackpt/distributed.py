@@ -160,8 +160,6 @@ def _dtensor_box(name: str, tensor: Any) -> tuple[list[int], list[int], torch.Te
                                                  int | None, int]:
     """Global offsets and sizes of a DTensor's local shard, the shard, and this rank's index
     among the ranks that hold the same shard (None when the rank is outside the mesh)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     mesh, placements = tensor.device_mesh, tensor.placements
     if any(p.is_partial() for p in placements):
         raise ValueError(f"tensor {name!r} is a DTensor with Partial placements {placements}: "
@@ -169,13 +167,13 @@ def _dtensor_box(name: str, tensor: Any) -> tuple[list[int], list[int], torch.Te
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return [], [], tensor.to_local(), None, 1
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    offsets, sizes = local_box(tensor)
     replicated = [d for d, p in enumerate(placements) if p.is_replicate()]
     replicas = math.prod(mesh.size(d) for d in replicated)
     replica = 0
     for d in replicated:
         replica = replica * mesh.size(d) + coordinate[d]
-    return list(offsets), list(sizes), tensor.to_local(), replica, replicas
+    return offsets, sizes, tensor.to_local(), replica, replicas
 
 
 def check_same_state(captured: CapturedState, group: Group) -> None:

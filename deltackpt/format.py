@@ -279,6 +279,17 @@ def _parse_tensor(obj: Any, n_files: int) -> TensorRecord:
     return record
 
 
+Box = tuple[list[int], list[int]]
+"""A dense box of a tensor: offsets and sizes, one each per dimension."""
+
+
+def box_index(offsets: list[int], sizes: list[int], origin: list[int] | None = None) -> tuple:
+    """The index (slices) of box ``offsets``/``sizes`` in a tensor whose own box starts at
+    ``origin`` (default: the whole tensor, at zero)."""
+    origin = origin or [0] * len(offsets)
+    return tuple(slice(o - b, o - b + n) for o, n, b in zip(offsets, sizes, origin, strict=True))
+
+
 def check_tiling(record: TensorRecord) -> None:
     """Raise :class:`FormatError` unless the record's fragments (boxes within its shape) tile
     it: no two overlap, and together they cover every element (FORMAT.md 2)."""

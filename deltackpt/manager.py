@@ -42,6 +42,7 @@ from deltackpt.format import (
     ROOT_MARKER,
     STEP_DIR_PATTERN,
     StepMetadata,
+    box_index,
     check_format_version,
     step_dir_name,
 )
@@ -544,9 +545,8 @@ class CheckpointManager:
             else:  # per-shard chain restore is not implemented: rebuilt whole, then cut
                 tensors = restore_chain(self.storage, meta, workers=self.workers,
                                         progress=progress)[0]
-                tensors = {name: t[tuple(slice(o, o + n) for o, n in zip(*boxes[name],
-                                                                         strict=True))]
-                           if name in boxes else t for name, t in tensors.items()}
+                tensors = {name: t[box_index(*boxes[name])] if name in boxes else t
+                           for name, t in tensors.items()}
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise

@@ -27,10 +27,12 @@ from deltackpt.errors import CorruptionError, DeltackptError, FormatError, StepN
 from deltackpt.format import (
     METADATA_FILE,
     STEP_DIR_PATTERN,
+    Box,
     Chunk,
     Fragment,
     StepMetadata,
     TensorRecord,
+    box_index,
     parse_step_metadata,
     step_dir_name,
 )
@@ -172,10 +174,6 @@ class _Task:
     out: np.ndarray
 
 
-Box = tuple[list[int], list[int]]
-"""A dense box of a tensor: offsets and sizes, one each per dimension."""
-
-
 @dataclass
 class _Placement:
     """Where part of a fragment's decoded bytes go once its chunks are decoded: ``buffer``
@@ -194,10 +192,8 @@ class _Placement:
         row = math.prod(frag.sizes[1:])
         start = (offsets[0] - frag.offsets[0]) * row - self.first
         rows = self.buffer[start : start + sizes[0] * row].view(sizes[0], *frag.sizes[1:])
-        src = rows[(slice(None), *(slice(o - fo, o - fo + n) for o, fo, n in zip(
-            offsets[1:], frag.offsets[1:], sizes[1:], strict=True)))]
-        self.out[tuple(slice(o - b, o - b + n) for o, b, n in zip(
-            offsets, self.origin, sizes, strict=True))] = src
+        src = rows[(slice(None), *box_index(offsets[1:], sizes[1:], frag.offsets[1:]))]
+        self.out[box_index(offsets, sizes, self.origin)] = src
 
 
 def _intersection(a: Box, b: Box) -> Box | None:

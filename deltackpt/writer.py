@@ -25,7 +25,7 @@ import xxhash
 from deltackpt import __version__
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.lossless import zstd_compress
-from deltackpt.distributed import Part
+from deltackpt.distributed import Part, parts_to_write
 from deltackpt.dtypes import DTypeSpec, raw_bytes, spec_for
 from deltackpt.errors import FormatError
 from deltackpt.format import (
@@ -168,8 +168,9 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                               item.fqn, item.state_key, item.alias_of)
         records.append(record)
         if item.alias_of is None:
-            whole = [Part([0] * item.tensor.dim(), list(item.tensor.shape), item.tensor)]
-            for part in whole if parts is None else parts[item.name]:
+            mine = parts_to_write(item.name, item.role, item.tensor, None) if parts is None \
+                else parts[item.name]
+            for part in mine:
                 fragment = Fragment(part.offsets, part.sizes)
                 record.fragments.append(fragment)
                 stored.append((record, fragment, spec, raw_bytes(part.values)))
