@@ -10,6 +10,7 @@ the whole model's output. Round trips check that merge inverts split.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +253,20 @@ def test_hand_sharded_training_state_round_trips_through_a_checkpoint(tmp_path) 
     with CheckpointManager(tmp_path / "merged") as mgr:
         mgr.save_captured(2, merged)
         assert_state_dicts_equal(mgr.restore(2).model, model.state_dict(), "saved merge")
+
+
+def test_the_documented_megatron_spec_parses_and_fits_megatron_names() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "PATTERNS.md").read_text()
+    spec = ShardingSpec.from_dict(json.loads(doc.split("```json\n")[1].split("```")[0]))
+    layer = "decoder.layers.0."
+    names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
+             *(layer + n for n in ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                                   "self_attention.linear_proj.bias",
+                                   "self_attention.linear_qkv.layer_norm_weight",
+                                   "mlp.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight",
+                                   "mlp.linear_fc2.weight"))]
+    rules = spec.rules_for(names)
+    assert rules[layer + "mlp.linear_fc1.weight"].parts == (11008, 11008)
+    assert rules[layer + "self_attention.linear_proj.weight"].dim == 1
+    assert rules[layer + "self_attention.linear_proj.bias"].kind == "replicated"
+    assert rules["output_layer.weight"].padded_size(8) == 51200
