@@ -23,7 +23,7 @@ however long the chain.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from deltackpt.codecs.quant import (
 from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
-from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index
+from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
 from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
 from deltackpt.storage import Storage
 
@@ -328,35 +328,93 @@ def _assemble(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch
         values[record.name] = whole.reshape(-1)
 
 
-def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None = None,
+def _regions(final: dict[str, TensorRecord], boxes: dict[str, Box]) -> dict[str, Box]:
+    """The box of each tensor of ``boxes`` to rebuild: the smallest one its fragments that
+    overlap the wanted box tile (that box itself when fragments line up with it). Tensors
+    whose fragments straddle that region, or that are cast from or scaled by a tensor rebuilt
+    over another region, are left out: they are rebuilt whole."""
+    regions = {}
+    for name, box in boxes.items():
+        record = final[name]
+        inside = [f for f in record.fragments if f.sizes and box_intersection((f.offsets, f.sizes), box)]
+        if not inside or _whole(record):
+            continue
+        lo = [min(f.offsets[d] for f in inside) for d in range(len(record.shape))]
+        hi = [max(f.offsets[d] + f.sizes[d] for f in inside) for d in range(len(record.shape))]
+        region = (lo, [h - low for low, h in zip(lo, hi, strict=True)])
+        straddling = [f for f in record.fragments if f.sizes and f not in inside
+                      and box_intersection((f.offsets, f.sizes), region)]
+        if not straddling:
+            regions[name] = region
+    for name, record in final.items():
+        source = _cast_of(record) or _scale_of(record)
+        if source is not None and regions.get(name) != regions.get(source):
+            regions.pop(name, None)
+            regions.pop(source, None)
+    return regions
+
+
+def _restricted(meta: StepMetadata, regions: dict[str, Box]) -> StepMetadata:
+    """``meta`` with each tensor of ``regions`` cut down to that box: its shape the box's, its
+    fragments those inside the box, offsets relative to it (its chunks are unchanged)."""
+    def cut(record: TensorRecord) -> TensorRecord:
+        lo, sizes = regions[record.name]
+        inside = [replace(f, offsets=[o - b for o, b in zip(f.offsets, lo, strict=True)])
+                  for f in record.fragments if f.sizes and box_intersection((f.offsets, f.sizes),
+                                                                        (lo, sizes))]
+        return replace(record, shape=list(sizes), fragments=inside)
+
+    return replace(meta, tensors=[cut(r) if r.name in regions and r.alias_of is None else r
+                                  for r in meta.tensors])
+
+
+def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box] | None = None,
+                  workers: int | None = None,
                   progress: bool = False) -> tuple[dict[str, torch.Tensor], Reconstruction]:
     """Every tensor of step ``meta`` rebuilt through its chain, and the reconstruction.
 
     Tensors are returned by name as :func:`reader.read_tensors` returns
     them (aliases share their target). The reconstruction's arrays share
     memory with the returned float32 tensors.
+
+    ``boxes`` restricts tensors to one box each (global coordinates), as
+    for ``read_tensors``: the tensor returned, and its running values in
+    the reconstruction, have the box's sizes. A tensor stored in several
+    fragments (saved by several ranks) is rebuilt only over the fragments
+    that overlap its box; one stored whole is rebuilt whole, then cut.
     """
     chain = chain_of(storage, meta)
+    full_step = chain[0]
+    boxes = boxes or {}
+    values: dict[str, np.ndarray] = {}
+    if len(chain) == 1:  # a full step: read_tensors cuts boxes chunk by chunk
+        tensors = read_tensors(storage, meta, boxes=boxes, workers=workers, progress=progress)
+        for record in meta.tensors:
+            if record.alias_of is None:
+                _state(values, record, tensors[record.name].reshape(-1))
+        return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
+                                       chain=[meta.step])
+    regions = _regions({r.name: r for r in meta.tensors if r.alias_of is None}, boxes)
+    chain = [_restricted(m, regions) for m in chain]
     records = [{r.name: r for r in m.tensors} for m in chain]
-    final = {r.name: r for r in meta.tensors if r.alias_of is None}
+    final = {r.name: r for r in chain[-1].tensors if r.alias_of is None}
     casts = {name: _checked_cast(meta, record, final) for name, record in final.items()
              if _cast_of(record) is not None}
     scaled = {name: _checked_scale(meta, record, final) for name, record in final.items()
               if _scale_of(record) is not None}
     start = {name: _first_needed(chain, records, name) for name in final}
     tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, np.ndarray] = {}
 
     # A tensor stored in the full step with the fragments it has in the deltas is decoded from it
     # inside its chunk ranges' tasks, together with the deltas; others are read from it first.
-    read_first = {n for n, i in start.items()
-                  if i == 0 and (len(chain) == 1 or _boxes(records[0][n]) != _boxes(final[n]))}
-    for name, tensor in read_tensors(storage, chain[0], read_first, workers=workers,
+    read_first = {n for n, i in start.items() if i == 0 and _boxes(records[0][n]) != _boxes(final[n])}
+    for name, tensor in read_tensors(storage, full_step, read_first, workers=workers,
+                                     boxes={n: regions[n] for n in read_first if n in regions},
                                      progress=progress).items():
         tensors[name] = tensor.reshape(-1).contiguous()
     pieces: dict[str, list[_Piece]] = {}
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
-    for name, record in final.items() if len(chain) > 1 else ():
+    for name, record in final.items():
         if name in casts or name in scaled:  # decoded from other tensors' values, after these
             continue
         if name not in tensors:
@@ -399,6 +457,11 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, workers: int | None =
     for name, record in final.items():
         _state(values, record, tensors[name])  # running values of tensors no delta touched
         tensors[name] = tensors[name].reshape(record.shape)
+        if name in boxes:
+            index = box_index(*boxes[name], regions.get(name, (None, None))[0])
+            tensors[name] = tensors[name][index].contiguous()
+            if name in values:
+                values[name] = values[name].reshape(record.shape)[index].reshape(-1).copy()
     out = {}
     for record in meta.tensors:
         out[record.name] = tensors[record.alias_of or record.name]

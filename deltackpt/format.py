@@ -290,6 +290,15 @@ def box_index(offsets: list[int], sizes: list[int], origin: list[int] | None = N
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(offsets, sizes, origin, strict=True))
 
 
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The box where boxes ``a`` and ``b`` overlap, or None if they do not."""
+    lo = [max(x, y) for x, y in zip(a[0], b[0], strict=True)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, [h - low for low, h in zip(lo, hi, strict=True)]
+
+
 def check_tiling(record: TensorRecord) -> None:
     """Raise :class:`FormatError` unless the record's fragments (boxes within its shape) tile
     it: no two overlap, and together they cover every element (FORMAT.md 2)."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltackpt.chain import Reconstruction, chain_of, restore_chain
+from deltackpt.chain import Reconstruction, chain_of, layout_of, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import StepEncoder, captured_layout
 from deltackpt.distributed import (
@@ -41,6 +41,7 @@ from deltackpt.format import (
     METADATA_FILE,
     ROOT_MARKER,
     STEP_DIR_PATTERN,
+    Box,
     StepMetadata,
     box_index,
     check_format_version,
@@ -50,7 +51,6 @@ from deltackpt.reader import (
     list_steps,
     read_metadata,
     read_save_id,
-    read_tensors,
     step_not_found,
     verify_step,
 )
@@ -512,41 +512,36 @@ class CheckpointManager:
         (a delta step is rebuilt whole, then cut). A rank's failure is raised
         on every rank before any of them changes its model. RNG states are
         rank 0's (see :meth:`save`), so ranks keep their own. The next save
-        is then a full step.
+        is a delta on the loaded step when the layout is the one it was
+        saved in (each rank keeps the reconstruction of the boxes it writes),
+        and full after a change of world size or sharding.
         """
         group = Group.current()
         meta = self.metadata(self.resolve_step(step))
         targets = sharded_targets(meta.tensors, model)
+        boxes = {name: local_box(target) for name, target in targets.items()}
         if group is None and not targets:
             ckpt, recon = self._restore(meta, progress)
-            if not self.read_only:  # the loaded tensors go to the optimizer: keep our own copy
-                recon.values = {name: values.copy() for name, values in recon.values.items()}
-                recon.resumed = True
-                self._recon = recon
         else:
-            ckpt = self._restore_shards(meta, targets, group, progress)
-            self._recon = None
+            ckpt, recon = self._restore_shards(meta, targets, boxes, group, progress)
             rng = rng and group is None  # the saved RNG states are rank 0's
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
+        if not self.read_only:  # the loaded tensors went to the optimizer: keep our own copies
+            self._recon = _resumed(recon, meta, boxes, group, model, optimizer, report.extra)
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],
-                        group: Group | None, progress: bool) -> UniversalCheckpoint:
+                        boxes: dict[str, Box], group: Group | None,
+                        progress: bool) -> tuple[UniversalCheckpoint, Reconstruction | None]:
         """Step ``meta`` with every tensor named in ``targets`` as a DTensor laid out like its
-        target, holding this rank's shard; any rank's failure is raised on every rank."""
-        tensors, error = {}, None
-        boxes = {name: local_box(target) for name, target in targets.items()}
+        target, holding this rank's shard ``boxes[name]``, and the reconstruction of those
+        boxes; any rank's failure is raised on every rank."""
+        tensors, recon, error = {}, None, None
         try:
-            if meta.kind == "full":
-                tensors = read_tensors(self.storage, meta, boxes=boxes, workers=self.workers,
-                                       progress=progress)
-            else:  # per-shard chain restore is not implemented: rebuilt whole, then cut
-                tensors = restore_chain(self.storage, meta, workers=self.workers,
-                                        progress=progress)[0]
-                tensors = {name: t[box_index(*boxes[name])] if name in boxes else t
-                           for name, t in tensors.items()}
+            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=self.workers,
+                                           progress=progress)
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise
@@ -555,7 +550,7 @@ class CheckpointManager:
             group.check(error, f"load of step {meta.step}")
         for name, target in targets.items():
             tensors[name] = shard_like(target, tensors[name])
-        return UniversalCheckpoint(meta.step, tensors, meta)
+        return UniversalCheckpoint(meta.step, tensors, meta), recon
 
     def verify(self, step: int | None = None, *, deep: bool = False,
                progress: bool = False) -> dict[int, list[str]]:
@@ -594,6 +589,39 @@ class CheckpointManager:
                 except DeltackptError as exc:
                     report[s].append(str(exc))
         return report
+
+
+def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], group: Group | None,
+             model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
+             extra: Any) -> Reconstruction | None:
+    """The reconstruction the next save codes against after loading step ``meta``: the loaded
+    running values of the boxes this rank writes (``recon`` holds those of ``boxes``, whole
+    tensors elsewhere). None when the next save must be full: the state loaded into is not
+    laid out as the step was, or this rank would write other boxes than the step's fragments
+    (a delta keeps its base's fragments, docs/FORMAT.md 5), as after a change of world size."""
+    captured = capture(model, optimizer, extra, rng=meta.state.get("rng") is not None)
+    if captured_layout(captured) != layout_of(meta):
+        return None
+    if group is None:
+        written = {t.name: ([0] * t.tensor.dim(), list(t.tensor.shape))
+                   for t in captured.tensors if t.alias_of is None}
+        local = None
+    else:
+        parts = {name: p[0] for name, p in shard_parts(captured, group).items() if p}
+        written = {name: (part.offsets, part.sizes) for name, part in parts.items()}
+        local = {name: part.values for name, part in parts.items()}
+    records = {r.name: r for r in meta.tensors}
+    if any((offsets, sizes) not in [(f.offsets, f.sizes) for f in records[name].fragments]
+           for name, (offsets, sizes) in written.items()):
+        return None
+    values = {}
+    for name, (offsets, sizes) in written.items():
+        if name in recon.values:
+            origin, shape = boxes.get(name, ([0] * len(sizes), records[name].shape))
+            index = box_index(offsets, sizes, origin)
+            values[name] = recon.values[name].reshape(shape)[index].reshape(-1).copy()
+    return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
+                          meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
 
 
 def _check_step(step: Any) -> int:

@@ -33,6 +33,7 @@ from deltackpt.format import (
     StepMetadata,
     TensorRecord,
     box_index,
+    box_intersection,
     parse_step_metadata,
     step_dir_name,
 )
@@ -196,14 +197,6 @@ class _Placement:
         self.out[box_index(offsets, sizes, self.origin)] = src
 
 
-def _intersection(a: Box, b: Box) -> Box | None:
-    lo = [max(x, y) for x, y in zip(a[0], b[0], strict=True)]
-    hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True)]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return None
-    return lo, [h - low for low, h in zip(lo, hi, strict=True)]
-
-
 def _flat_bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
@@ -239,7 +232,7 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
                 tasks.extend(_Task(record, c, flat[c.raw_offset : c.raw_offset + c.raw_length])
                              for c in frag.chunks)
                 continue
-            inter = _intersection((frag.offsets, frag.sizes), box) if frag.sizes else None
+            inter = box_intersection((frag.offsets, frag.sizes), box) if frag.sizes else None
             if inter is None:
                 continue
             # The chunks that hold the rows (along the first dimension) the box needs.

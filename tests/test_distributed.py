@@ -353,6 +353,60 @@ def test_fsdp_ranks_save_deltas_of_their_shards(tmp_path: Path) -> None:
     run_ranks(_load_matches_restore, 2, str(path), 3, 8, 30)
 
 
+def _resume_and_save(rank: int, world: int, path: str, step: int, kind: str, expected: str) -> None:
+    model, optimizer = _fsdp_trained(rank, steps=1, inputs=8, hidden=30)
+    with CheckpointManager(path, full_every=4) as mgr:
+        mgr.load(2, model, optimizer)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=generator)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        info = mgr.save(step, model, optimizer, rng=False)
+    assert (info.kind, info.base_step) == (kind, 2 if kind == "delta" else None), info
+    full = _full_state(model, optimizer)
+    if rank == 0:
+        torch.save(full, expected)
+
+
+def test_deltas_continue_after_a_load_in_the_saved_layout(tmp_path: Path, monkeypatch) -> None:
+    """A delta step saved by 4 ranks: loading it on 2 ranks reads only the fragments that overlap
+    each rank's rows; the next save is a delta on it when 4 ranks load it again (each rank kept
+    its boxes' reconstruction), full when 2 ranks or one process do."""
+    from deltackpt.chain import restore_chain
+    from deltackpt.reader import ChunkSource
+
+    path = tmp_path / "ckpt"
+    run_ranks(_save_fsdp_deltas, 4, str(path), str(tmp_path / "states.pt"))
+    mgr = CheckpointManager(path, read_only=True)
+    meta, whole = mgr.metadata(3), mgr.restore(3).tensors
+    record = next(r for r in meta.tensors if r.name == "model/inner.weight")
+    read = []
+    stored = ChunkSource.stored
+    monkeypatch.setattr(ChunkSource, "stored", lambda self, r, c: read.append((r.name, id(c)))
+                        or stored(self, r, c))
+    box = ([15, 0], [15, 8])  # rank 1 of 2: rows 15-29, in the fragments of ranks 1-3 (8, 8, 7, 7)
+    got = restore_chain(mgr.storage, meta, boxes={record.name: box})[0][record.name]
+    assert torch.equal(got, whole[record.name][15:30])
+    chunks = {id(c): k for k, f in enumerate(record.fragments) for c in f.chunks}
+    assert {chunks[c] for name, c in read if name == record.name and c in chunks} == {1, 2, 3}
+
+    for world, step, kind in [(4, 4, "delta"), (2, 5, "full")]:
+        expected = tmp_path / f"step{step}.pt"
+        run_ranks(_resume_and_save, world, str(path), step, kind, str(expected))
+        ckpt, want = mgr.restore(step), torch.load(expected, weights_only=True)
+        bound = max(s["max_abs_error"] for s in (ckpt.metadata.stats.classes or {"": {
+            "max_abs_error": 0.0}}).values())
+        for name, tensor in want.items():
+            assert (ckpt.tensors[name] - tensor).abs().max() <= bound, (step, name)
+        assert (bound > 0) == (kind == "delta")
+    model = Net(8, 30)  # one process writes whole tensors, not the 4 ranks' fragments: full
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(path, full_every=4) as writer:
+        writer.load(2, model, optimizer)
+        assert writer.save(6, model, optimizer, rng=False).kind == "full"
+
+
 def _killed_mid_save(rank: int, world: int, path: str, report: str) -> None:
     import deltackpt.writer as writer
 
