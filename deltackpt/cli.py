@@ -1,4 +1,5 @@
-"""The ``deltackpt`` command: list, inspect, verify, measure, export and prune checkpoint directories.
+"""The ``deltackpt`` command: list, inspect, verify, measure, export and prune checkpoint directories,
+and convert checkpoints of other formats.
 
 Every command that takes a checkpoint PATH, except ``gc`` without
 ``--dry-run``, opens it with ``CheckpointManager(path, read_only=True)``, so
@@ -15,24 +16,21 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from deltackpt import __version__
-from deltackpt.errors import DeltackptError, FormatError, WriterLockedError
-from deltackpt.format import METADATA_FILE, ROLES, ROOT_MARKER, StepMetadata, step_dir_name, tensor_name
+from deltackpt.errors import DeltackptError, WriterLockedError
+from deltackpt.format import METADATA_FILE, ROLES, StepMetadata, step_dir_name
+from deltackpt.interop import OUT_FORMATS, SOURCE_FORMATS, convert, export
+from deltackpt.interop.files import prepare_out
 from deltackpt.manager import CheckpointManager
 from deltackpt.progress import human_bytes
 from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
-from deltackpt.universal import UniversalCheckpoint
 
 # -- formatting ----------------------------------------------------------------------------
 
@@ -326,157 +324,47 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # -- restore ---------------------------------------------------------------------------------
 
 
-def _prepare_out(out: Path, source: Path, force: bool) -> Path:
-    """The absolute output directory, after refusing one inside PATH, a file, or (without
-    ``--force``) a non-empty directory."""
-    target = out.expanduser().resolve()
-    source = source.resolve()
-    if target == source or source in target.parents:
-        raise ValueError(f"--out {out} is inside the checkpoint directory {source}; "
-                         "restore never writes into PATH, choose another directory")
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if target.exists() and any(target.iterdir()) and not force:
-        raise ValueError(f"--out {out} is not empty; refusing to write into it "
-                         "(pass --force to write there anyway)")
-    return target
-
-
-def _replace_with(path: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` and rename tmp to ``path``, so ``path`` is never left half written."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def _rename_refs(obj: Any, names: dict[str, str]) -> Any:
-    """Tagged JSON with its tensor references (``$tensor``/``$ndarray``) renamed by ``names``."""
-    if isinstance(obj, list):
-        return [_rename_refs(v, names) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if len(obj) == 1:
-        tag, body = next(iter(obj.items()))
-        if tag in ("$tensor", "$ndarray") and isinstance(body, str):
-            return {tag: names.get(body, body)}
-    return {k: _rename_refs(v, names) for k, v in obj.items()}
-
-
-def _safetensors_key(name: str, fqn: str | None, state_key: str | None) -> str:
-    """``<fqn>/<state_key>`` for a top-level optimizer state tensor, else the universal name."""
-    if fqn is not None and state_key is not None and (
-            name == tensor_name("optimizer", "state", fqn, state_key)):
-        return f"{fqn}/{state_key}"
-    return name
-
-
-def _export_safetensors(ckpt: UniversalCheckpoint, out: Path) -> tuple[list[Path], list[str]]:
-    from safetensors.torch import save_file
-
-    step = str(ckpt.step)
-    model: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for fqn, tensor in ckpt.model.items():
-        # tied weights are one tensor under two names; safetensors refuses shared memory
-        model[fqn] = tensor.clone() if id(tensor) in seen else tensor
-        seen.add(id(tensor))
-    written = [_replace_with(out / "model.safetensors", lambda p: save_file(
-        model, p, metadata={"format": "pt", "step": step}))]
-    state = ckpt.metadata.state
-    for section in ("optimizer", "extra"):
-        if state.get(section) is None:
-            continue
-        keys = {r.name: _safetensors_key(r.name, r.fqn, r.state_key) if section == "optimizer" else r.name
-                for r in ckpt.metadata.tensors if r.role == section}
-        tensors = {key: ckpt.tensors[name] for name, key in keys.items()}
-        metadata = {"step": step, section: json.dumps(_rename_refs(state[section], keys), allow_nan=False)}
-        written.append(_replace_with(out / f"{section}.safetensors",
-                                     lambda p, t=tensors, m=metadata: save_file(t, p, metadata=m)))
-    return written, ["rng"] if state.get("rng") is not None else []
-
-
-def _weights_only_loadable(value: Any) -> Any:
-    """``value`` with numpy arrays as tensors and numpy scalars as Python scalars.
-
-    ``torch.load(weights_only=True)`` refuses numpy objects; everything else
-    a checkpoint's state can hold (docs/FORMAT.md 2.5) it loads as is.
-    """
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {_weights_only_loadable(k): _weights_only_loadable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_weights_only_loadable(v) for v in value)
-    return value
-
-
-def _native_optimizer(saved: dict[str, Any]) -> dict[str, Any]:
-    """A torch ``Optimizer.state_dict()`` from the FQN-keyed optimizer state of a checkpoint.
-
-    Parameters are numbered in the saved group order, as ``state_dict()``
-    does; each group also lists its parameters' FQNs as ``param_names``.
-    """
-    index: dict[str, int] = {}
-    groups = []
-    for group in saved["param_groups"]:
-        start = len(index)
-        index.update((fqn, start + i) for i, fqn in enumerate(group["params"]))
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        groups.append({**hyper, "params": list(range(start, start + len(group["params"]))),
-                       "param_names": list(group["params"])})
-    state = {}
-    for fqn, value in saved["state"].items():
-        if fqn not in index:
-            raise FormatError(f"optimizer state for {fqn!r}, which is in no param group")
-        state[index[fqn]] = value
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def _export_torch(ckpt: UniversalCheckpoint, out: Path) -> tuple[list[Path], list[str]]:
-    optimizer = ckpt.optimizer
-    document = _weights_only_loadable({
-        "step": ckpt.step,
-        "model": ckpt.model,
-        "optimizer": None if optimizer is None else _native_optimizer(optimizer),
-        "extra": ckpt.extra,
-    })
-    written = [_replace_with(out / "checkpoint.pt", lambda p: torch.save(document, p))]
-    return written, ["rng"] if ckpt.metadata.state.get("rng") is not None else []
-
-
-def _export_universal(ckpt: UniversalCheckpoint, out: Path, force: bool) -> list[Path]:
-    ckpt.save_universal(out, overwrite=force)
-    step_dir = out / step_dir_name(ckpt.step)
-    return [out / ROOT_MARKER, *sorted(step_dir.iterdir())]
+def _print_written(args: argparse.Namespace, headline: str, document: dict[str, Any],
+                   files: list[Path], left_out: list[str], notes: Sequence[str] = ()) -> None:
+    """The report of ``restore`` and ``convert``: ``document`` with the files and what was left
+    out as JSON, or the headline, files, what was left out and ``notes`` as text."""
+    rows = [{"path": str(p), "bytes": p.stat().st_size} for p in files]
+    if args.json:
+        _print_json({**document, "files": rows, "left_out": left_out})
+        return
+    print(headline)
+    _print_lines([f"  {f['path']}  {human_bytes(f['bytes'])}" for f in rows])
+    if left_out:
+        print(f"not exported ({document['format']} has no place for it): {', '.join(left_out)}")
+    _print_lines([f"note: {note}" for note in notes])
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
     step = mgr.resolve_step(args.step)
-    out = _prepare_out(Path(args.out), Path(mgr.path), args.force)
+    out = prepare_out(Path(args.out), [Path(mgr.path)], args.force)
     ckpt = mgr.restore(step, progress=_show_progress(args))
-    left_out: list[str] = []
-    if args.format == "universal":
-        written = _export_universal(ckpt, out, args.force)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        export = _export_safetensors if args.format == "safetensors" else _export_torch
-        written, left_out = export(ckpt, out)
-    files = [{"path": str(p), "bytes": p.stat().st_size} for p in written]
-    if args.json:
-        _print_json({"step": step, "format": args.format, "out": str(out), "files": files,
-                     "left_out": left_out})
-        return 0
-    print(f"restored step {step} of {mgr.path} as {args.format} into {out}")
-    _print_lines([f"  {f['path']}  {human_bytes(f['bytes'])}" for f in files])
-    if left_out:
-        print(f"not exported ({args.format} has no place for it): {', '.join(left_out)}")
+    written = export(ckpt.captured(), step, out, "deltackpt" if args.format == "universal" else args.format,
+                     overwrite=args.force)
+    _print_written(args, f"restored step {step} of {mgr.path} as {args.format} into {out}",
+                   {"step": step, "format": args.format, "out": str(out)},
+                   written.files, written.left_out)
+    return 0
+
+
+# -- convert ---------------------------------------------------------------------------------
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    report = convert(args.sources, args.out, source_format=args.source_format, out_format=args.to,
+                     step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class)
+    sources = ", ".join(args.sources)
+    _print_written(args, f"converted {sources} ({report.source_format}) into {report.out} as "
+                         f"{report.out_format}, step {report.step}",
+                   {"sources": args.sources, "source_format": report.source_format,
+                    "format": report.out_format, "out": str(report.out), "step": report.step,
+                    "notes": report.notes},
+                   report.files, report.left_out, report.notes)
     return 0
 
 
@@ -637,6 +525,32 @@ def _step_arg(text: str) -> int:
     return step
 
 
+_EXPORT_FORMATS_HELP = (
+    "  safetensors  DIR/model.safetensors: the model state dict by FQN (tied weights\n"
+    "               stored under each name; its metadata lists buffers and tied names);\n"
+    "               DIR/optimizer.safetensors: optimizer state tensors as <fqn>/<state_key>\n"
+    "               (other optimizer tensors under their universal name) and, in its\n"
+    "               metadata, key 'optimizer': the optimizer's class, param groups and\n"
+    "               state as deltackpt tagged JSON (docs/FORMAT.md 2.5) whose $tensor\n"
+    "               references are keys of that file;\n"
+    "               DIR/extra.safetensors: tensors of 'extra' under their universal names,\n"
+    "               with 'extra' as tagged JSON in its metadata;\n"
+    "               each file only when the step has that state.\n"
+    "  dcp          DIR as a torch.distributed.checkpoint directory of {'model', 'optimizer',\n"
+    "               'optimizer_class', 'extra', 'step'}; 'optimizer' in the layout of\n"
+    "               get_optimizer_state_dict (state and param groups by FQN), so dcp.load of\n"
+    "               {'model': model.state_dict(), 'optimizer': get_optimizer_state_dict(model,\n"
+    "               optimizer)} and set_state_dict restore both. DCP flattens 'extra' (dict\n"
+    "               keys become strings, empty dicts vanish).\n"
+    "  torch        DIR/checkpoint.pt, loadable with torch.load(weights_only=True):\n"
+    "               {'step', 'model', 'optimizer', 'optimizer_class', 'extra'}; 'optimizer'\n"
+    "               is a torch Optimizer.state_dict() (parameters numbered in saved group\n"
+    "               order, groups list their FQNs as 'param_names').\n"
+    "  In dcp and torch, numpy arrays become tensors and numpy scalars Python scalars, which\n"
+    "  weights_only can load. safetensors, dcp and torch leave RNG states out.\n"
+)
+
+
 def _add_command(sub: Any, name: str, help_text: str, description: str, examples: str,
                  func: Callable[[argparse.Namespace], int], parents: list[argparse.ArgumentParser]
                  ) -> argparse.ArgumentParser:
@@ -677,12 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``deltackpt`` command and all its subcommands."""
     parser = argparse.ArgumentParser(
         prog="deltackpt",
-        description="Inspect, verify, export and prune deltackpt checkpoint directories. Commands that "
-                    "take PATH only read it (they never create, lock or change anything there), "
+        description="Inspect, verify, export and prune deltackpt checkpoint directories, and convert "
+                    "torch.save, DCP, safetensors and DeepSpeed checkpoints. Commands that take PATH "
+                    "(or SRC) only read it (they never create, lock or change anything there), "
                     "except gc, which deletes the steps a retention policy does not keep.",
         epilog="examples:\n  deltackpt ls runs/ckpt\n  deltackpt info runs/ckpt --step 100\n"
                "  deltackpt verify runs/ckpt --deep\n"
                "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
+               "  deltackpt convert model.pt --out runs/ckpt\n"
                "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
                "exit codes: 0 success, 1 damage found (verify, ls), 2 error",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -719,37 +635,71 @@ def build_parser() -> argparse.ArgumentParser:
                  "  deltackpt info runs/ckpt\n  deltackpt info runs/ckpt --step 100 --json",
                  _cmd_info, [path, one_step])
     restore = _add_command(
-        sub, "restore", "export one step as a deltackpt, safetensors or torch checkpoint",
+        sub, "restore", "export one step as a deltackpt, safetensors, DCP or torch checkpoint",
         "Decode a step and write it into DIR:\n\n"
         "  universal    a standalone deltackpt directory holding just this step (lossless,\n"
         "               keeps everything, including RNG states)\n"
-        "  safetensors  DIR/model.safetensors: the model state dict by FQN (tied weights\n"
-        "               stored under each name);\n"
-        "               DIR/optimizer.safetensors: optimizer state tensors as <fqn>/<state_key>\n"
-        "               (other optimizer tensors under their universal name) and, in its\n"
-        "               metadata, key 'optimizer': the optimizer's class, param groups and\n"
-        "               state as deltackpt tagged JSON (docs/FORMAT.md 2.5) whose $tensor\n"
-        "               references are keys of that file;\n"
-        "               DIR/extra.safetensors: tensors of 'extra' under their universal names,\n"
-        "               with 'extra' as tagged JSON in its metadata;\n"
-        "               each file only when the step has that state. RNG states are left out.\n"
-        "  torch        DIR/checkpoint.pt, loadable with torch.load(weights_only=True):\n"
-        "               {'step', 'model', 'optimizer', 'extra'}; 'optimizer' is a torch\n"
-        "               Optimizer.state_dict() (parameters numbered in saved group order, groups\n"
-        "               list their FQNs as 'param_names'). numpy arrays in it become tensors and\n"
-        "               numpy scalars Python scalars, which weights_only can load. RNG states\n"
-        "               are left out.\n\n"
-        "PATH is never modified. DIR may not be inside PATH, and must be empty or new unless\n"
+        + _EXPORT_FORMATS_HELP +
+        "\nPATH is never modified. DIR may not be inside PATH, and must be empty or new unless\n"
         "--force is given: then files of the same name (or, for universal, the same step of an\n"
-        "existing deltackpt directory) are replaced and everything else in DIR is kept.",
+        "existing deltackpt directory) are replaced and everything else in DIR is kept. Files\n"
+        "appear complete or not at all. 'deltackpt convert' reads these formats back.",
         "  deltackpt restore runs/ckpt --out best/\n"
         "  deltackpt restore runs/ckpt --step 100 --format safetensors --out export/\n"
+        "  deltackpt restore runs/ckpt --format dcp --out dcp_ckpt/\n"
         "  deltackpt restore runs/ckpt --format torch --out export/ --force",
         _cmd_restore, [path, one_step, progress])
     restore.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    restore.add_argument("--format", choices=("universal", "safetensors", "torch"), default="universal",
-                         help="output format (default: %(default)s)")
+    restore.add_argument("--format", choices=("universal", "safetensors", "dcp", "torch"),
+                         default="universal", help="output format (default: %(default)s)")
     restore.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+    convert = _add_command(
+        sub, "convert", "convert a torch.save, DCP, safetensors or DeepSpeed checkpoint",
+        "Read a checkpoint of another format and write it, losslessly, into DIR.\n\n"
+        "SRC (--from; detected from what SRC holds when not given):\n\n"
+        "  torch        a torch.save file, loaded with weights_only=True: a state dict, or a\n"
+        "               dict with 'model' (or 'state_dict') and 'optimizer' (or 'optim')\n"
+        "               entries; the optimizer state dict keyed by FQN, or by index with\n"
+        "               'param_names' in its groups. An integer 'step' is the step; other\n"
+        "               entries become extra.\n"
+        "  dcp          a torch.distributed.checkpoint directory, read by torch's DCP reader\n"
+        "               (non-tensor entries with weights_only=True), interpreted like torch\n"
+        "  safetensors  .safetensors files, or a directory of them (a sharded set with its\n"
+        "               *.safetensors.index.json), including the optimizer and extra files\n"
+        "               of a safetensors export\n"
+        "  deepspeed    a DeepSpeed universal checkpoint folder (zero/<param>/fp32.pt,\n"
+        "               exp_avg.pt, exp_avg_sq.pt, step.pt; the folder holding\n"
+        "               latest_universal also works): fp32 weights, Adam state, the\n"
+        "               hyperparameters of zero/optimizer_state.pt and the buffers of\n"
+        "               mp_rank_00_model_states.pt where weights_only=True can load them\n\n"
+        "DIR (--to):\n\n"
+        "  deltackpt    a standalone deltackpt directory holding one full, lossless step\n"
+        + _EXPORT_FORMATS_HELP +
+        "\nWhere SRC does not record which model tensors are buffers, the tensors the optimizer\n"
+        "does not train are taken to be (without an optimizer: the integer ones); where it does\n"
+        "not record the optimizer's class, it is recognized from the hyperparameters, or given\n"
+        "with --optimizer-class. What could not be taken over is listed as notes.\n\n"
+        "SRC is never modified. DIR may not overlap SRC, and must be empty or new unless --force\n"
+        "is given: then files of the same name are replaced and everything else in DIR is kept.",
+        "  deltackpt convert model.pt --out runs/ckpt\n"
+        "  deltackpt convert dcp_ckpt/ --to safetensors --out export/\n"
+        "  deltackpt convert shards/ --from safetensors --out runs/ckpt --step 1000\n"
+        "  deltackpt convert ds/global_step100 --to dcp --out dcp_ckpt/ --json",
+        _cmd_convert, [])
+    convert.add_argument("sources", nargs="+", metavar="SRC",
+                         help="checkpoint file or directory (several: .safetensors files)")
+    convert.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    convert.add_argument("--from", dest="source_format", choices=SOURCE_FORMATS,
+                         help="format of SRC (default: detected)")
+    convert.add_argument("--to", choices=OUT_FORMATS, default="deltackpt",
+                         help="output format (default: %(default)s)")
+    convert.add_argument("--step", type=_step_arg, metavar="N",
+                         help="step number to record (default: the one SRC records, else 0)")
+    convert.add_argument("--optimizer-class", metavar="NAME",
+                         help="the optimizer's class (e.g. AdamW) where SRC does not tell")
+    convert.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+    convert.add_argument("--json", action="store_true",
+                         help="print one JSON document on stdout instead of text")
     verify = _add_command(
         sub, "verify", "check stored bytes against their checksums",
         "Check every chunk of one step (or of all steps) against its xxh3 checksum and report the "

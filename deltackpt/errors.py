@@ -40,3 +40,7 @@ class WriterLockedError(DeltackptError):
 
 class DistributedError(DeltackptError):
     """A collective save or load failed on some rank; raised on every rank, naming it."""
+
+
+class ConversionError(DeltackptError):
+    """A checkpoint of another format that cannot be read or converted; names the file and entry."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import nn
 from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.distributed import local_values
 from deltackpt.format import tensor_name
-from deltackpt.tree import encode_tree
+from deltackpt.tree import decode_tree, encode_tree
 
 
 @dataclass
@@ -44,6 +45,19 @@ class CapturedState:
 
     tensors: list[CapturedTensor]
     tree: dict[str, Any]
+
+    def by_name(self) -> dict[str, torch.Tensor]:
+        """Every tensor by its universal name."""
+        return {t.name: t.tensor for t in self.tensors}
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (parameters and buffers) by FQN; tied names share a tensor."""
+        return {t.fqn: t.tensor for t in self.tensors if t.role in ("param", "buffer")}
+
+    def decoded(self, key: str) -> Any:
+        """Section ``key`` of the tree (``"optimizer"``, ``"rng"``, ``"extra"``) with its tensors."""
+        return decode_tree(self.tree.get(key), self.by_name().__getitem__)
 
 
 class _TensorTable:
@@ -106,36 +120,73 @@ def capture(model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
             role = "param" if isinstance(value, nn.Parameter) else "buffer"
             table.add(("model", fqn), value, role, fqn=fqn)
     if optimizer is not None:
-        tree["optimizer"] = _capture_optimizer(optimizer, model, table)
-    if rng:
-        tree["rng"] = encode_tree(rng_state(), ("rng",),
-                                  lambda path, t: table.add(path, t, "rng"))
-    if extra is not None:
-        tree["extra"] = encode_tree(extra, ("extra",),
-                                    lambda path, t: table.add(path, t, "extra"))
-    return CapturedState(table.tensors, tree)
+        fqns = optimizer_fqns(optimizer, model)
+        sd = optimizer.state_dict()
+        by_index = [fqn for group in fqns for fqn in group]
+        tree["optimizer"] = _encode_optimizer(
+            table, type(optimizer).__qualname__,
+            [{**group, "params": names} for group, names in zip(sd["param_groups"], fqns, strict=True)],
+            {by_index[index]: param_state for index, param_state in sd["state"].items()})
+    return _finish(table, tree, rng_state() if rng else None, extra)
 
 
-def _capture_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
-                       table: _TensorTable) -> dict[str, Any]:
-    fqns = optimizer_fqns(optimizer, model)
-    sd = optimizer.state_dict()
-    by_index = [fqn for group in fqns for fqn in group]
-    state: dict[str, Any] = {}
-    for index, param_state in sd["state"].items():
-        fqn = by_index[index]
-        state[fqn] = {
+def capture_values(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None = None,
+                   extra: Any = None, *, buffers: Collection[str] = (), rng: Any = None) -> CapturedState:
+    """Capture state given as values rather than live objects: a checkpoint read from another format.
+
+    ``model`` is a state dict by FQN (tensors sharing storage become
+    aliases, as tied parameters do in :func:`capture`); the FQNs in
+    ``buffers`` get the role ``buffer``, the others ``param``. ``optimizer``
+    is ``{"class", "param_groups": [{..., "params": [fqn, ...]}], "state":
+    {fqn: {key: value}}}`` as :attr:`UniversalCheckpoint.optimizer` gives
+    it. The result names every tensor as :func:`capture` would have.
+    """
+    table = _TensorTable()
+    tree: dict[str, Any] = {"optimizer": None, "rng": None, "extra": None}
+    for fqn, value in model.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"model entry {fqn!r} is a {type(value).__qualname__}, not a tensor")
+        table.add(("model", fqn), value, "buffer" if fqn in buffers else "param", fqn=fqn)
+    if optimizer is not None:
+        listed = [fqn for group in optimizer["param_groups"] for fqn in group["params"]]
+        unknown = [fqn for fqn in listed if fqn not in model]
+        if unknown:
+            raise ValueError(f"the optimizer's param groups list {unknown}, which the model "
+                             "state does not hold")
+        stray = [fqn for fqn in optimizer["state"] if fqn not in set(listed)]
+        if stray:
+            raise ValueError(f"the optimizer holds state for {stray}, which no param group lists")
+        tree["optimizer"] = _encode_optimizer(table, optimizer["class"], optimizer["param_groups"],
+                                              optimizer["state"])
+    return _finish(table, tree, rng, extra)
+
+
+def _encode_optimizer(table: _TensorTable, class_name: str, param_groups: list[Mapping[str, Any]],
+                      state: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The optimizer's tree (FORMAT.md 2.2) from param groups listing FQNs and state by FQN."""
+    encoded_state: dict[str, Any] = {}
+    for fqn, param_state in state.items():
+        encoded_state[fqn] = {
             key: encode_tree(value, ("optimizer", "state", fqn, key),
                              lambda path, t, fqn=fqn, key=key: table.add(
                                  path, t, "optimizer", fqn=fqn, state_key=key))
             for key, value in param_state.items()}
     groups = []
-    for g, (group, names) in enumerate(zip(sd["param_groups"], fqns, strict=True)):
+    for g, group in enumerate(param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
         encoded = encode_tree(hyper, ("optimizer", "param_groups", str(g)),
                               lambda path, t: table.add(path, t, "optimizer"))
-        groups.append({**encoded, "params": names})
-    return {"class": type(optimizer).__qualname__, "param_groups": groups, "state": state}
+        groups.append({**encoded, "params": list(group["params"])})
+    return {"class": class_name, "param_groups": groups, "state": encoded_state}
+
+
+def _finish(table: _TensorTable, tree: dict[str, Any], rng: Any, extra: Any) -> CapturedState:
+    """Add the RNG states and ``extra`` (when not None) to a capture."""
+    if rng is not None:
+        tree["rng"] = encode_tree(rng, ("rng",), lambda path, t: table.add(path, t, "rng"))
+    if extra is not None:
+        tree["extra"] = encode_tree(extra, ("extra",), lambda path, t: table.add(path, t, "extra"))
+    return CapturedState(table.tensors, tree)
 
 
 def adam_hyperparameters(captured: CapturedState, key: str) -> dict[str, float]:

@@ -281,7 +281,7 @@ def test_restore_safetensors(ckpt: Checkpoint, runs: Runs) -> None:
     report = result.json()
     out = runs.work / "s"
     assert [f["path"] for f in report["files"]] == [
-        str(out / name) for name in ("model.safetensors", "optimizer.safetensors", "extra.safetensors")]
+        str(out / name) for name in ("extra.safetensors", "model.safetensors", "optimizer.safetensors")]
     assert report["left_out"] == ["rng"]
 
     model = load_file(out / "model.safetensors")

@@ -1,0 +1,60 @@
+"""Converting a checkpoint from one format to another, losslessly: read it into a
+:class:`~deltackpt.state.CapturedState` (:mod:`~deltackpt.interop.sources`) and write that
+(:mod:`~deltackpt.interop.exporters`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltackpt.interop.exporters import OUT_FORMATS, export
+from deltackpt.interop.files import prepare_out
+from deltackpt.interop.sources import read_checkpoint
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass
+class ConvertReport:
+    """What :func:`convert` read and wrote."""
+
+    source_format: str
+    out_format: str
+    out: Path
+    step: int
+    files: list[Path]
+    left_out: list[str]  # parts of the state the output format has no place for
+    notes: list[str]  # what the reader could not take over from the source
+
+
+def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_format: str | None = None,
+            out_format: str = "deltackpt", step: int | None = None, overwrite: bool = False,
+            optimizer_class: str | None = None) -> ConvertReport:
+    """Convert the checkpoint at ``source`` into ``out_format`` in the directory ``out``.
+
+    ``source`` is a ``torch.save`` file, a DCP directory, safetensors files
+    (one, several, or a directory) or a DeepSpeed universal checkpoint
+    folder; ``source_format`` (``"torch"``, ``"dcp"``, ``"safetensors"``,
+    ``"deepspeed"``) is detected when None. ``out_format`` is
+    ``"deltackpt"`` (a standalone checkpoint directory holding one full,
+    lossless step), ``"safetensors"``, ``"dcp"`` or ``"torch"``. ``step`` is
+    the step number to record (default: the source's own, else 0).
+    ``optimizer_class`` names the optimizer's class where the source does
+    not record it and its hyperparameters do not tell.
+
+    The source is never modified. ``out`` must be new or empty unless
+    ``overwrite``; output files appear complete or not at all.
+    """
+    if out_format not in OUT_FORMATS:
+        raise ValueError(f"unknown output format {out_format!r}; choose one of {', '.join(OUT_FORMATS)}")
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    paths = [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
+    target = prepare_out(Path(out), paths, overwrite)
+    read = read_checkpoint(paths, source_format, optimizer_class)
+    if step is None:
+        step = read.step if read.step is not None else 0
+    written = export(read.state, step, target, out_format, overwrite=overwrite)
+    return ConvertReport(read.format, out_format, target, step, written.files, written.left_out, read.notes)

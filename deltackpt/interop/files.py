@@ -1,0 +1,87 @@
+"""Safe file handling for conversions: outputs appear whole or not at all, inputs are never
+unpickled beyond what ``torch.load(weights_only=True)`` accepts, and never written to."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltackpt.errors import ConversionError
+
+
+def prepare_out(out: Path, sources: Sequence[Path], overwrite: bool) -> Path:
+    """The absolute output directory, after refusing one that overlaps a source, a file, or
+    (without ``overwrite``) a non-empty directory."""
+    target = out.expanduser().resolve()
+    for source in sources:
+        source = source.expanduser().resolve()
+        if target == source or source in target.parents:
+            raise ValueError(f"output directory {out} is inside the checkpoint directory {source}, "
+                             "which is never written to; choose another directory")
+        if target in source.parents:
+            raise ValueError(f"output directory {out} contains the checkpoint {source}, "
+                             "which is never written to; choose another directory")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"output directory {out} exists and is not a directory")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {out} is not empty; refusing to write into it "
+                         "(pass --force, or overwrite=True, to write there anyway)")
+    return target
+
+
+def publish_directory(out: Path, write: Callable[[Path], None], commit_file: str | None = None
+                      ) -> list[Path]:
+    """Run ``write(tmp)`` on a fresh sibling directory of ``out`` and move what it wrote into ``out``.
+
+    A new or empty ``out`` is replaced by the finished directory in one
+    rename. Into a non-empty ``out`` (overwriting) the files are moved one
+    by one, replacing those of the same name and keeping the others;
+    ``commit_file`` (the file that makes the directory a checkpoint, as
+    DCP's ``.metadata``) is removed first and moved last, so an interrupted
+    move never leaves a checkpoint whose index names the wrong data.
+    Returns the paths of the files written, sorted.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        if not out.exists() or not any(out.iterdir()):
+            os.replace(tmp, out)  # rename(2) replaces an empty directory
+        else:
+            if commit_file is not None:
+                (out / commit_file).unlink(missing_ok=True)
+            for name in sorted(names, key=lambda n: n == commit_file):
+                os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / name for name in names]
+
+
+def load_weights_only(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, with errors that name the file.
+
+    deltackpt never unpickles anything else: a file holding other objects
+    (classes of the program that wrote it) is refused, naming them.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        try:
+            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception:  # the file is damaged beyond listing its globals
+            unsafe = "objects it cannot list"
+        raise ConversionError(f"{path}: torch.load(weights_only=True) refuses it, as it holds {unsafe}; "
+                              "deltackpt never unpickles arbitrary objects") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise ConversionError(f"{path}: not a readable torch.save file ({exc})") from None

@@ -1,0 +1,436 @@
+"""Reading checkpoints of other formats into a :class:`~deltackpt.state.CapturedState`.
+
+One reader per format, registered in :data:`READERS`, and
+:func:`detect_format` to pick one from what the path holds:
+
+* ``torch``: a ``torch.save`` file (a state dict, or a dict with model,
+  optimizer and other entries; see :func:`~deltackpt.interop.layouts.split_document`);
+* ``dcp``: a ``torch.distributed.checkpoint`` directory, read with torch's DCP
+  reader, interpreted like a ``torch.save`` dict;
+* ``safetensors``: one file, several files, or a directory of them (a
+  Hugging Face sharded set with its ``*.safetensors.index.json``), including
+  the ``optimizer.safetensors`` and ``extra.safetensors`` deltackpt exports;
+* ``deepspeed``: a DeepSpeed universal checkpoint folder (``zero/<param>/fp32.pt``,
+  ``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``), as ``ds_to_universal.py`` writes it.
+
+A new source (a reader of per-rank hand-sharded state dicts, say) is a
+function ``(paths, optimizer_class) -> Source`` added to :data:`READERS`
+and, if it can be recognized, to :func:`detect_format`. Nothing is ever
+unpickled beyond what ``torch.load(weights_only=True)`` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltackpt.errors import ConversionError
+from deltackpt.format import ROOT_MARKER
+from deltackpt.interop.files import load_weights_only
+from deltackpt.interop.layouts import TORCH_FILE, Parts, guess_buffers, optimizer_class, split_document
+from deltackpt.state import CapturedState, capture_values
+from deltackpt.tree import decode_tree
+
+
+@dataclass
+class Source:
+    """A checkpoint read from another format: its state, its step if it records one, and what
+    the reader could not take over (``notes``, one sentence each)."""
+
+    format: str
+    state: CapturedState
+    step: int | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _captured(parts: Parts, origin: str, buffers: set[str] | None = None) -> CapturedState:
+    """``parts`` captured; ``buffers`` None: guessed (:func:`guess_buffers`)."""
+    if buffers is None:
+        buffers = guess_buffers(parts.model, parts.optimizer)
+    try:
+        return capture_values(parts.model, parts.optimizer, parts.extra, buffers=buffers)
+    except (TypeError, ValueError) as exc:
+        raise ConversionError(f"{origin}: {exc}") from None
+
+
+def _one(paths: list[Path], fmt: str) -> Path:
+    if len(paths) != 1:
+        raise ConversionError(f"a {fmt} checkpoint is one path, got {len(paths)}: "
+                              f"{', '.join(map(str, paths))}")
+    return paths[0]
+
+
+# -- torch.save --------------------------------------------------------------------------------
+
+
+def read_torch(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+    """A ``torch.save`` file (or the directory of a torch export), loaded with
+    ``weights_only=True`` on the CPU."""
+    path = _one(paths, "torch")
+    if path.is_dir():
+        path = path / TORCH_FILE
+    parts = split_document(load_weights_only(path), str(path), optimizer_class_name)
+    return Source("torch", _captured(parts, str(path)), parts.step)
+
+
+# -- DCP ---------------------------------------------------------------------------------------
+
+
+def _load_dcp(path: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, nested as it was saved, read by torch's own DCP reader.
+
+    DCP's default planner unpickles non-tensor entries with
+    ``torch.load(weights_only=False)``; this one loads them with
+    ``weights_only=True`` and refuses what that refuses, naming the entry.
+    """
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            key = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                detail = str(exc).split("WeightsUnpickler error: ")[-1].split(".")[0]
+                raise ConversionError(f"{path}: entry {key!r} cannot be loaded with "
+                                      f"weights_only=True ({detail})") from None
+            set_element(self.original_state_dict, self.mappings[key], obj)
+
+    state: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _load_state_dict(state, storage_reader=FileSystemReader(path), planner=WeightsOnlyPlanner(),
+                             no_dist=True)
+    except CheckpointException as exc:
+        causes = [f[0] if isinstance(f, tuple) else f  # (exception, traceback)
+                  for f in exc.failures.values()]
+        own = next((c for c in causes if isinstance(c, ConversionError)), None)
+        if own is not None:
+            raise own from None
+        raise ConversionError(f"{path}: DCP cannot read it: {'; '.join(map(str, causes))}") from None
+    except (OSError, pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+        raise ConversionError(f"{path}: DCP cannot read it: {exc}") from None
+    return state
+
+
+def read_dcp(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+    """A DCP checkpoint directory, interpreted like a ``torch.save`` dict."""
+    path = _one(paths, "dcp")
+    if not (path / ".metadata").is_file():
+        raise ConversionError(f"{path}: not a DCP checkpoint directory (it has no .metadata file)")
+    parts = split_document(_load_dcp(path), str(path), optimizer_class_name)
+    return Source("dcp", _captured(parts, str(path)), parts.step)
+
+
+# -- safetensors -------------------------------------------------------------------------------
+
+
+def _safetensors_files(paths: list[Path]) -> tuple[list[Path], dict[str, Path]]:
+    """The files to read, and ``tensor -> file`` of the shard indexes met on the way."""
+    files: list[Path] = []
+    indexed: dict[str, Path] = {}
+    for path in paths:
+        if path.is_dir():
+            indexes = sorted(path.glob("*.safetensors.index.json"))
+            files += sorted(path.glob("*.safetensors"))
+        elif path.name.endswith(".safetensors.index.json"):
+            indexes = [path]
+        else:
+            indexes = []
+            files.append(path)
+        for index in indexes:
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConversionError(f"{index}: not a safetensors index ({exc!r})") from None
+            for name, file in weight_map.items():
+                indexed[name] = index.parent / file
+            files += sorted({index.parent / f for f in weight_map.values()})
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} does not exist")
+    return list(dict.fromkeys(f.resolve() for f in files)), {k: v.resolve() for k, v in indexed.items()}
+
+
+def _read_safetensors_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            names = f.keys()
+            return {k: f.get_tensor(k) for k in names}, f.metadata() or {}
+    except (SafetensorError, OSError) as exc:
+        raise ConversionError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _json_metadata(path: Path, metadata: dict[str, str], key: str, default: Any) -> Any:
+    if key not in metadata:
+        return default
+    try:
+        return json.loads(metadata[key])
+    except ValueError as exc:
+        raise ConversionError(f"{path}: metadata {key!r} is not JSON ({exc})") from None
+
+
+def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+    """Safetensors files: model tensors by FQN, plus a deltackpt export's optimizer and extra.
+
+    A file whose metadata holds ``optimizer`` or ``extra`` (tagged JSON,
+    docs/FORMAT.md 2.5, referring to the file's tensors) is that section;
+    every other file holds model tensors. The metadata a deltackpt export
+    writes (``step``, ``buffers``, ``aliases``) is used when present.
+    """
+    files, indexed = _safetensors_files(paths)
+    if not files:
+        raise ConversionError(f"no .safetensors files in {', '.join(map(str, paths))}")
+    model: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    sections: dict[str, Any] = {}
+    buffers: set[str] | None = None
+    aliases: dict[str, str] = {}
+    step = None
+    for path in files:
+        tensors, metadata = _read_safetensors_file(path)
+        section = next((s for s in ("optimizer", "extra") if s in metadata), None)
+        if section is not None:
+            tree = _json_metadata(path, metadata, section, None)
+            try:
+                sections[section] = decode_tree(tree, tensors.__getitem__)
+            except KeyError as exc:
+                raise ConversionError(f"{path}: its {section} metadata refers to tensor {exc}, "
+                                      "which the file does not hold") from None
+            continue
+        for name, tensor in tensors.items():
+            if name in model:
+                raise ConversionError(f"tensor {name!r} is in both {origin[name]} and {path}")
+            model[name], origin[name] = tensor, path
+        if "buffers" in metadata:
+            buffers = (buffers or set()) | set(_json_metadata(path, metadata, "buffers", []))
+        aliases.update(_json_metadata(path, metadata, "aliases", {}))
+        if metadata.get("step", "").isdigit():
+            step = int(metadata["step"])
+    for name, file in indexed.items():
+        if origin.get(name) != file:
+            where = f"it is in {origin[name]}" if name in origin else "no file holds it"
+            raise ConversionError(f"the index lists tensor {name!r} in {file}, but {where}")
+    for name, target in aliases.items():  # tied weights: one tensor under both names again
+        if name not in model or target not in model or not (
+                model[name].dtype == model[target].dtype and torch.equal(model[name], model[target])):
+            raise ConversionError(f"{origin.get(name, files[0])}: {name!r} is recorded as tied to "
+                                  f"{target!r}, but the tensors differ or are missing")
+        model[name] = model[target]
+    optimizer = sections.get("optimizer")
+    if optimizer is not None and optimizer_class_name is not None:
+        optimizer = {**optimizer, "class": optimizer_class_name}
+    parts = Parts(model, optimizer, sections.get("extra"), step)
+    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step)
+
+
+# -- DeepSpeed universal checkpoint ------------------------------------------------------------
+
+
+def _deepspeed_folder(path: Path) -> Path:
+    """The universal checkpoint folder: ``path`` if it holds ``zero/``, else the one its
+    ``latest_universal`` file names."""
+    if (path / "zero").is_dir():
+        return path
+    latest = path / "latest_universal"
+    if latest.is_file():
+        folder = path / latest.read_text().strip()
+        if (folder / "zero").is_dir():
+            return folder
+        raise ConversionError(f"{latest} names {folder}, which has no zero/ folder")
+    raise ConversionError(f"{path}: not a DeepSpeed universal checkpoint (no zero/ folder and no "
+                          "latest_universal file)")
+
+
+def _try_load(path: Path, what: str, notes: list[str]) -> Any:
+    """``path`` loaded with weights_only, or None with a note when it is absent or refused."""
+    if not path.is_file():
+        return None
+    try:
+        return load_weights_only(path)
+    except ConversionError as exc:
+        notes.append(f"{what} not read: {exc}")
+        return None
+
+
+def _param_file(path: Path) -> torch.Tensor:
+    value = load_weights_only(path)
+    if not isinstance(value, Mapping) or not isinstance(value.get("param"), torch.Tensor):
+        raise ConversionError(f"{path}: expected a dict with the tensor under 'param', "
+                              f"got {type(value).__qualname__}")
+    return value["param"]
+
+
+def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+    """A DeepSpeed universal checkpoint folder.
+
+    ``zero/<name>/fp32.pt`` is parameter ``name`` (the fp32 master copy);
+    its other files (``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``) are its
+    optimizer state. ``zero/optimizer_state.pt`` gives the param groups'
+    hyperparameters, and ``mp_rank_00_model_states.pt`` the buffers, frozen
+    parameters, tied names, param group membership and the training step,
+    when they load with ``weights_only=True`` (files holding DeepSpeed
+    objects, such as an fp16 loss scaler, do not; the notes say what is
+    missing then). The class is recognized from the hyperparameters, else
+    taken to be AdamW (DeepSpeed's Adam runs in AdamW mode by default).
+    """
+    folder = _deepspeed_folder(_one(paths, "deepspeed"))
+    notes: list[str] = []
+    params: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for param_dir in sorted(p for p in (folder / "zero").iterdir() if p.is_dir()):
+        files = {p.stem: p for p in param_dir.glob("*.pt")}
+        if "fp32" not in files:
+            has = ", ".join(sorted(p.name for p in files.values())) or "no .pt files"
+            raise ConversionError(f"{param_dir}: DeepSpeed parameter folder without fp32.pt (it has {has})")
+        name = param_dir.name
+        params[name] = _param_file(files.pop("fp32"))
+        per_param: dict[str, Any] = {}
+        if "step" in files:
+            per_param["step"] = load_weights_only(files.pop("step"))
+        for key, file in sorted(files.items()):
+            value = _param_file(file)
+            if value.shape != params[name].shape:
+                raise ConversionError(f"{file}: shape {list(value.shape)} differs from the "
+                                      f"parameter's {list(params[name].shape)} (fp32.pt)")
+            per_param[key] = value
+        if per_param:
+            state[name] = per_param
+    if not params:
+        raise ConversionError(f"{folder / 'zero'}: no parameter folders")
+
+    model_states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    states = _try_load(model_states[0], "model states", notes) if model_states else None
+    states = states if isinstance(states, Mapping) else {}
+    module = states.get("module") if isinstance(states.get("module"), Mapping) else None
+    model, buffers = _deepspeed_model(params, module, states.get("buffer_names") or [])
+    if module is None:
+        notes.append(f"no readable model states in {folder}: buffers and frozen parameters are "
+                     "missing, tied names appear once")
+
+    optimizer = None
+    if state:
+        groups = _deepspeed_groups(folder, list(params), states.get("param_shapes"), notes)
+        class_name = optimizer_class_name or optimizer_class(groups)
+        if class_name is None:
+            class_name = "AdamW"
+            notes.append("the optimizer's class is not recorded: taken to be AdamW")
+        optimizer = {"class": class_name, "param_groups": groups, "state": state}
+    step = states.get("global_steps")
+    if not isinstance(step, int) or isinstance(step, bool):
+        match = re.fullmatch(r"global_step(\d+)", folder.name)
+        step = int(match.group(1)) if match else None
+    parts = Parts(model, optimizer, None, step)
+    return Source("deepspeed", _captured(parts, str(folder), buffers), step, notes)
+
+
+def _deepspeed_model(params: dict[str, torch.Tensor], module: Mapping[str, Any] | None,
+                     buffer_names: list[str]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The model state dict in the module's order: fp32 masters for the trained parameters, the
+    module's own tensors for buffers and frozen parameters, tied names sharing their partner's
+    master. Without the module, the trained parameters alone."""
+    if module is None:
+        return dict(params), set()
+    model: dict[str, torch.Tensor] = {}
+    by_storage = {module[n].untyped_storage().data_ptr(): n for n in params
+                  if isinstance(module.get(n), torch.Tensor) and module[n].numel()}
+    for name, tensor in module.items():
+        if name in params:
+            model[name] = params[name]
+        elif isinstance(tensor, torch.Tensor):
+            partner = by_storage.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+            model[name] = params[partner] if partner is not None else tensor
+    model.update((n, t) for n, t in params.items() if n not in model)
+    return model, {n for n in buffer_names if n in model}
+
+
+def _deepspeed_groups(folder: Path, names: list[str], param_shapes: Any,
+                      notes: list[str]) -> list[dict[str, Any]]:
+    """Param groups: membership from the model states' ``param_shapes`` (one dict per group),
+    hyperparameters from ``zero/optimizer_state.pt``; one group of every parameter otherwise."""
+    saved = _try_load(folder / "zero" / "optimizer_state.pt", "optimizer hyperparameters", notes)
+    hypers = [{k: v for k, v in g.items() if k != "params"}
+              for g in (saved or {}).get("param_groups", []) if isinstance(g, Mapping)]
+    layout = [names]
+    if isinstance(param_shapes, list) and all(isinstance(s, Mapping) for s in param_shapes) \
+            and sorted(n for s in param_shapes for n in s) == sorted(names):
+        layout = [list(s) for s in param_shapes]
+    if len(hypers) == len(layout):
+        return [{**hyper, "params": group} for hyper, group in zip(hypers, layout, strict=True)]
+    if hypers:
+        notes.append(f"{len(hypers)} param groups' hyperparameters could not be matched to the "
+                     f"parameters ({len(layout)} group(s) known): left out")
+    elif saved is None:
+        notes.append("no readable zero/optimizer_state.pt: the param groups have no hyperparameters")
+    return [{"params": group} for group in layout]
+
+
+READERS: dict[str, Callable[[list[Path], str | None], Source]] = {
+    "torch": read_torch,
+    "dcp": read_dcp,
+    "safetensors": read_safetensors,
+    "deepspeed": read_deepspeed,
+}
+SOURCE_FORMATS = tuple(READERS)
+
+
+def detect_format(paths: list[Path]) -> str:
+    """The format of the checkpoint at ``paths``, where what they hold makes it unambiguous."""
+    if len(paths) > 1:
+        if all(p.is_file() and p.suffix == ".safetensors" for p in paths):
+            return "safetensors"
+        raise ConversionError("several paths are read as safetensors files only; "
+                              f"got {', '.join(map(str, paths))}")
+    path = paths[0]
+    if path.is_file():
+        return "safetensors" if path.name.endswith((".safetensors", ".safetensors.index.json")) else "torch"
+    if (path / ROOT_MARKER).exists():
+        raise ConversionError(f"{path} is a deltackpt checkpoint directory; export a step of it with "
+                              "deltackpt restore --format (or CheckpointManager.restore)")
+    found = {"dcp": (path / ".metadata").is_file(),
+             "deepspeed": (path / "zero").is_dir() or (path / "latest_universal").is_file(),
+             "torch": (path / TORCH_FILE).is_file(),
+             "safetensors": any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))}
+    formats = [f for f, yes in found.items() if yes]
+    if len(formats) == 1:
+        return formats[0]
+    if not formats:
+        raise ConversionError(f"{path}: no known checkpoint in it (looked for a DCP .metadata, a "
+                              f"DeepSpeed zero/ folder or latest_universal file, {TORCH_FILE}, "
+                              ".safetensors files)")
+    raise ConversionError(f"{path} looks like {' and '.join(formats)}; name the format (--from)")
+
+
+def read_checkpoint(paths: Path | list[Path], source_format: str | None = None,
+                    optimizer_class_name: str | None = None) -> Source:
+    """Read the checkpoint at ``paths`` (``source_format`` None: detected) into a :class:`Source`.
+
+    ``optimizer_class_name`` names the optimizer's class where the source
+    does not record it and its hyperparameters do not tell.
+    """
+    paths = [paths] if isinstance(paths, Path) else list(paths)
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+    if source_format is None:
+        source_format = detect_format(paths)
+    elif source_format not in READERS:
+        raise ValueError(f"unknown source format {source_format!r}; choose one of "
+                         f"{', '.join(SOURCE_FORMATS)}")
+    return READERS[source_format](paths, optimizer_class_name)
