@@ -465,21 +465,58 @@ def test_tied_weights_are_saved_once_by_the_ranks(tmp_path: Path) -> None:
         assert torch.equal(ckpt.tensors[name], tensor), name
 
 
-def _load_into_other_shapes(rank: int, world: int, path: str) -> None:
+class Renamed(nn.Module):
+    """Another model: ``Net``'s layers under other names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.outer = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.first(x))
+
+
+def _load_bad_input(rank: int, world: int, path: str, case: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
     from deltackpt import StateMismatchError
 
-    model, optimizer = _fsdp_trained(rank, steps=1, hidden=9)  # saved with hidden=7
+    if case == "shapes":
+        model, optimizer = _fsdp_trained(rank, steps=1, hidden=9)  # saved with hidden=7
+        error, message = StateMismatchError, (r"inner\.weight: checkpoint float32\[7, 5\], "
+                                              r"model float32\[9, 5\]")
+    else:
+        if case == "other model":
+            model = Renamed()
+            error, message = StateMismatchError, (r"missing from the checkpoint \(2\):\n  first"
+                                                  r"\.weight\n  first\.bias\n.*not in the model "
+                                                  r"\(3\):\n  inner\.bias\n  inner\.weight")
+        else:  # rank 1's data file is gone; rank 0 needs the half of buffer "scale" it wrote
+            model = Net()
+            error, message = DistributedError, (r"load of step 1 failed on rank 0: CorruptionError:"
+                                                r" step 1, tensor 'model/scale': .*/d-\w+-r00001-"
+                                                r"000\.bin: data file is missing; rank 1: ")
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 5)).sum().backward()
+        optimizer.step()
     before = _full_state(model, optimizer)
-    with CheckpointManager(path) as mgr, pytest.raises(
-            StateMismatchError, match=r"inner\.weight: checkpoint float32\[7, 5\], model "
-                                      r"float32\[9, 5\]"):
+    with CheckpointManager(path) as mgr, pytest.raises(error, match=message):
         mgr.load(1, model, optimizer)
     after = _full_state(model, optimizer)
     assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was loaded
 
 
-def test_a_layout_that_cannot_hold_the_step_fails_on_every_rank_and_loads_nothing(
-        tmp_path: Path) -> None:
+def test_bad_input_fails_on_every_rank_and_loads_nothing(tmp_path: Path) -> None:
+    """A layout that cannot hold the step, a step of another model, a missing rank file."""
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
     run_ranks(_save_fsdp, 2, str(path), str(expected))
-    run_ranks(_load_into_other_shapes, 2, str(path))
+    saved = {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()}
+    run_ranks(_load_bad_input, 2, str(path), "shapes")
+    run_ranks(_load_bad_input, 2, str(path), "other model")
+    gone = list((path / "step-000000000001").glob("d-*-r00001-*.bin"))
+    for data in gone:
+        data.unlink()
+    run_ranks(_load_bad_input, 2, str(path), "missing file")
+    assert {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()} == {  # no writes
+        p: t for p, t in saved.items() if p not in gone}
