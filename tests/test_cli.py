@@ -152,7 +152,7 @@ class Runs:
         return self.results[name]
 
 
-COMMANDS = ["ls", "info", "restore", "verify", "du", "demo"]
+COMMANDS = ["ls", "info", "restore", "convert", "verify", "du", "demo"]
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,10 @@ def runs(ckpt: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Runs:
                                 "--progress"],
         "restore torch": ["restore", p, "--out", work / "t", "--format", "torch", "--step", "2",
                           "--progress"],
+        "restore dcp": ["restore", p, "--out", work / "dcp", "--format", "dcp", "--json"],
+        "convert torch": ["convert", work / "t", "--out", work / "ct", "--json"],
+        "convert dcp": ["convert", work / "dcp", "--to", "safetensors", "--out", work / "cs", "--step", "9"],
+        "convert missing": ["convert", work / "nope.pt", "--out", work / "cx"],
         "verify deep": ["verify", p, "--deep"],
         "verify damaged": ["verify", damaged],
         "verify damaged json": ["verify", damaged, "--step", "2", "--json"],
@@ -335,6 +339,52 @@ def test_restore_torch_loads_with_weights_only(ckpt: Checkpoint, runs: Runs) -> 
     assert group == ckpt.optimizer["param_groups"][0]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, as meant
+def test_restore_dcp_loads_with_torch_dcp(ckpt: Checkpoint, runs: Runs) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
+
+    result = runs["restore dcp"]
+    assert (result.code, result.err) == (0, "")
+    report = result.json()
+    assert [Path(f["path"]).name for f in report["files"]] == [".metadata", "__0_0.distcp"]
+    assert report["left_out"] == ["rng"]
+    model, optimizer = make_model()
+    state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=runs.work / "dcp")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for fqn, tensor in ckpt.model.items():
+        assert torch.equal(model.state_dict()[fqn], tensor), fqn
+    for index, per_param in ckpt.optimizer["state"].items():
+        for key, value in per_param.items():
+            assert torch.equal(optimizer.state_dict()["state"][index][key], value), (index, key)
+
+
+def test_convert(ckpt: Checkpoint, runs: Runs) -> None:
+    result = runs["convert torch"]  # the torch export of step 2, back to deltackpt
+    assert (result.code, result.err) == (0, "")
+    report = result.json()
+    assert (report["source_format"], report["format"], report["step"], report["left_out"],
+            report["notes"]) == ("torch", "deltackpt", 2, [], [])
+    source = CheckpointManager(ckpt.path, read_only=True).restore(2)
+    back = load_universal(runs.work / "ct")
+    for name, tensor in source.tensors.items():
+        if name.startswith("model/") or name.startswith("optimizer/"):
+            assert back.tensors[name].dtype == tensor.dtype and torch.equal(back.tensors[name], tensor), name
+    assert back.metadata.state["optimizer"] == source.metadata.state["optimizer"]
+    assert back.extra["scheduler"] == ckpt.extra["scheduler"]
+    assert torch.equal(back.extra["mask"], torch.arange(4, dtype=torch.int32))  # numpy became a tensor
+
+    text = runs["convert dcp"]
+    assert text.code == 0, text.err
+    assert text.out.startswith(f"converted {runs.work / 'dcp'} (dcp) into {runs.work / 'cs'} as "
+                               "safetensors, step 9\n")
+    model = load_file(runs.work / "cs" / "model.safetensors")
+    assert model.keys() == ckpt.model.keys()
+    for fqn, tensor in ckpt.model.items():
+        assert torch.equal(model[fqn], tensor), fqn
+
+
 def test_commands_never_modify_the_checkpoint(ckpt: Checkpoint, runs: Runs) -> None:
     assert runs.results  # every command has run
     assert snapshot(ckpt.path) == ckpt.files
@@ -386,7 +436,7 @@ def test_du(ckpt: Checkpoint, runs: Runs) -> None:
 
 
 def test_errors(ckpt: Checkpoint, runs: Runs) -> None:
-    for name in ("missing dir", "missing step", "occupied", "inside"):
+    for name in ("missing dir", "missing step", "occupied", "inside", "convert missing"):
         r = runs[name]
         assert (r.code, r.out) == (2, ""), name
         assert r.err.startswith("deltackpt: error: ") and r.err.count("\n") == 1, r.err
@@ -397,6 +447,8 @@ def test_errors(ckpt: Checkpoint, runs: Runs) -> None:
     assert "is not empty; refusing to write into it (pass --force" in runs["occupied"].err
     assert [p.name for p in (runs.work / "occupied").iterdir()] == ["keep.txt"]
     assert "inside the checkpoint directory" in runs["inside"].err
+    assert runs["convert missing"].err == f"deltackpt: error: {runs.work / 'nope.pt'} does not exist\n"
+    assert not (runs.work / "cx").exists()
     assert runs["bad step"].code == 2
     assert "argument --step: step must be a non-negative integer, got '-1'" in runs["bad step"].err
 

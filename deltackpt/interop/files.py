@@ -9,7 +9,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -66,22 +66,26 @@ def publish_directory(out: Path, write: Callable[[Path], None], commit_file: str
     return [out / name for name in names]
 
 
-def load_weights_only(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, with errors that name the file.
+def load_weights_only(source: Path | IO[bytes], what: str | None = None) -> Any:
+    """``torch.load(source, weights_only=True)`` on the CPU, with errors that name ``what``
+    (default: the file).
 
     deltackpt never unpickles anything else: a file holding other objects
     (classes of the program that wrote it) is refused, naming them.
     """
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+    what = what or str(source)
+    if isinstance(source, Path) and not source.is_file():
+        raise FileNotFoundError(f"{source} {'is not a file' if source.exists() else 'does not exist'}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         try:
-            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-        except Exception:  # the file is damaged beyond listing its globals
+            if not isinstance(source, Path):
+                source.seek(0)
+            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+        except Exception:  # damaged beyond listing its globals
             unsafe = "objects it cannot list"
-        raise ConversionError(f"{path}: torch.load(weights_only=True) refuses it, as it holds {unsafe}; "
+        raise ConversionError(f"{what}: torch.load(weights_only=True) refuses it, as it holds {unsafe}; "
                               "deltackpt never unpickles arbitrary objects") from None
     except (RuntimeError, EOFError, ValueError) as exc:
-        raise ConversionError(f"{path}: not a readable torch.save file ({exc})") from None
+        raise ConversionError(f"{what}: not a readable torch.save file ({exc})") from None

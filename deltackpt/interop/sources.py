@@ -101,12 +101,7 @@ def _load_dcp(path: Path) -> dict[str, Any]:
     class WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
             key = read_item.dest_index.fqn
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                detail = str(exc).split("WeightsUnpickler error: ")[-1].split(".")[0]
-                raise ConversionError(f"{path}: entry {key!r} cannot be loaded with "
-                                      f"weights_only=True ({detail})") from None
+            obj = load_weights_only(value, f"{path}: entry {key!r}")
             set_element(self.original_state_dict, self.mappings[key], obj)
 
     state: dict[str, Any] = {}
@@ -269,6 +264,11 @@ def _try_load(path: Path, what: str, notes: list[str]) -> Any:
         return None
 
 
+def _natural(path: Path) -> list[Any]:
+    """Sort key of a parameter folder: ``layers.10`` after ``layers.9``."""
+    return [(0, int(c)) if c.isdigit() else (1, c) for c in re.split(r"(\d+)", path.name)]
+
+
 def _param_file(path: Path) -> torch.Tensor:
     value = load_weights_only(path)
     if not isinstance(value, Mapping) or not isinstance(value.get("param"), torch.Tensor):
@@ -294,7 +294,7 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
     notes: list[str] = []
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
-    for param_dir in sorted(p for p in (folder / "zero").iterdir() if p.is_dir()):
+    for param_dir in sorted((p for p in (folder / "zero").iterdir() if p.is_dir()), key=_natural):
         files = {p.stem: p for p in param_dir.glob("*.pt")}
         if "fp32" not in files:
             has = ", ".join(sorted(p.name for p in files.values())) or "no .pt files"
@@ -326,7 +326,9 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
 
     optimizer = None
     if state:
-        groups = _deepspeed_groups(folder, list(params), states.get("param_shapes"), notes)
+        trained = [n for n in model if n in params]  # the module's order, not the folders'
+        state = {n: state[n] for n in trained if n in state}
+        groups = _deepspeed_groups(folder, trained, states.get("param_shapes"), notes)
         class_name = optimizer_class_name or optimizer_class(groups)
         if class_name is None:
             class_name = "AdamW"

@@ -1,0 +1,404 @@
+"""Conversions between deltackpt and torch.save, DCP, safetensors and DeepSpeed universal checkpoints.
+
+Every round trip is compared bit for bit (dtype, shape, bytes) with its
+source: the restored step, or the live model and optimizer a foreign
+checkpoint was saved from. Bad input must raise an error naming the file or
+entry and leave no output behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import assert_same_value, assert_state_dicts_equal
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
+
+from deltackpt import CheckpointManager, UniversalCheckpoint, load_universal
+from deltackpt.errors import ConversionError
+from deltackpt.interop import convert, export, read_checkpoint
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              # torch's dcp.save and dcp.load in one process, as the tests mean to call them
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+
+STEP = 2
+
+
+def make_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Embedding, linear, batch norm (buffers), an output layer tied to the embedding; AdamW with
+    two param groups."""
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                          nn.Linear(8, 16, bias=False))
+    model[3].weight = model[0].weight
+    optimizer = torch.optim.AdamW([
+        {"params": [model[0].weight, model[1].weight]},
+        {"params": [model[1].bias, model[2].weight, model[2].bias], "lr": 5e-3, "weight_decay": 0.0}],
+        lr=1e-2)
+    return model, optimizer
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = STEP) -> None:
+    for _ in range(steps):
+        tokens = torch.randint(0, 16, (8,))
+        nn.functional.cross_entropy(model(tokens), torch.roll(tokens, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model, optimizer = make_model()
+    train(model, optimizer)
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def restored(trained: tuple[nn.Module, torch.optim.Optimizer],
+             tmp_path_factory: pytest.TempPathFactory) -> UniversalCheckpoint:
+    """The trained state saved as a deltackpt step (with extra and RNG states) and restored."""
+    model, optimizer = trained
+    path = tmp_path_factory.mktemp("interop") / "ckpt"
+    extra = {"epoch": 3, "tokens": torch.arange(4), "history": [(1, 0.5), (2, 0.25)]}
+    with CheckpointManager(path) as mgr:
+        mgr.save(STEP, model=model, optimizer=optimizer, extra=extra)
+    return load_universal(path)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Size and modification time of every file under ``root`` (or of ``root`` itself)."""
+    files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+
+
+def assert_model_equal(ckpt: UniversalCheckpoint, model: nn.Module) -> None:
+    assert_state_dicts_equal(ckpt.model, model.state_dict(), "model")
+
+
+def assert_optimizer_equal(ckpt: UniversalCheckpoint, model: nn.Module,
+                           optimizer: torch.optim.Optimizer) -> None:
+    """The checkpoint's optimizer is ``optimizer``: class, FQN-keyed state and param groups."""
+    expected = get_optimizer_state_dict(model, optimizer)
+    saved = ckpt.optimizer
+    assert saved["class"] == type(optimizer).__qualname__
+    assert_same_value(saved["state"], expected["state"], "optimizer state")
+    assert_same_value(saved["param_groups"], expected["param_groups"], "param groups")
+
+
+def assert_loads_into_fresh(ckpt: UniversalCheckpoint, model: nn.Module,
+                            optimizer: torch.optim.Optimizer) -> None:
+    """Strict loading into a new model and optimizer gives the very same state."""
+    fresh_model, fresh_optimizer = make_model()
+    ckpt.load_into(fresh_model, fresh_optimizer, rng=False)
+    assert_state_dicts_equal(fresh_model.state_dict(), model.state_dict(), "loaded model")
+    assert_same_value(fresh_optimizer.state_dict(), optimizer.state_dict(), "loaded optimizer")
+
+
+def assert_nothing_written(out: Path) -> None:
+    """``out`` was not created, and no temporary sibling of it was left behind."""
+    assert not out.exists()
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+
+
+# -- deltackpt -> X -> deltackpt -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch", "dcp"])
+def test_round_trip_through_format(restored: UniversalCheckpoint, tmp_path: Path, fmt: str) -> None:
+    exported = export(restored.captured(), STEP, tmp_path / fmt, fmt)
+    assert exported.left_out == ["rng"]
+    assert all(p.is_file() and p.parent == tmp_path / fmt for p in exported.files)
+    source = snapshot(tmp_path / fmt)
+
+    report = convert(tmp_path / fmt, tmp_path / "back")
+    assert (report.source_format, report.out_format, report.step) == (fmt, "deltackpt", STEP)
+    assert report.notes == []
+    assert snapshot(tmp_path / fmt) == source  # the source is never modified
+    back = load_universal(tmp_path / "back")
+    assert back.step == STEP and back.metadata.kind == "full"
+    expected = {n: t for n, t in restored.tensors.items() if not n.startswith("rng/")}
+    assert_state_dicts_equal(back.tensors, expected, fmt)
+    # the optimizer (class, groups, state) and extra come back as the same tagged JSON
+    assert back.metadata.state["optimizer"] == restored.metadata.state["optimizer"]
+    assert back.metadata.state["extra"] == restored.metadata.state["extra"]
+    assert back.metadata.state["rng"] is None
+    roles = {r.name: (r.role, r.alias_of) for r in restored.metadata.tensors if r.role != "rng"}
+    back_roles = {r.name: (r.role, r.alias_of) for r in back.metadata.tensors}
+    if fmt == "dcp":  # DCP stores a tied weight twice and records no buffers
+        assert back_roles.pop("model/3.weight") == ("buffer", None)
+        roles.pop("model/3.weight")
+    else:
+        assert back.tensors["model/3.weight"] is back.tensors["model/0.weight"]
+    assert back_roles == roles
+
+
+def test_torch_export_loads_into_torch(restored: UniversalCheckpoint,
+                                       trained: tuple[nn.Module, torch.optim.Optimizer],
+                                       tmp_path: Path) -> None:
+    model, optimizer = trained
+    export(restored.captured(), STEP, tmp_path, "torch")
+    document = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert (document["step"], document["optimizer_class"]) == (STEP, "AdamW")
+    fresh_model, fresh_optimizer = make_model()
+    fresh_model.load_state_dict(document["model"])
+    fresh_optimizer.load_state_dict(document["optimizer"])
+    assert_state_dicts_equal(fresh_model.state_dict(), model.state_dict())
+    expected = copy.deepcopy(optimizer.state_dict())
+    loaded = fresh_optimizer.state_dict()
+    assert [g.pop("param_names") for g in loaded["param_groups"]] == [
+        ["0.weight", "1.weight"], ["1.bias", "2.weight", "2.bias"]]
+    assert_same_value(loaded, expected)
+
+
+# -- DCP interop with torch's own dcp.save / dcp.load ------------------------------------------
+
+
+def test_dcp_export_loads_with_dcp_load(restored: UniversalCheckpoint,
+                                        trained: tuple[nn.Module, torch.optim.Optimizer],
+                                        tmp_path: Path) -> None:
+    model, optimizer = trained
+    out = tmp_path / "dcp"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    (out / ".metadata").write_text("an older checkpoint's index")
+    export(restored.captured(), STEP, out, "dcp", overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"  # overwriting keeps unrelated files
+
+    fresh_model, fresh_optimizer = make_model()
+    state = {"model": fresh_model.state_dict(),
+             "optimizer": get_optimizer_state_dict(fresh_model, fresh_optimizer)}
+    dcp.load(state, checkpoint_id=out)
+    set_state_dict(fresh_model, fresh_optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    assert_state_dicts_equal(fresh_model.state_dict(), model.state_dict(), "model")
+    assert_same_value(fresh_optimizer.state_dict(), optimizer.state_dict(), "optimizer")
+
+
+def test_dcp_saved_by_torch_converts(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                     tmp_path: Path) -> None:
+    model, optimizer = trained
+    source = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer),
+              "step": 7, "epoch": 3}, checkpoint_id=source)
+    report = convert(source, tmp_path / "out")
+    assert (report.source_format, report.step) == ("dcp", 7)
+    ckpt = load_universal(tmp_path / "out")
+    assert_model_equal(ckpt, model)
+    assert_optimizer_equal(ckpt, model, optimizer)  # the class is recognized as AdamW
+    assert ckpt.extra == {"epoch": 3}
+    assert_loads_into_fresh(ckpt, model, optimizer)
+
+
+# -- torch.save sources ------------------------------------------------------------------------
+
+
+def test_torch_save_sources(trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path) -> None:
+    model, optimizer = trained
+    # a bare state dict
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    bare = read_checkpoint(tmp_path / "model.pt")
+    assert (bare.format, bare.step, bare.state.tree["optimizer"]) == ("torch", None, None)
+    assert_state_dicts_equal(bare.state.model, model.state_dict())
+    assert {t.fqn for t in bare.state.tensors if t.role == "buffer"} == {"2.num_batches_tracked"}
+
+    # a training loop's dict: model, an optimizer built from named_parameters (index-keyed with
+    # param_names), the step and other entries (extra)
+    named = torch.optim.AdamW(
+        [{"params": [p for n, p in model.named_parameters()], "param_names": [
+            n for n, _ in model.named_parameters()]}], lr=1e-2)
+    named.load_state_dict({"state": optimizer.state_dict()["state"],
+                           "param_groups": [{**optimizer.state_dict()["param_groups"][0],
+                                             "params": list(range(5)),
+                                             "param_names": [n for n, _ in model.named_parameters()]}]})
+    document = {"model": model.state_dict(), "optim": named.state_dict(), "step": 11, "epoch": 3,
+                "losses": [0.5, 0.25]}
+    torch.save(document, tmp_path / "train.pt")
+    before = snapshot(tmp_path / "train.pt")
+    convert(tmp_path / "train.pt", tmp_path / "out")
+    assert snapshot(tmp_path / "train.pt") == before
+    ckpt = load_universal(tmp_path / "out")
+    assert ckpt.step == 11
+    assert_model_equal(ckpt, model)
+    assert ckpt.tensors["model/3.weight"] is ckpt.tensors["model/0.weight"]  # torch.save keeps the tie
+    assert ckpt.optimizer["class"] == "AdamW"
+    expected = get_optimizer_state_dict(model, named)
+    assert_same_value(ckpt.optimizer["state"], expected["state"])
+    assert [g["params"] for g in ckpt.optimizer["param_groups"]] == [
+        [n for n, _ in model.named_parameters()]]
+    assert ckpt.extra == {"epoch": 3, "losses": [0.5, 0.25]}
+
+
+# -- safetensors sources -----------------------------------------------------------------------
+
+
+def test_sharded_safetensors_with_index(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                        tmp_path: Path) -> None:
+    model, _ = trained
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    names = list(state)
+    shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
+    source = tmp_path / "hf"
+    source.mkdir()
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, source / file)
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+
+    for paths in (source, source / "model.safetensors.index.json",
+                  [source / f for f in shards]):
+        read = read_checkpoint(paths)
+        assert read.format == "safetensors"
+        assert_state_dicts_equal(read.state.model, state)
+    report = convert(source, tmp_path / "out", step=5)
+    assert report.step == 5
+    assert_model_equal(load_universal(tmp_path / "out"), model)
+
+    # an index naming a shard that is not there
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"0.weight": "model-00003-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"model-00003-of-00002\.safetensors does not exist"):
+        read_checkpoint(source)
+
+
+# -- DeepSpeed universal checkpoint ------------------------------------------------------------
+
+
+def deepspeed_folder(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     *, unsafe_model_states: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A DeepSpeed universal checkpoint of ``model`` and ``optimizer`` laid out as ds_to_universal.py
+    writes it: ``global_step2/zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``,
+    ``zero/optimizer_state.pt``, the copied ``mp_rank_00_model_states.pt`` (bfloat16 module with
+    its buffers), and ``latest_universal`` beside the folder. Returns the folder and the model
+    state dict DeepSpeed's consolidation gives: fp32 masters, the module's bfloat16 buffers."""
+    folder = root / f"global_step{STEP}"
+    sd = get_optimizer_state_dict(model, optimizer)
+    for name, param in model.named_parameters():  # each tied parameter once, as DeepSpeed names it
+        param_dir = folder / "zero" / name
+        param_dir.mkdir(parents=True)
+        torch.save({"param": param.detach().clone(), "cat_dim": 0}, param_dir / "fp32.pt")
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.save({"param": sd["state"][name][key].clone(), "cat_dim": 0}, param_dir / f"{key}.pt")
+        torch.save(sd["state"][name]["step"].clone(), param_dir / "step.pt")
+    torch.save({"param_groups": [{k: v for k, v in g.items()} | {"params": [i]}
+                                 for i, g in enumerate(optimizer.state_dict()["param_groups"])],
+                "clip_grad": 1.0, "ds_version": "0.16.4"}, folder / "zero" / "optimizer_state.pt")
+    module = {k: v.to(torch.bfloat16) if v.is_floating_point() else v.clone()
+              for k, v in model.state_dict().items()}
+    module["3.weight"] = module["0.weight"]  # tied: one tensor
+    param_shapes = [collections.OrderedDict((n, model.get_parameter(n).shape) for n in group)
+                    for group in (["0.weight", "1.weight"], ["1.bias", "2.weight", "2.bias"])]
+    states: dict[str, Any] = {"module": module, "buffer_names": ["2.running_mean", "2.running_var",
+                                                                 "2.num_batches_tracked"],
+                              "param_shapes": param_shapes, "global_steps": STEP, "ds_version": "0.16.4"}
+    if unsafe_model_states:
+        states["args"] = argparse.Namespace(lr=1e-2)  # Megatron-DeepSpeed keeps its arguments
+    torch.save(states, folder / "mp_rank_00_model_states.pt")
+    (root / "latest_universal").write_text(folder.name)
+    return folder, {k: module[k] if k in states["buffer_names"] else v
+                    for k, v in model.state_dict().items()}
+
+
+def test_deepspeed_universal_checkpoint(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                        tmp_path: Path) -> None:
+    model, optimizer = trained
+    _, expected = deepspeed_folder(tmp_path / "ds", model, optimizer)
+    report = convert(tmp_path / "ds", tmp_path / "out")  # the folder holding latest_universal
+    assert (report.source_format, report.step, report.notes) == ("deepspeed", STEP, [])
+    ckpt = load_universal(tmp_path / "out")
+    # fp32 masters for the parameters, the module's own buffers, the tie kept
+    assert_state_dicts_equal(ckpt.model, expected, "model")
+    assert ckpt.tensors["model/2.running_mean"].dtype == torch.bfloat16
+    assert ckpt.tensors["model/3.weight"] is ckpt.tensors["model/0.weight"]
+    assert {r.fqn for r in ckpt.metadata.tensors if r.role == "buffer"} == {
+        "2.running_mean", "2.running_var", "2.num_batches_tracked"}
+    assert_optimizer_equal(ckpt, model, optimizer)  # class recognized, groups and state kept
+
+
+def test_deepspeed_model_states_weights_only_refuses(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                                     tmp_path: Path) -> None:
+    model, optimizer = trained
+    folder, _ = deepspeed_folder(tmp_path / "ds", model, optimizer, unsafe_model_states=True)
+    read = read_checkpoint(folder, "deepspeed")
+    assert any("argparse.Namespace" in note for note in read.notes), read.notes
+    assert any("buffers and frozen parameters are missing" in note for note in read.notes)
+    params = dict(model.named_parameters())
+    assert_state_dicts_equal(read.state.model, {k: v.detach() for k, v in params.items()})
+    assert read.step == STEP  # from the folder's name
+    # without the module, membership of the groups is unknown: one group of the parameter
+    # folders in name order, and the two groups' hyperparameters cannot be placed
+    assert read.state.decoded("optimizer")["param_groups"] == [{"params": sorted(params)}]
+    assert any("2 param groups' hyperparameters could not be matched" in note for note in read.notes)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                                   tmp_path: Path) -> None:
+    model, optimizer = trained
+    out = tmp_path / "out"
+
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope.pt'} does not exist"):
+        convert(tmp_path / "nope.pt", out)
+    assert_nothing_written(out)
+
+    # a DeepSpeed parameter folder without its fp32 weights
+    folder, _ = deepspeed_folder(tmp_path / "ds", model, optimizer)
+    (folder / "zero" / "1.bias" / "fp32.pt").unlink()
+    with pytest.raises(ConversionError, match=r"zero/1\.bias: DeepSpeed parameter folder without fp32\.pt"):
+        convert(folder, out)
+    assert_nothing_written(out)
+
+    # an index-keyed optimizer state dict cannot name its parameters
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "plain.pt")
+    with pytest.raises(ConversionError, match=r"plain\.pt: optimizer param group 0 lists its parameters "
+                                              r"by index \(\[0, 1\]\) without 'param_names'"):
+        convert(tmp_path / "plain.pt", out)
+    assert_nothing_written(out)
+
+    # objects weights_only refuses are never unpickled, in a torch.save file or in a DCP entry
+    torch.save({"model": model.state_dict(), "args": argparse.Namespace(lr=1)}, tmp_path / "unsafe.pt")
+    with pytest.raises(ConversionError, match=r"unsafe\.pt: torch\.load\(weights_only=True\) refuses it, "
+                                              r"as it holds argparse\.Namespace"):
+        convert(tmp_path / "unsafe.pt", out)
+    dcp.save({"model": model.state_dict(), "args": argparse.Namespace(lr=1)}, checkpoint_id=tmp_path / "d")
+    with pytest.raises(ConversionError, match=r"d: entry 'args': torch\.load\(weights_only=True\) refuses "
+                                              r"it, as it holds argparse\.Namespace"):
+        convert(tmp_path / "d", out)
+    assert_nothing_written(out)
+
+    # a truncated safetensors file
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "m.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ConversionError, match=r"m\.safetensors: not a readable safetensors file"):
+        convert(tmp_path / "m.safetensors", out)
+    assert_nothing_written(out)
+
+    # an output directory that is not empty, without overwrite
+    torch.save(model.state_dict(), tmp_path / "good.pt")
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty; refusing to write into it"):
+        convert(tmp_path / "good.pt", out, out_format="safetensors")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    convert(tmp_path / "good.pt", out, out_format="safetensors", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "model.safetensors"]
+    assert_state_dicts_equal(load_file(out / "model.safetensors"), model.state_dict())
+
+    # an output inside the source, or holding it
+    with pytest.raises(ValueError, match="contains the checkpoint"):
+        convert(tmp_path / "good.pt", tmp_path, overwrite=True)
+    with pytest.raises(ValueError, match="is inside the checkpoint directory"):
+        convert(tmp_path / "d", tmp_path / "d" / "x")
+    assert not (tmp_path / "d" / "x").exists()
