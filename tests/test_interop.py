@@ -12,6 +12,8 @@ import argparse
 import collections
 import copy
 import json
+import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +377,24 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
     with pytest.raises(ConversionError, match=r"d: entry 'args': torch\.load\(weights_only=True\) refuses "
                                               r"it, as it holds argparse\.Namespace"):
         convert(tmp_path / "d", out)
+    assert_nothing_written(out)
+
+    # DCP's index is unpickled with only the globals an index holds: a crafted one runs nothing
+    marker = tmp_path / "pwned"
+
+    class Crafted:
+        def __reduce__(self) -> tuple:
+            return os.mkdir, (str(marker),)
+
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(Crafted()))
+    with pytest.raises(ConversionError, match=r"d/\.metadata refers to (posix|os)\.mkdir, which no DCP"):
+        convert(tmp_path / "d", out)
+    assert not marker.exists()
+    assert_nothing_written(out)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "d2")
+    (tmp_path / "d2" / "__0_0.distcp").unlink()
+    with pytest.raises(ConversionError, match=r"d2: DCP cannot read it: .*__0_0\.distcp"):
+        convert(tmp_path / "d2", out)
     assert_nothing_written(out)
 
     # a truncated safetensors file

@@ -83,20 +83,75 @@ def read_torch(paths: list[Path], optimizer_class_name: str | None = None) -> So
 # -- DCP ---------------------------------------------------------------------------------------
 
 
-def _load_dcp(path: Path) -> dict[str, Any]:
-    """Every entry of a DCP checkpoint, nested as it was saved, read by torch's own DCP reader.
+def _dcp_global_allowed(module: str, name: str) -> bool:
+    """Whether a DCP index (``.metadata``) may refer to ``module.name``: its own metadata classes,
+    torch dtypes, layouts and memory formats, ``torch.Size``, paths and ``OrderedDict``."""
+    if module == "torch.distributed.checkpoint.metadata":
+        import torch.distributed.checkpoint.metadata as metadata
 
-    DCP's default planner unpickles non-tensor entries with
-    ``torch.load(weights_only=False)``; this one loads them with
-    ``weights_only=True`` and refuses what that refuses, naming the entry.
+        return isinstance(getattr(metadata, name, None), type)
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None),
+                                            (torch.dtype, torch.layout, torch.memory_format))
+    return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                              ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+
+def _read_dcp_metadata(path: Path) -> Any:
+    """The DCP index ``path/.metadata``, unpickled with only the globals an index holds.
+
+    torch's ``FileSystemReader`` unpickles it with plain ``pickle.load``,
+    which would run whatever a crafted file asks for.
     """
     import pickle
 
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    index = path / ".metadata"
+
+    class IndexUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if not _dcp_global_allowed(module, name):
+                raise ConversionError(f"{index} refers to {module}.{name}, which no DCP index holds; "
+                                      "deltackpt never unpickles arbitrary objects")
+            return super().find_class(module, name)
+
+    try:
+        with index.open("rb") as f:
+            metadata = IndexUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as exc:
+        raise ConversionError(f"{index}: not a readable DCP index ({exc!r})") from None
+    if not isinstance(metadata, Metadata):
+        raise ConversionError(f"{index}: holds a {type(metadata).__qualname__}, not DCP metadata")
+    return metadata
+
+
+def _load_dcp(path: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, nested as it was saved, read by torch's own DCP reader.
+
+    The index is read by :func:`_read_dcp_metadata`. Tensors are read as
+    DCP reads them (``torch.load(weights_only=True)``); non-tensor entries,
+    which DCP's default planner unpickles with ``weights_only=False``, are
+    loaded with ``weights_only=True`` and refused, naming the entry, when
+    that refuses them.
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    metadata = _read_dcp_metadata(path)  # first, so its errors are ours, not logged fallbacks
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
     class WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
@@ -108,7 +163,7 @@ def _load_dcp(path: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            _load_state_dict(state, storage_reader=FileSystemReader(path), planner=WeightsOnlyPlanner(),
+            _load_state_dict(state, storage_reader=SafeReader(path), planner=WeightsOnlyPlanner(),
                              no_dist=True)
     except CheckpointException as exc:
         causes = [f[0] if isinstance(f, tuple) else f  # (exception, traceback)
@@ -117,7 +172,7 @@ def _load_dcp(path: Path) -> dict[str, Any]:
         if own is not None:
             raise own from None
         raise ConversionError(f"{path}: DCP cannot read it: {'; '.join(map(str, causes))}") from None
-    except (OSError, pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+    except (OSError, RuntimeError, ValueError, EOFError) as exc:
         raise ConversionError(f"{path}: DCP cannot read it: {exc}") from None
     return state
 
