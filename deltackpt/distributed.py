@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,15 @@ class Group:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return Group(dist.get_rank(), dist.get_world_size())
+
+    def ranks_on_this_host(self) -> int:
+        """How many ranks of the group run on this machine (they share its CPUs): torchrun's
+        ``LOCAL_WORLD_SIZE``, else counted by host name (a collective)."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and int(local) > 0:
+            return int(local)
+        host = socket.gethostname()
+        return sum(h == host for h in self.all_gather(host))
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""

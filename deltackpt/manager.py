@@ -62,6 +62,7 @@ from deltackpt.writer import (
     DEFAULT_CHUNK_BYTES,
     WrittenData,
     commit_step,
+    default_workers,
     merge_written,
     new_save_id,
     remove_unreferenced,
@@ -159,6 +160,7 @@ class CheckpointManager:
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None
         self.chunk_bytes = chunk_bytes
         self.workers = workers
+        self._rank_workers: int | None = None  # threads of each rank under torch.distributed
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
@@ -243,6 +245,16 @@ class CheckpointManager:
                     "writing to this directory; only one writer at a time is allowed")
             lock.__enter__()
             self._lock = lock
+
+    def _threads(self, group: Group | None) -> int | None:
+        """Threads to encode and decode with: ``workers`` if given; under torch.distributed, the
+        CPUs this process may use shared out between the ranks on its machine (one rank per
+        core would otherwise run as many threads as the machine has cores)."""
+        if self.workers is not None or group is None:
+            return self.workers
+        if self._rank_workers is None:
+            self._rank_workers = max(1, default_workers() // group.ranks_on_this_host())
+        return self._rank_workers
 
     # -- queries -----------------------------------------------------------------------
 
@@ -349,6 +361,7 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         check_same_state(captured, group)
+        threads = self._threads(group)  # a collective at the first save: before any rank can fail
         parts, local, base, save_id, error = {}, {}, None, None, None
         try:
             parts = shard_parts(captured, group)
@@ -373,7 +386,7 @@ class CheckpointManager:
                                   local=local)
             written = write_data(self.storage, step, save_id, captured, parts=parts,
                                  rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
-                                 chunk_bytes=self.chunk_bytes, workers=self.workers,
+                                 chunk_bytes=self.chunk_bytes, workers=threads,
                                  progress=progress and group.rank == 0)
             stats = encoder.class_stats
         except Exception as exc:  # reported to every rank below, then raised there
@@ -539,8 +552,9 @@ class CheckpointManager:
         target, holding this rank's shard ``boxes[name]``, and the reconstruction of those
         boxes; any rank's failure is raised on every rank."""
         tensors, recon, error = {}, None, None
+        threads = self._threads(group)
         try:
-            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=self.workers,
+            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=threads,
                                            progress=progress)
         except Exception as exc:  # raised on every rank by the check below
             if group is None:

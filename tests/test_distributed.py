@@ -173,6 +173,23 @@ def test_replicated_tensors_are_split_between_the_ranks_that_hold_them() -> None
     run_ranks(_replicated_parts, 3)
 
 
+def _threads_per_rank(rank: int, world: int, path: str) -> None:
+    from deltackpt.writer import default_workers
+
+    group = Group.current()
+    assert group.ranks_on_this_host() == world  # counted by host name
+    with CheckpointManager(path) as mgr:
+        assert mgr._threads(group) == max(1, default_workers() // world)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # torchrun's count wins
+    assert group.ranks_on_this_host() == 1
+    with CheckpointManager(path, workers=3) as mgr:
+        assert mgr._threads(group) == 3
+
+
+def test_ranks_on_one_machine_share_its_cpus(tmp_path: Path) -> None:
+    run_ranks(_threads_per_rank, 2, str(tmp_path / "ckpt"))
+
+
 def _load_fsdp(rank: int, world: int, path: str, expected: str) -> None:
     model, optimizer = _fsdp_trained(rank, steps=1)  # other values, same layout
     with CheckpointManager(path) as mgr:
