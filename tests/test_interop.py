@@ -239,6 +239,17 @@ def test_torch_save_sources(trained: tuple[nn.Module, torch.optim.Optimizer], tm
         [n for n, _ in model.named_parameters()]]
     assert ckpt.extra == {"epoch": 3, "losses": [0.5, 0.25]}
 
+    # an optimizer whose class neither the file records nor its hyperparameters tell
+    custom = get_optimizer_state_dict(model, optimizer)
+    custom["param_groups"] = [{"lr": 0.1, "momentum_decay": 0.5, "params": g["params"]}
+                              for g in custom["param_groups"]]
+    torch.save({"model": model.state_dict(), "optimizer": custom}, tmp_path / "custom.pt")
+    with pytest.raises(ConversionError, match=r"custom\.pt: the optimizer's class is not recorded and "
+                                              r"its hyperparameters \['lr', 'momentum_decay'\]"):
+        read_checkpoint(tmp_path / "custom.pt")
+    named_class = read_checkpoint(tmp_path / "custom.pt", optimizer_class_name="MyOptimizer")
+    assert named_class.state.decoded("optimizer")["class"] == "MyOptimizer"
+
 
 # -- safetensors sources -----------------------------------------------------------------------
 
@@ -405,6 +416,13 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
         convert(tmp_path / "m.safetensors", out)
     assert_nothing_written(out)
 
+    # a deltackpt directory is exported with restore, not converted
+    with CheckpointManager(tmp_path / "dk") as mgr:
+        mgr.save(1, model=model)
+    with pytest.raises(ConversionError, match="is a deltackpt checkpoint directory; export a step of it"):
+        convert(tmp_path / "dk", out)
+    assert_nothing_written(out)
+
     # an output directory that is not empty, without overwrite
     torch.save(model.state_dict(), tmp_path / "good.pt")
     out.mkdir()
@@ -422,3 +440,14 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
     with pytest.raises(ValueError, match="is inside the checkpoint directory"):
         convert(tmp_path / "d", tmp_path / "d" / "x")
     assert not (tmp_path / "d" / "x").exists()
+
+
+def test_failed_export_leaves_nothing(restored: UniversalCheckpoint, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export(restored.captured(), STEP, tmp_path / "out", "torch")
+    assert_nothing_written(tmp_path / "out")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from deltackpt.interop.exporters import OUT_FORMATS, export
 from deltackpt.interop.files import prepare_out
-from deltackpt.interop.sources import read_checkpoint
+from deltackpt.interop.sources import read_checkpoint, source_paths
 
 PathLike = str | os.PathLike[str]
 
@@ -51,7 +51,7 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
         raise ValueError(f"unknown output format {out_format!r}; choose one of {', '.join(OUT_FORMATS)}")
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    paths = [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
+    paths = source_paths(source)
     target = prepare_out(Path(out), paths, overwrite)
     read = read_checkpoint(paths, source_format, optimizer_class)
     if step is None:

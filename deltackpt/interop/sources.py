@@ -22,9 +22,10 @@ unpickled beyond what ``torch.load(weights_only=True)`` accepts.
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -474,14 +475,19 @@ def detect_format(paths: list[Path]) -> str:
     raise ConversionError(f"{path} looks like {' and '.join(formats)}; name the format (--from)")
 
 
-def read_checkpoint(paths: Path | list[Path], source_format: str | None = None,
-                    optimizer_class_name: str | None = None) -> Source:
-    """Read the checkpoint at ``paths`` (``source_format`` None: detected) into a :class:`Source`.
+def source_paths(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """``source`` (one path, or several) as a list of paths."""
+    return [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
+
+
+def read_checkpoint(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                    source_format: str | None = None, optimizer_class_name: str | None = None) -> Source:
+    """Read the checkpoint at ``source`` (``source_format`` None: detected) into a :class:`Source`.
 
     ``optimizer_class_name`` names the optimizer's class where the source
     does not record it and its hyperparameters do not tell.
     """
-    paths = [paths] if isinstance(paths, Path) else list(paths)
+    paths = source_paths(source)
     for path in paths:
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
