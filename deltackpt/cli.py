@@ -28,6 +28,7 @@ from deltackpt.format import METADATA_FILE, ROLES, StepMetadata, step_dir_name
 from deltackpt.interop import OUT_FORMATS, SOURCE_FORMATS, convert, export
 from deltackpt.interop.files import prepare_out
 from deltackpt.manager import CheckpointManager
+from deltackpt.patterns import ShardingSpec
 from deltackpt.progress import human_bytes
 from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
@@ -356,8 +357,10 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    sharding = ShardingSpec.load(args.spec) if args.spec else None
     report = convert(args.sources, args.out, source_format=args.source_format, out_format=args.to,
-                     step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class)
+                     step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class,
+                     sharding=sharding)
     sources = ", ".join(args.sources)
     _print_written(args, f"converted {sources} ({report.source_format}) into {report.out} as "
                          f"{report.out_format}, step {report.step}",
@@ -672,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
         "               latest_universal also works): fp32 weights, Adam state, the\n"
         "               hyperparameters of zero/optimizer_state.pt and the buffers of\n"
         "               mp_rank_00_model_states.pt where weights_only=True can load them\n\n"
+        "With --spec FILE, the SRCs are the checkpoints of the tensor-parallel ranks of a\n"
+        "hand-sharded run (Megatron style), rank 0 first, each in one of these formats; the\n"
+        "sharding spec in FILE (docs/PATTERNS.md) merges them into whole tensors.\n\n"
         "DIR (--to):\n\n"
         "  deltackpt    a standalone deltackpt directory holding one full, lossless step\n"
         + _EXPORT_FORMATS_HELP +
@@ -684,10 +690,15 @@ def build_parser() -> argparse.ArgumentParser:
         "  deltackpt convert model.pt --out runs/ckpt\n"
         "  deltackpt convert dcp_ckpt/ --to safetensors --out export/\n"
         "  deltackpt convert shards/ --from safetensors --out runs/ckpt --step 1000\n"
-        "  deltackpt convert ds/global_step100 --to dcp --out dcp_ckpt/ --json",
+        "  deltackpt convert ds/global_step100 --to dcp --out dcp_ckpt/ --json\n"
+        "  deltackpt convert tp0.pt tp1.pt tp2.pt tp3.pt --spec gpt_tp.json --out runs/ckpt",
         _cmd_convert, [])
     convert.add_argument("sources", nargs="+", metavar="SRC",
-                         help="checkpoint file or directory (several: .safetensors files)")
+                         help="checkpoint file or directory (several: .safetensors files, or the "
+                              "ranks' checkpoints with --spec)")
+    convert.add_argument("--spec", metavar="FILE",
+                         help="sharding spec (JSON, docs/PATTERNS.md) merging the SRCs, one per "
+                              "tensor-parallel rank in rank order")
     convert.add_argument("--out", required=True, metavar="DIR", help="output directory")
     convert.add_argument("--from", dest="source_format", choices=SOURCE_FORMATS,
                          help="format of SRC (default: detected)")

@@ -270,3 +270,42 @@ def test_the_documented_megatron_spec_parses_and_fits_megatron_names() -> None:
     assert rules[layer + "self_attention.linear_proj.weight"].dim == 1
     assert rules[layer + "self_attention.linear_proj.bias"].kind == "replicated"
     assert rules["output_layer.weight"].padded_size(8) == 51200
+
+
+def test_ranks_checkpoints_convert_into_one_universal_step(tmp_path) -> None:
+    """``deltackpt convert tp0.pt tp1.pt --spec``: the ranks' torch.save files of a hand-sharded
+    run merge into the whole model and optimizer state; a spec that does not fit is named."""
+    from deltackpt.cli import main
+    from deltackpt.errors import ConversionError
+    from deltackpt.interop import convert
+
+    model = whole_model()
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
+    tp_forward([model], torch.tensor([3, 1, 4, 1, 5])).square().mean().backward()
+    optimizer.step()
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(7, model=model, optimizer=optimizer, rng=False)
+        ckpt = mgr.restore(7)
+    files = []
+    for rank in range(2):
+        sliced = TPModel(2, rank)
+        sliced_opt = torch.optim.AdamW(sliced.named_parameters(), lr=1e-3)
+        split_checkpoint(ckpt, SPEC, rank, 2).load_into(sliced, sliced_opt)
+        files.append(tmp_path / f"tp{rank}.pt")
+        torch.save({"model": sliced.state_dict(), "optimizer": sliced_opt.state_dict(), "step": 7},
+                   files[-1])
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(SPEC.as_dict()))
+    assert main(["convert", *map(str, files), "--spec", str(spec_file), "--out",
+                 str(tmp_path / "merged")]) == 0
+    merged = CheckpointManager(tmp_path / "merged", read_only=True).restore(7)
+    assert_state_dicts_equal(merged.model, model.state_dict(), "merged model")
+    for fqn, state in merged.optimizer["state"].items():
+        for key, value in state.items():
+            assert_bitwise_equal(value, ckpt.optimizer["state"][fqn][key], f"{fqn}/{key}")
+    typo = ShardingSpec((*SPEC.rules, ShardRule("*.qvk.weight")))
+    with pytest.raises(ConversionError, match=r"tp0\.pt, .*tp1\.pt \(rank 0 first\): sharding spec "
+                                              r"does not fit the state: rule '\*\.qvk\.weight' "
+                                              r"matches no tensor"):
+        convert(files, tmp_path / "bad", sharding=typo)
+    assert not (tmp_path / "bad").exists()

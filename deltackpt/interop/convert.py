@@ -12,6 +12,7 @@ from pathlib import Path
 from deltackpt.interop.exporters import OUT_FORMATS, export
 from deltackpt.interop.files import prepare_out
 from deltackpt.interop.sources import read_checkpoint, source_paths
+from deltackpt.patterns import ShardingSpec
 
 PathLike = str | os.PathLike[str]
 
@@ -31,7 +32,7 @@ class ConvertReport:
 
 def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_format: str | None = None,
             out_format: str = "deltackpt", step: int | None = None, overwrite: bool = False,
-            optimizer_class: str | None = None) -> ConvertReport:
+            optimizer_class: str | None = None, sharding: ShardingSpec | None = None) -> ConvertReport:
     """Convert the checkpoint at ``source`` into ``out_format`` in the directory ``out``.
 
     ``source`` is a ``torch.save`` file, a DCP directory, safetensors files
@@ -42,7 +43,10 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
     lossless step), ``"safetensors"``, ``"dcp"`` or ``"torch"``. ``step`` is
     the step number to record (default: the source's own, else 0).
     ``optimizer_class`` names the optimizer's class where the source does
-    not record it and its hyperparameters do not tell.
+    not record it and its hyperparameters do not tell. With ``sharding``
+    (a :class:`~deltackpt.patterns.ShardingSpec`), ``source`` lists the
+    checkpoints of the tensor-parallel ranks of a hand-sharded run, in rank
+    order, merged into whole tensors by that spec (docs/PATTERNS.md).
 
     The source is never modified. ``out`` must be new or empty unless
     ``overwrite``; output files appear complete or not at all.
@@ -53,7 +57,7 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     paths = source_paths(source)
     target = prepare_out(Path(out), paths, overwrite)
-    read = read_checkpoint(paths, source_format, optimizer_class)
+    read = read_checkpoint(paths, source_format, optimizer_class, sharding)
     if step is None:
         step = read.step if read.step is not None else 0
     written = export(read.state, step, target, out_format, overwrite=overwrite)

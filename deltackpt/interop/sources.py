@@ -13,10 +13,14 @@ One reader per format, registered in :data:`READERS`, and
 * ``deepspeed``: a DeepSpeed universal checkpoint folder (``zero/<param>/fp32.pt``,
   ``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``), as ``ds_to_universal.py`` writes it.
 
-A new source (a reader of per-rank hand-sharded state dicts, say) is a
-function ``(paths, optimizer_class) -> Source`` added to :data:`READERS`
-and, if it can be recognized, to :func:`detect_format`. Nothing is ever
-unpickled beyond what ``torch.load(weights_only=True)`` accepts.
+The checkpoints of the ranks of a hand-sharded run (one per tensor-parallel
+rank, each in any of these formats) are read with a sharding spec
+(docs/PATTERNS.md) that merges them into whole tensors: :func:`read_sharded`.
+
+A new source is a function ``(paths, optimizer_class) -> Source`` added to
+:data:`READERS` and, if it can be recognized, to :func:`detect_format`.
+Nothing is ever unpickled beyond what ``torch.load(weights_only=True)``
+accepts.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ from typing import Any
 
 import torch
 
-from deltackpt.errors import ConversionError
+from deltackpt.errors import ConversionError, DeltackptError
 from deltackpt.format import ROOT_MARKER
 from deltackpt.interop.files import load_weights_only
 from deltackpt.interop.layouts import TORCH_FILE, Parts, guess_buffers, optimizer_class, split_document
+from deltackpt.patterns import ShardingSpec, merge_states
 from deltackpt.state import CapturedState, capture_values
 from deltackpt.tree import decode_tree
 
@@ -480,17 +485,41 @@ def source_paths(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
 
 
+def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str | None = None,
+                 optimizer_class_name: str | None = None) -> Source:
+    """The checkpoints of the tensor-parallel ranks of a hand-sharded run, one path per rank in
+    rank order, merged into whole tensors by ``sharding`` (:func:`~deltackpt.patterns.merge_states`).
+
+    Each rank's checkpoint is read as :func:`read_checkpoint` reads one
+    (``source_format`` None: detected per path). The step, RNG states,
+    ``extra`` and optimizer param groups are rank 0's.
+    """
+    ranks = [read_checkpoint(path, source_format, optimizer_class_name) for path in paths]
+    try:
+        state = merge_states([r.state for r in ranks], sharding)
+    except (ValueError, DeltackptError) as exc:
+        raise ConversionError(f"merging the ranks' checkpoints {', '.join(map(str, paths))} "
+                              f"(rank 0 first): {exc}") from None
+    notes = list(dict.fromkeys(note for r in ranks for note in r.notes))
+    return Source(f"{ranks[0].format}, {len(ranks)} ranks merged", state, ranks[0].step, notes)
+
+
 def read_checkpoint(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                    source_format: str | None = None, optimizer_class_name: str | None = None) -> Source:
+                    source_format: str | None = None, optimizer_class_name: str | None = None,
+                    sharding: ShardingSpec | None = None) -> Source:
     """Read the checkpoint at ``source`` (``source_format`` None: detected) into a :class:`Source`.
 
     ``optimizer_class_name`` names the optimizer's class where the source
-    does not record it and its hyperparameters do not tell.
+    does not record it and its hyperparameters do not tell. With
+    ``sharding``, ``source`` lists the checkpoints of the ranks of a
+    hand-sharded run, merged by that spec (:func:`read_sharded`).
     """
     paths = source_paths(source)
     for path in paths:
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
+    if sharding is not None:
+        return read_sharded(paths, sharding, source_format, optimizer_class_name)
     if source_format is None:
         source_format = detect_format(paths)
     elif source_format not in READERS:
