@@ -22,8 +22,10 @@ however long the chain.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -258,8 +260,10 @@ def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord
 
     def task(links: list[_Link]) -> _RangeTask:
         lo, hi = links[-1].chunk.raw_offset, links[-1].chunk.raw_offset + links[-1].chunk.raw_length
+        first = lo // itemsize  # in the fragment: quant streams (dither) count from it
+        lo, hi = lo - piece.skip * itemsize, hi - piece.skip * itemsize  # in the buffer
         return _RangeTask(links, None if state is None else state[lo // itemsize : hi // itemsize],
-                          raw[lo:hi], lo // itemsize)
+                          raw[lo:hi], first)
 
     bounds = {tuple((c.raw_offset, c.raw_length) for c in r.fragments[k].chunks) for _, r in steps}
     if len(bounds) > 1:
@@ -282,6 +286,7 @@ class _Piece:
     box: Box
     buffer: torch.Tensor
     state: np.ndarray | None
+    skip: int = 0  # elements of the fragment before the buffer's first (a span, see _spans)
 
     @property
     def raw(self) -> np.ndarray:
@@ -293,12 +298,12 @@ class _Piece:
 
 
 def _pieces(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch.Tensor,
-            decoded: bool) -> list[_Piece]:
+            decoded: bool, skip: int = 0) -> list[_Piece]:
     """The pieces of ``tensor`` (flat, holding its values if ``decoded``), one per fragment of
-    ``record``."""
+    ``record``; ``skip``: the elements of a span (one fragment) before the tensor's first."""
     if _whole(record):
         return [_Piece((record.fragments[0].offsets, record.shape), tensor,
-                       _state(values, record, tensor, decoded))]
+                       _state(values, record, tensor, decoded), skip)]
     shaped = tensor.view(record.shape)
     pieces = []
     for frag in record.fragments:
@@ -335,9 +340,11 @@ def _regions(final: dict[str, TensorRecord], boxes: dict[str, Box]) -> dict[str,
     over another region, are left out: they are rebuilt whole."""
     regions = {}
     for name, box in boxes.items():
-        record = final[name]
+        record = final.get(name)  # None: a tied weight, restricted as its target
+        if record is None or _whole(record):
+            continue
         inside = [f for f in record.fragments if f.sizes and box_intersection((f.offsets, f.sizes), box)]
-        if not inside or _whole(record):
+        if not inside:
             continue
         lo = [min(f.offsets[d] for f in inside) for d in range(len(record.shape))]
         hi = [max(f.offsets[d] + f.sizes[d] for f in inside) for d in range(len(record.shape))]
@@ -346,26 +353,85 @@ def _regions(final: dict[str, TensorRecord], boxes: dict[str, Box]) -> dict[str,
                       and box_intersection((f.offsets, f.sizes), region)]
         if not straddling:
             regions[name] = region
-    for name, record in final.items():
-        source = _cast_of(record) or _scale_of(record)
-        if source is not None and regions.get(name) != regions.get(source):
-            regions.pop(name, None)
-            regions.pop(source, None)
     return regions
 
 
-def _restricted(meta: StepMetadata, regions: dict[str, Box]) -> StepMetadata:
-    """``meta`` with each tensor of ``regions`` cut down to that box: its shape the box's, its
-    fragments those inside the box, offsets relative to it (its chunks are unchanged)."""
+def _spans(chain: list[StepMetadata], boxes: dict[str, Box]) -> dict[str, tuple[int, int]]:
+    """For each tensor of ``boxes`` stored whole (one fragment) in every step of the chain:
+    the elements ``[lo, hi)`` (row-major) of the chunks that hold its box, widened until no
+    chunk of any step straddles them. Tensors whose span would be all of them are left out."""
+    records = [{r.name: r for r in m.tensors} for m in chain]
+    spans = {}
+    for name, (offsets, sizes) in boxes.items():
+        steps = [r.get(name) for r in records]
+        if any(r is None or r.alias_of is not None or not _whole(r) for r in steps) \
+                or not all(sizes):
+            continue
+        shape, itemsize = steps[-1].shape, spec_named(steps[-1].dtype, name).itemsize
+        strides = _strides(shape)
+        lo = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
+        hi = (sum((o + n - 1) * s for o, n, s in zip(offsets, sizes, strides, strict=True))
+              + 1) * itemsize
+        while True:
+            chunks = [c for r in steps for c in r.fragments[0].chunks
+                      if c.raw_offset < hi and c.raw_offset + c.raw_length > lo]
+            wider = (min([lo, *(c.raw_offset for c in chunks)]),
+                     max([hi, *(c.raw_offset + c.raw_length for c in chunks)]))
+            if wider == (lo, hi):
+                break
+            lo, hi = wider
+        if hi - lo < steps[-1].nbytes:
+            spans[name] = (lo // itemsize, hi // itemsize)
+    return spans
+
+
+def _paired(final: dict[str, TensorRecord], cuts: dict[str, Any]) -> dict[str, Any]:
+    """``cuts`` without the tensors cast from or scaled by a tensor cut otherwise (or not at
+    all), and without those sources: such pairs are decoded element for element together."""
+    cuts = dict(cuts)
+    for name, record in final.items():
+        source = _cast_of(record) or _scale_of(record)
+        if source is not None and cuts.get(name) != cuts.get(source):
+            cuts.pop(name, None)
+            cuts.pop(source, None)
+    return cuts
+
+
+def _restricted(meta: StepMetadata, regions: dict[str, Box],
+                spans: dict[str, tuple[int, int]]) -> StepMetadata:
+    """``meta`` with each tensor of ``regions`` cut down to that box (its shape the box's, its
+    fragments those inside the box, offsets relative to it) and each of ``spans`` to those
+    elements (a flat tensor of one fragment holding the chunks inside them). Chunks are
+    unchanged: their ``raw_offset`` stays relative to their fragment."""
     def cut(record: TensorRecord) -> TensorRecord:
+        if record.name in spans:
+            lo, hi = spans[record.name]
+            itemsize = spec_named(record.dtype, record.name).itemsize
+            frag = record.fragments[0]
+            chunks = [c for c in frag.chunks if lo * itemsize <= c.raw_offset < hi * itemsize]
+            return replace(record, shape=[hi - lo],
+                           fragments=[replace(frag, offsets=[0], sizes=[hi - lo], chunks=chunks)])
         lo, sizes = regions[record.name]
         inside = [replace(f, offsets=[o - b for o, b in zip(f.offsets, lo, strict=True)])
                   for f in record.fragments if f.sizes and box_intersection((f.offsets, f.sizes),
                                                                         (lo, sizes))]
         return replace(record, shape=list(sizes), fragments=inside)
 
-    return replace(meta, tensors=[cut(r) if r.name in regions and r.alias_of is None else r
-                                  for r in meta.tensors])
+    return replace(meta, tensors=[cut(r) if (r.name in regions or r.name in spans)
+                                  and r.alias_of is None else r for r in meta.tensors])
+
+
+def _strides(shape: list[int]) -> list[int]:
+    """Row-major strides (in elements) of a tensor of ``shape``."""
+    return [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+
+def _cut_span(flat: torch.Tensor, lo: int, shape: list[int], box: Box) -> torch.Tensor:
+    """Box ``box`` of a tensor of ``shape`` whose row-major elements ``lo..`` ``flat`` holds."""
+    offsets, sizes = box
+    strides = _strides(shape)
+    start = sum(o * s for o, s in zip(offsets, strides, strict=True)) - lo
+    return flat.as_strided(sizes, strides, flat.storage_offset() + start).contiguous()
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box] | None = None,
@@ -381,7 +447,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     for ``read_tensors``: the tensor returned, and its running values in
     the reconstruction, have the box's sizes. A tensor stored in several
     fragments (saved by several ranks) is rebuilt only over the fragments
-    that overlap its box; one stored whole is rebuilt whole, then cut.
+    that overlap its box; one stored whole (saved by one process) only over
+    the chunks that hold the box's first to last element.
     """
     chain = chain_of(storage, meta)
     full_step = chain[0]
@@ -394,8 +461,12 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
                 _state(values, record, tensors[record.name].reshape(-1))
         return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
                                        chain=[meta.step])
-    regions = _regions({r.name: r for r in meta.tensors if r.alias_of is None}, boxes)
-    chain = [_restricted(m, regions) for m in chain]
+    stored = {r.name: r for r in meta.tensors if r.alias_of is None}
+    regions, spans = _regions(stored, boxes), _spans(chain, boxes)
+    kept = _paired(stored, {**regions, **spans})
+    regions = {n: c for n, c in regions.items() if n in kept}
+    spans = {n: c for n, c in spans.items() if n in kept}
+    chain = [_restricted(m, regions, spans) for m in chain]
     records = [{r.name: r for r in m.tensors} for m in chain]
     final = {r.name: r for r in chain[-1].tensors if r.alias_of is None}
     casts = {name: _checked_cast(meta, record, final) for name, record in final.items()
@@ -421,7 +492,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
         was_read = name in read_first
-        pieces[name] = _pieces(values, record, tensors[name], decoded=was_read)
+        pieces[name] = _pieces(values, record, tensors[name], decoded=was_read,
+                               skip=spans.get(name, (0, 0))[0])
         for k, piece in enumerate(pieces[name]):
             planned = _range_tasks(chain, records, name, 1 if was_read else start[name], k, piece)
             rounds += [[] for _ in range(len(planned) - len(rounds))]
@@ -438,14 +510,16 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
             record = final[name]
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
-            pieces[name] = _pieces(values, record, tensors[name], decoded=False)
+            pieces[name] = _pieces(values, record, tensors[name], decoded=False,
+                                   skip=spans.get(name, (0, 0))[0])
             for frag, piece, source_piece in zip(record.fragments, pieces[name], pieces[source],
                                                  strict=True):
                 for c in frag.chunks:
-                    lo, hi = c.raw_offset // spec.itemsize, (c.raw_offset + c.raw_length) // spec.itemsize
-                    derived.append(_DerivedTask(record, c, piece.raw[c.raw_offset : c.raw_offset
-                                                                     + c.raw_length],
-                                                source_piece.state[lo:hi], lo))
+                    first = c.raw_offset // spec.itemsize
+                    lo, hi = first - piece.skip, first - piece.skip + c.raw_length // spec.itemsize
+                    derived.append(_DerivedTask(record, c, piece.raw[lo * spec.itemsize :
+                                                                     hi * spec.itemsize],
+                                                source_piece.state[lo:hi], first))
         run_chunk_tasks(derived, lambda t: _restore_derived(sources[-1], t), workers,
                         f"decode casts and scaled moments of step {meta.step}", progress)
     finally:
@@ -457,7 +531,13 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     for name, record in final.items():
         _state(values, record, tensors[name])  # running values of tensors no delta touched
         tensors[name] = tensors[name].reshape(record.shape)
-        if name in boxes:
+        if name in spans:
+            shape = stored[name].shape
+            tensors[name] = _cut_span(tensors[name], spans[name][0], shape, boxes[name])
+            if name in values:
+                values[name] = _cut_span(torch.from_numpy(values[name]), spans[name][0], shape,
+                                         boxes[name]).reshape(-1).numpy()
+        elif name in boxes:
             index = box_index(*boxes[name], regions.get(name, (None, None))[0])
             tensors[name] = tensors[name][index].contiguous()
             if name in values:

@@ -24,7 +24,7 @@ from torch import nn
 from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
 from deltackpt.chain import restore_chain
 from deltackpt.codecs.lossless import zstd_compress
-from deltackpt.codecs.quant import decode_quant, quant_stream, zstd_decompress_bounded
+from deltackpt.codecs.quant import decode_quant, quant_stream, scale_source, zstd_decompress_bounded
 from deltackpt.dtypes import dtype_bytes, float32_values
 from deltackpt.format import Chunk, StepMetadata
 from deltackpt.reader import ChunkSource, read_metadata
@@ -290,3 +290,56 @@ def test_wrong_symbols_in_the_middle_fail_the_final_check(tmp_path: Path) -> Non
                            match=rf"step {step}, tensor 'model/0\.weight'.*do not match"):
             mgr.restore(step)
     assert mgr.verify(4, deep=True)[4]
+
+
+# -- boxes of tensors stored whole ----------------------------------------------------------------
+
+
+def _balanced_chain(root: Path) -> None:
+    """The default preset: weights dithered, exp_avg scaled by exp_avg_sq (decoded after it)."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(root, full_every=100, chunk_bytes=1024) as mgr:
+        for step in range(4):
+            _train(model, optimizer)
+            mgr.save(step, model, optimizer, rng=False)
+
+
+@pytest.mark.parametrize("chain", ["fine", "balanced", "chunk size changing"])
+def test_a_box_of_a_tensor_stored_whole_is_rebuilt_from_its_chunks_only(
+        tmp_path: Path, monkeypatch, chain: str) -> None:
+    """restore_chain(boxes=) on a chain saved by one process: the box of each tensor (and its
+    running values) equals the whole restore's, and only the chunks holding it are read."""
+    root = tmp_path / "ckpt"
+    if chain == "balanced":
+        _balanced_chain(root)
+    elif chain == "fine":
+        _save_chain(root, range(4))
+    else:
+        test_chunk_size_changing_along_the_chain(tmp_path)
+    storage = open_storage(root)
+    meta = read_metadata(storage, max(CheckpointManager(root, read_only=True).steps()))
+    assert meta.kind == "delta"
+    if chain == "balanced":
+        assert any(scale_source(c.params) for c in _chunks(meta, "optimizer/state/0.weight/exp_avg")
+                   if c.codec == "quant")  # decoded as derived tasks, after exp_avg_sq
+    whole, recon = restore_chain(storage, meta)
+    names = [WEIGHT, "optimizer/state/0.weight/exp_avg", "optimizer/state/0.weight/exp_avg_sq"]
+    read = []
+    stored = ChunkSource.stored
+    monkeypatch.setattr(ChunkSource, "stored", lambda self, r, c: read.append(
+        (r.name, c.raw_offset)) or stored(self, r, c))
+    for offsets, sizes in [([20, 0], [10, 32]), ([0, 5], [64, 2]), ([63, 31], [1, 1]),
+                           ([0, 0], [64, 32])]:
+        read.clear()
+        tensors, boxed = restore_chain(storage, meta, boxes={n: (offsets, sizes) for n in names})
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        for name in names:
+            assert torch.equal(tensors[name], whole[name][index]), (offsets, name)
+            expected = recon.values[name].reshape(64, 32)[index].reshape(-1)
+            assert boxed.values[name].view(np.uint32).tobytes() == \
+                expected.view(np.uint32).tobytes(), (offsets, name)
+        if (offsets, sizes) == ([20, 0], [10, 32]) and chain != "chunk size changing":
+            # rows 20-29 are bytes 2560-3840: the chunks at 2048 and 3072 of every step
+            assert {(n, o) for n, o in read if n in names} == {(n, o) for n in names
+                                                                for o in (2048, 3072)}
