@@ -86,10 +86,9 @@ class UniversalCheckpoint:
         The result is an ordinary deltackpt directory holding one full step:
         ``deltackpt.load_universal(path)`` or any tool of this package reads it.
         """
-        from deltackpt.manager import CheckpointManager
+        from deltackpt.interop.exporters import save_standalone
 
-        with CheckpointManager(path) as mgr:
-            return mgr.save_captured(self.step, self.captured(), overwrite=overwrite)
+        return save_standalone(self.captured(), self.step, path, overwrite=overwrite)
 
 
 def load_universal(path: str | os.PathLike[str], step: int | None = None) -> UniversalCheckpoint:

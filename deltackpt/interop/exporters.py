@@ -12,11 +12,12 @@ when complete (:func:`~deltackpt.interop.files.publish_directory`).
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from deltackpt.format import ROOT_MARKER, step_dir_name, tensor_name
 from deltackpt.interop.files import publish_directory
 from deltackpt.interop.layouts import OPTIMIZER_CLASS_KEY, TORCH_FILE, native_optimizer, weights_only_loadable
 from deltackpt.state import CapturedState
+
+if TYPE_CHECKING:
+    from deltackpt.manager import SaveInfo
 
 OUT_FORMATS = ("deltackpt", "safetensors", "dcp", "torch")
 
@@ -55,11 +59,17 @@ def export(captured: CapturedState, step: int, out: Path, out_format: str, *,
     return Export(files, ["rng"] if captured.tree.get("rng") is not None else [])
 
 
-def _export_deltackpt(captured: CapturedState, step: int, out: Path, overwrite: bool) -> list[Path]:
+def save_standalone(captured: CapturedState, step: int, path: str | os.PathLike[str], *,
+                    overwrite: bool = False) -> SaveInfo:
+    """Write ``captured`` losslessly as step ``step`` of the deltackpt directory at ``path``."""
     from deltackpt.manager import CheckpointManager
 
-    with CheckpointManager(out, compression="lossless") as mgr:
-        mgr.save_captured(step, captured, overwrite=overwrite)
+    with CheckpointManager(path, compression="lossless") as mgr:
+        return mgr.save_captured(step, captured, overwrite=overwrite)
+
+
+def _export_deltackpt(captured: CapturedState, step: int, out: Path, overwrite: bool) -> list[Path]:
+    save_standalone(captured, step, out, overwrite=overwrite)
     return [out / ROOT_MARKER, *sorted((out / step_dir_name(step)).iterdir())]
 
 
