@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal, assert_state_dicts_equal
 from torch import nn
 from torch.nn import functional as F
 
 from deltackpt import CheckpointManager, StateMismatchError
 from deltackpt.patterns import ShardingSpec, ShardRule, merge_states, split_checkpoint
 from deltackpt.state import capture
-from tests.helpers import assert_bitwise_equal, assert_state_dicts_equal
 
 VOCAB, DIM, HEAD, N_Q, N_KV, FFN = 50, 16, 2, 8, 4, 24
 Q, KV = N_Q * HEAD, N_KV * HEAD
