@@ -167,12 +167,19 @@ def test_dcp_save(benchmark, four) -> None:
 def test_full_save(benchmark, four) -> None:
     ranks, tmp = four
     paths = [tmp / f"full-{i}" for i in range(ROUNDS)] + [tmp / "ckpt"]  # fresh, as dcp.save's
+    written: list[Path] = []
+
+    def delete_previous() -> None:  # as before each dcp.save: no earlier save's data to flush
+        for path in written:
+            shutil.rmtree(path, ignore_errors=True)
 
     def full() -> list:
-        return ranks.run("save", str(paths.pop(0)), 1)
+        written.append(paths.pop(0))
+        return ranks.run("save", str(written[-1]), 1)
 
-    kinds = benchmark.pedantic(full, rounds=ROUNDS)
+    kinds = benchmark.pedantic(full, rounds=ROUNDS, setup=delete_previous)
     assert set(kinds) == {"full"}
+    delete_previous()
     full()  # the step the loads read
     step_dir = tmp / "ckpt" / "step-000000000001"
     record(benchmark, "deltackpt full save, 4 ranks", _raw_bytes(), _dir_bytes(step_dir))
