@@ -92,9 +92,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         write(f"deltackpt benchmarks, TinyGPT {model} (size-training steps); GB/s of raw state, best round")
         write(f"{'benchmark':<40} {'raw MB':>9} {'GB/s':>7} {'vs memcpy':>10} {'ratio':>7}")
         for r in group:
-            rel = rate[r["name"]] / rate["memcpy"] if "memcpy" in rate else float("nan")
+            rel = f"{rate[r['name']] / rate['memcpy']:.3f}x" if "memcpy" in rate else "-"
             ratio = f"{r['raw'] / r['out']:.3f}x" if r["out"] else "-"
-            write(f"{r['name']:<40} {r['raw'] / 1e6:>9.1f} {rate[r['name']] / 1e9:>7.3f} {rel:>9.3f}x "
+            write(f"{r['name']:<40} {r['raw'] / 1e6:>9.1f} {rate[r['name']] / 1e9:>7.3f} {rel:>10} "
                   f"{ratio:>7}")
     for text in _notes:
         write(text)
