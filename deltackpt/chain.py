@@ -336,8 +336,7 @@ def _assemble(values: dict[str, np.ndarray], record: TensorRecord, tensor: torch
 def _regions(final: dict[str, TensorRecord], boxes: dict[str, Box]) -> dict[str, Box]:
     """The box of each tensor of ``boxes`` to rebuild: the smallest one its fragments that
     overlap the wanted box tile (that box itself when fragments line up with it). Tensors
-    whose fragments straddle that region, or that are cast from or scaled by a tensor rebuilt
-    over another region, are left out: they are rebuilt whole."""
+    stored whole (see :func:`_spans`) or whose fragments straddle that region are left out."""
     regions = {}
     for name, box in boxes.items():
         record = final.get(name)  # None: a tied weight, restricted as its target
@@ -368,9 +367,8 @@ def _spans(chain: list[StepMetadata], boxes: dict[str, Box]) -> dict[str, tuple[
                 or not all(sizes):
             continue
         shape, itemsize = steps[-1].shape, spec_named(steps[-1].dtype, name).itemsize
-        strides = _strides(shape)
-        lo = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
-        hi = (sum((o + n - 1) * s for o, n, s in zip(offsets, sizes, strides, strict=True))
+        lo = _flat_index(offsets, shape) * itemsize
+        hi = (_flat_index([o + n - 1 for o, n in zip(offsets, sizes, strict=True)], shape)
               + 1) * itemsize
         while True:
             chunks = [c for r in steps for c in r.fragments[0].chunks
@@ -426,12 +424,16 @@ def _strides(shape: list[int]) -> list[int]:
     return [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
 
+def _flat_index(index: list[int], shape: list[int]) -> int:
+    """Row-major position of element ``index`` of a tensor of ``shape``."""
+    return sum(i * s for i, s in zip(index, _strides(shape), strict=True))
+
+
 def _cut_span(flat: torch.Tensor, lo: int, shape: list[int], box: Box) -> torch.Tensor:
     """Box ``box`` of a tensor of ``shape`` whose row-major elements ``lo..`` ``flat`` holds."""
     offsets, sizes = box
-    strides = _strides(shape)
-    start = sum(o * s for o, s in zip(offsets, strides, strict=True)) - lo
-    return flat.as_strided(sizes, strides, flat.storage_offset() + start).contiguous()
+    start = _flat_index(offsets, shape) - lo
+    return flat.as_strided(sizes, _strides(shape), flat.storage_offset() + start).contiguous()
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box] | None = None,

@@ -257,8 +257,9 @@ def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
                               run_check=False, shape=target.shape, stride=target.stride())
 
 
-def shard_parts(captured: CapturedState, group: Group) -> dict[str, list[Part]]:
-    """The boxes of each stored tensor this rank writes (:func:`parts_to_write`), by name; a
-    tensor has at most one, whose values its delta encoder codes."""
+def shard_parts(captured: CapturedState, group: Group | None) -> dict[str, list[Part]]:
+    """The boxes of each stored tensor this rank writes (:func:`parts_to_write`; without a
+    group, every tensor whole), by name; a tensor has at most one, whose values its delta
+    encoder codes."""
     return {t.name: parts_to_write(t.name, t.role, t.tensor, group)
             for t in captured.tensors if t.alias_of is None}

@@ -520,9 +520,10 @@ class CheckpointManager:
 
         Under torch.distributed, or into a model whose parameters are
         DTensors (FSDP2, tensor parallel), every rank calls ``load``
-        (collective): each reads and decodes only the chunks of a full step
-        that hold its shards, whatever layout and world size saved the step
-        (a delta step is rebuilt whole, then cut). A rank's failure is raised
+        (collective): each reads and decodes only the chunks that hold its
+        shards, whatever layout and world size saved the step (of a delta
+        step saved by several ranks, the fragments that overlap them). A
+        rank's failure is raised
         on every rank before any of them changes its model. RNG states are
         rank 0's (see :meth:`save`), so ranks keep their own. The next save
         is a delta on the loaded step when the layout is the one it was
@@ -616,24 +617,18 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
     captured = capture(model, optimizer, extra, rng=meta.state.get("rng") is not None)
     if captured_layout(captured) != layout_of(meta):
         return None
-    if group is None:
-        written = {t.name: ([0] * t.tensor.dim(), list(t.tensor.shape))
-                   for t in captured.tensors if t.alias_of is None}
-        local = None
-    else:
-        parts = {name: p[0] for name, p in shard_parts(captured, group).items() if p}
-        written = {name: (part.offsets, part.sizes) for name, part in parts.items()}
-        local = {name: part.values for name, part in parts.items()}
+    parts = {name: p[0] for name, p in shard_parts(captured, group).items() if p}
     records = {r.name: r for r in meta.tensors}
-    if any((offsets, sizes) not in [(f.offsets, f.sizes) for f in records[name].fragments]
-           for name, (offsets, sizes) in written.items()):
+    if any((part.offsets, part.sizes) not in [(f.offsets, f.sizes) for f in records[name].fragments]
+           for name, part in parts.items()):
         return None
     values = {}
-    for name, (offsets, sizes) in written.items():
+    for name, part in parts.items():
         if name in recon.values:
-            origin, shape = boxes.get(name, ([0] * len(sizes), records[name].shape))
-            index = box_index(offsets, sizes, origin)
+            origin, shape = boxes.get(name, ([0] * len(part.sizes), records[name].shape))
+            index = box_index(part.offsets, part.sizes, origin)
             values[name] = recon.values[name].reshape(shape)[index].reshape(-1).copy()
+    local = {name: part.values for name, part in parts.items()}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
 
