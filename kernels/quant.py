@@ -51,6 +51,7 @@ from numba.extending import intrinsic
 MAX_WIDTH = 16
 Q_MIN, Q_MAX = -(1 << (MAX_WIDTH - 1)), (1 << (MAX_WIDTH - 1)) - 1
 MAX_KEY = 0x7F7FFFFF  # the largest finite float32's bit pattern
+MAX_DITHERED_KEY_STEP = 1 << 29  # dithered ordinal steps: key offsets exact in float64 (64 binades)
 # Per-block statistics returned by the encoder, one row per block.
 STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO, STAT_CLIPPED, STAT_BAD = range(7)
 N_STATS = 7
@@ -107,18 +108,27 @@ def _dither(typingctx, index, seed):
 
 
 @njit(inline="always")
+def _key_offset(u: np.float32, step_k: np.float64) -> np.float64:
+    """FORMAT.md 3.2's dither offset in keys of an ordinal step ``step_k`` (an integer, at most
+    MAX_DITHERED_KEY_STEP) for the dither offset ``u``: ``floor((u + 0.5) * step) -
+    floor(step / 2)``, 0 for ``u = 0``. ``u + 0.5`` is ``d * 2**-24`` for a 24-bit integer ``d``,
+    so the product is ``d * step * 2**-24``, exact in float64."""
+    return np.floor(np.float64(u + np.float32(0.5)) * step_k) - np.floor(step_k * 0.5)
+
+
+@njit(inline="always")
 def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
                  step_k: np.float64, u: np.float32) -> np.float32:
     """The running value after symbol ``q`` on prediction ``p`` (with dither offset ``u``,
     0 when undithered): FORMAT.md 3.2's one rule, shared by encoder and decoder so they agree
     by construction.
 
-    The ordinal step ``step_k`` (an integer) is passed as a float64: ``key(p) + q * step`` is
-    below 2**47, exact in float64, and with AVX2 conversions between floats and 32-bit
-    integers vectorize, those with 64-bit integers do not.
+    The ordinal step ``step_k`` (an integer) is passed as a float64: ``key(p) + q * step`` plus
+    the dither's key offset is below 2**47, exact in float64, and with AVX2 conversions between
+    floats and 32-bit integers vectorize, those with 64-bit integers do not.
     """
     if ordinal:
-        key = np.float64(_key_of(p)) + np.float64(q) * step_k
+        key = np.float64(_key_of(p)) + np.float64(q) * step_k + _key_offset(u, step_k)
         return _float_of_key(np.int32(min(max(key, np.float64(-MAX_KEY)), np.float64(MAX_KEY))))
     return np.float32(p + np.float32(np.float32(np.float32(q) - u) * step_f))
 
@@ -376,9 +386,14 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 u = _dither(first + start + j, seed) if dithered else np.float32(0.0)
                 st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
                 if ordinal:
-                    r = np.float64(_key_of(xb[j])) - np.float64(_key_of(p))
-                    qf = min(max(np.rint(r / step_k), np.float64(Q_MIN)), np.float64(Q_MAX))
-                    q = np.int32(qf)
+                    kx, kp = np.float64(_key_of(xb[j])), np.float64(_key_of(p))
+                    off = _key_offset(u, step_k)
+                    qf = np.rint((kx - kp - off) / step_k)
+                    # Never flip a sign: a positive moment (Adam's second) restored negative
+                    # would be a NaN in its square root.
+                    k = kp + qf * step_k + off
+                    qf += np.float64((kx >= 0) & (k < 0)) - np.float64((kx < 0) & (k > 0))
+                    q = np.int32(min(max(qf, np.float64(Q_MIN)), np.float64(Q_MAX)))
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
                     qf32 = np.rint(np.float32(np.float32(r32 / st) + u))
@@ -404,10 +419,10 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     return encode
 
 
-# Dither and scale are of the linear domain; a scaled chunk predicts from zero, undithered.
+# A scaled chunk is of the linear domain and predicts from zero.
 _VARIANTS = [(ordinal, use_pred, dithered, False) for ordinal in (False, True)
-             for use_pred in (False, True) for dithered in (False, True)
-             if not (ordinal and dithered)] + [(False, False, False, True)]
+             for use_pred in (False, True) for dithered in (False, True)] + [
+    (False, False, dithered, True) for dithered in (False, True)]
 _ENCODERS = {variant: _make_encoder(*variant) for variant in _VARIANTS}
 _NO_SCALE = np.zeros(0, np.float32)
 
@@ -459,14 +474,15 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
                         ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
 
-    ``dither`` (linear domain only) is a seed: element ``i`` is then
-    quantized with the dither offset of index ``first + i`` (``first``: the
-    chunk's first element in its tensor), which makes the error uniform and
-    independent of the value coded.
+    ``dither`` is a seed: element ``i`` is then quantized on a grid shifted
+    by the dither offset of index ``first + i`` (``first``: the chunk's first
+    element in its tensor), which makes the error uniform and independent of
+    the value coded (ordinal steps: at most ``MAX_DITHERED_KEY_STEP``). An
+    ordinal symbol never flips the value's sign.
 
-    ``scale`` (float32, one per element; linear domain, no prediction, no
-    dither) gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``:
-    Adam's first moment coded relative to the second's square root.
+    ``scale`` (float32, one per element; linear domain, no prediction)
+    gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``: Adam's
+    first moment coded relative to the second's square root.
 
     Writes the reconstruction a reader will get into ``out`` (float32, may
     be ``pred`` itself: the encoder's reconstruction is updated in place).
@@ -482,7 +498,7 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     widths = np.empty(n_blocks, np.uint8)
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither)
+    seed = _seed(ordinal, dither, step)
     variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
     slots = _slots(n_blocks, block)
     _ENCODERS[variant](x, out if pred is None else pred, out, step_f, step_i, block, widths, slots,
@@ -576,7 +592,7 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
     if status != STREAM_OK:
         raise ValueError(_stream_problem(status, stream, n, block))
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither)
+    seed = _seed(ordinal, dither, step)
     variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
@@ -602,15 +618,22 @@ def _linear_step(values, q, width, step_f, seed, index):
 
 
 @njit(inline="always")
-def _ordinal_step(keys, q, width, step_i):
-    """``keys`` after one ordinal step of symbols ``q`` (all 0 for a zero-width block).
+def _ordinal_step(keys, q, width, step_i, seed, index):
+    """``keys`` after one ordinal step of symbols ``q`` (all 0 for a zero-width block),
+    dithered if ``seed >= 0`` (``index``: the first key's element index).
 
-    ``_reconstruct`` clamps ``key(p) + q * step`` and converts it to a float,
-    which the next ordinal step converts back to the same key: clamping
-    alone gives the same keys, with no conversion between steps.
+    ``_reconstruct`` clamps ``key(p) + q * step`` (plus the dither's key
+    offset) and converts it to a float, which the next ordinal step converts
+    back to the same key: clamping alone gives the same keys, with no
+    conversion between steps.
     """
-    if width:
-        step32 = np.int64(np.int32(step_i))  # steps are at most MAX_KEY: a 32 x 32-bit product
+    step32 = np.int64(np.int32(step_i))  # steps are at most MAX_KEY: a 32 x 32-bit product
+    if seed >= 0:
+        step_k = np.float64(step_i)
+        for j in range(keys.shape[0]):
+            off = np.int64(_key_offset(_dither(index + j, seed), step_k))
+            keys[j] = _clamp_key(keys[j] + np.int64(q[j] if width else 0) * step32 + off)
+    elif width:
         for j in range(keys.shape[0]):
             keys[j] = _clamp_key(keys[j] + np.int64(q[j]) * step32)
     else:
@@ -667,7 +690,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
                     for j in range(m):
                         keys[j] = _key_of(run[j])
                     keyed = True
-                _ordinal_step(keys, q, width, step_i[t])
+                _ordinal_step(keys, q, width, step_i[t], seeds[t], first + start)
             else:
                 if keyed:
                     for j in range(m):
@@ -700,7 +723,8 @@ def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: 
         raise ValueError(f"{len(streams)} streams, {len(ordinal)} domains, {len(steps)} steps "
                          f"and {len(dithers)} dithers")
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
-    seeds = np.array([_seed(o, d) for o, d in zip(ordinal, dithers, strict=True)], np.int64)
+    seeds = np.array([_seed(o, d, s) for o, d, s in zip(ordinal, dithers, steps, strict=True)],
+                     np.int64)
     bounds = np.zeros(len(streams) + 1, np.int64)
     np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
     flat = np.empty(bounds[-1] + 8, np.uint8)  # _unpack reads up to 8 bytes past a block
@@ -725,13 +749,14 @@ def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
     return np.float32(step), np.int64(1)
 
 
-def _seed(ordinal: bool, dither: int | None) -> np.int64:
+def _seed(ordinal: bool, dither: int | None, step: float | int) -> np.int64:
     """The kernels' dither seed: ``dither``, or -1 for none."""
     if dither is None:
         return np.int64(-1)
-    if ordinal or int(dither) != dither or not 0 <= dither < 1 << 32:
-        raise ValueError(f"a dither seed is an integer in [0, 2**32) of the linear domain, "
-                         f"got {dither!r} (ordinal={ordinal})")
+    if int(dither) != dither or not 0 <= dither < 1 << 32:
+        raise ValueError(f"a dither seed is an integer in [0, 2**32), got {dither!r}")
+    if ordinal and step > MAX_DITHERED_KEY_STEP:
+        raise ValueError(f"a dithered ordinal step is at most {MAX_DITHERED_KEY_STEP}, got {step}")
     return np.int64(dither)
 
 
@@ -740,13 +765,13 @@ def _variant(ordinal: bool, use_pred: bool, seed: np.int64, scale: np.ndarray | 
     """The kernel variant of a call, and its scale array and epsilon as the kernels take them."""
     if scale is None:
         return (ordinal, use_pred, bool(seed >= 0), False), _NO_SCALE, np.float32(0)
-    if ordinal or use_pred or seed >= 0:
-        raise ValueError("a scale applies to the linear domain, without prediction or dither")
+    if ordinal or use_pred:
+        raise ValueError("a scale applies to the linear domain, without prediction")
     if scale.dtype != np.float32 or scale.shape != (n,):
         raise ValueError(f"scale must be float32 of shape ({n},), got {scale.dtype} {scale.shape}")
     if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
         raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
-    return (False, False, False, True), scale, np.float32(eps)
+    return (False, False, bool(seed >= 0), True), scale, np.float32(eps)
 
 
 # -- numpy references (the executable spec) ---------------------------------------------
@@ -774,6 +799,12 @@ def numpy_dither(n: int, seed: int, first: int = 0) -> np.ndarray:
     return (x >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
 
 
+def numpy_key_offsets(u: np.ndarray, step: int) -> np.ndarray:
+    """Key offsets (int64) of a dithered ordinal step for dither offsets ``u``."""
+    d = ((u.astype(np.float64) + 0.5) * 2**24).astype(np.int64)  # the 24-bit hash part
+    return (d * step >> 24) - step // 2
+
+
 def numpy_element_steps(step: float, scale: np.ndarray | None, eps: float) -> np.ndarray | np.float32:
     """The step of each element: ``step``, or ``step * (sqrt(scale) + eps)`` in float32."""
     if scale is None:
@@ -786,12 +817,15 @@ def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, ste
                    eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Symbols ``q`` (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
     p = np.zeros_like(x) if pred is None else pred
-    if ordinal:
-        r = (numpy_keys(x) - numpy_keys(p)).astype(np.float64)
-        q = np.clip(np.rint(r / np.float64(step)), Q_MIN, Q_MAX).astype(np.int64)
-        return q, numpy_from_keys(numpy_keys(p) + q * step)
-    r = (x - p).astype(np.float32)
     u = np.zeros(x.shape, np.float32) if dither is None else numpy_dither(x.size, dither, first)
+    if ordinal:
+        kx, kp, off = numpy_keys(x), numpy_keys(p), numpy_key_offsets(u, step)
+        q = np.rint((kx - kp - off).astype(np.float64) / np.float64(step)).astype(np.int64)
+        k = kp + q * step + off
+        q += ((kx >= 0) & (k < 0)).astype(np.int64) - ((kx < 0) & (k > 0))  # no sign flips
+        q = np.clip(q, Q_MIN, Q_MAX)
+        return q, numpy_dequantize(q, p, ordinal=True, step=step, dither=dither, first=first)
+    r = (x - p).astype(np.float32)
     with np.errstate(over="ignore"):  # a quotient beyond float32 is clipped like any large one
         q = np.clip(np.rint(r / numpy_element_steps(step, scale, eps) + u), Q_MIN,
                     Q_MAX).astype(np.int64)
@@ -834,9 +868,9 @@ def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
     """Reconstruction from symbols ``q`` and ``pred`` (or zero), dithered with seed ``dither``,
     scaled per element by ``scale``."""
     p = np.zeros(q.shape, np.float32) if pred is None else pred
-    if ordinal:
-        return numpy_from_keys(numpy_keys(p) + q * step)
     u = np.zeros(q.shape, np.float32) if dither is None else numpy_dither(q.size, dither, first)
+    if ordinal:
+        return numpy_from_keys(numpy_keys(p) + q * step + numpy_key_offsets(u, step))
     return (p + (q.astype(np.float32) - u) * numpy_element_steps(step, scale, eps)).astype(
         np.float32)
 

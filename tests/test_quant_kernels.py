@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 from deltackpt.kernels.quant import (
+    MAX_DITHERED_KEY_STEP,
     MAX_KEY,
     MAX_WIDTH,
     N_STATS,
@@ -93,8 +94,12 @@ class Case(NamedTuple):
     step: float | int
     block: int
     inplace: bool
-    dither: int | None = None  # a seed (linear domain only)
+    dither: int | None = None  # a seed
     first: int = 0  # the index of the first element in its tensor (for the dither)
+
+
+def _ditherable(ordinal: bool, step: float | int) -> bool:
+    return not ordinal or step <= MAX_DITHERED_KEY_STEP
 
 
 @st.composite
@@ -109,7 +114,8 @@ def cases(draw: st.DrawFn, ordinal: bool | None = None, max_n: int = 3000) -> Ca
     x = _values(n, seed, draw(st.sampled_from(PATTERNS)))
     pred = _pred(x, seed, draw(st.sampled_from(["none", "near", "far", "equal"])))
     step = draw(st.sampled_from(ORDINAL_STEPS if ordinal else LINEAR_STEPS))
-    dither = None if ordinal else draw(st.one_of(st.none(), st.integers(0, 2**32 - 1)))
+    dither = draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))) if _ditherable(ordinal, step) \
+        else None
     return Case(x, pred, ordinal, step, block, draw(st.booleans()), dither,
                 draw(st.integers(0, 2**34)))
 
@@ -189,11 +195,16 @@ def _check_stats(stats: np.ndarray, x: np.ndarray, recon: np.ndarray, q: np.ndar
 
 def _check_error_bound(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, q: np.ndarray, *,
                        ordinal: bool, step: float | int) -> None:
-    """Unclipped elements are within half a step (linear: plus float32 rounding; ordinal: exactly)."""
+    """Unclipped elements are within half a step (linear: plus float32 rounding; ordinal: exactly,
+    but for keys within a step of zero, moved up to a step further to keep their sign)."""
     ok = (q != Q_MIN) & (q != Q_MAX)
     if ordinal:
-        d = np.abs(numpy_keys(recon) - numpy_keys(x))[ok]
-        assert (d <= step // 2).all(), f"key error {d.max()} over {step // 2}"
+        kx, kr = numpy_keys(x), numpy_keys(recon)
+        assert (((kr >= 0) | (kx < 0)) & ((kr <= 0) | (kx >= 0)))[ok].all(), "a sign flipped"
+        d = np.abs(kr - kx)
+        near_zero = np.abs(kx) < step
+        assert (d[ok & ~near_zero] <= step // 2).all(), f"key error {d.max()} over {step // 2}"
+        assert (d[ok & near_zero] <= step + step // 2).all(), "key error near zero"
         # relative error of normal values: at most step * 2**-23 (steps small enough not to span binades)
         if step <= 1 << 16:
             normal = ok & (np.abs(x) >= np.finfo(np.float32).tiny)
@@ -304,23 +315,26 @@ EPSILONS = [float(np.float32(e)) for e in (1e-8, 1e-3, 1.0)]
 @SETTINGS
 @given(n=st.integers(0, 3000), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**32 - 1),
        x_pattern=st.sampled_from(PATTERNS), scale_pattern=st.sampled_from(PATTERNS),
-       step=st.sampled_from(LINEAR_STEPS), eps=st.sampled_from(EPSILONS))
+       step=st.sampled_from(LINEAR_STEPS), eps=st.sampled_from(EPSILONS),
+       dither=st.none() | st.integers(0, 2**32 - 1), first=st.integers(0, 2**34))
 def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pattern: str,
-                                            scale_pattern: str, step: float, eps: float) -> None:
-    """Each element's step is ``step * (sqrt(scale) + eps)``: encoder, decoder and the numpy
-    references agree bit for bit, and every unclipped element is within half its step."""
+                                            scale_pattern: str, step: float, eps: float,
+                                            dither: int | None, first: int) -> None:
+    """Each element's step is ``step * (sqrt(scale) + eps)``, dithered or not: encoder, decoder
+    and the numpy references agree bit for bit, and every unclipped element is within half its
+    step."""
     x = _values(n, seed, x_pattern)
     scale = np.abs(_values(n, seed + 7, scale_pattern))
     recon = np.full(n, np.nan, np.float32)
-    stream, stats = encode_block_stream(x, None, recon, ordinal=False, step=step, block=block,
-                                        scale=scale, eps=eps)
-    q, expected = numpy_quantize(x, None, ordinal=False, step=step, scale=scale, eps=eps)
+    coding = {"ordinal": False, "step": step, "scale": scale, "eps": eps, "dither": dither,
+              "first": first}
+    stream, stats = encode_block_stream(x, None, recon, block=block, **coding)
+    q, expected = numpy_quantize(x, None, **coding)
     assert_stream_equal(stream, numpy_pack(q, block))
     assert_bits_equal(recon, expected, "reconstruction")
     _check_stats(stats, x, recon, q, block, False)
     decoded = np.full(n, np.nan, np.float32)
-    decode_block_stream(stream, None, decoded, ordinal=False, step=step, block=block,
-                        scale=scale, eps=eps)
+    decode_block_stream(stream, None, decoded, block=block, **coding)
     assert_bits_equal(decoded, recon, "decoded")
     steps = numpy_element_steps(step, scale, eps).astype(np.float64)
     ok = (q != Q_MIN) & (q != Q_MAX)
@@ -329,10 +343,10 @@ def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pat
     assert (err[ok] <= bound[ok]).all()
 
 
-def test_scale_only_without_prediction_dither_or_ordinal_domain() -> None:
+def test_scale_only_without_prediction_or_ordinal_domain() -> None:
     x, scale = np.ones(8, np.float32), np.ones(8, np.float32)
     out = np.empty(8, np.float32)
-    for kwargs in ({"pred": x.copy()}, {"dither": 5}, {"ordinal": True, "step": 4}):
+    for kwargs in ({"pred": x.copy()}, {"ordinal": True, "step": 4}):
         args = {"pred": None, "ordinal": False, "step": 0.5, **kwargs}
         with pytest.raises(ValueError, match="scale applies"):
             encode_block_stream(x, args.pop("pred"), out, block=4, scale=scale, eps=1.0, **args)
@@ -728,7 +742,8 @@ def steps_cases(draw: st.DrawFn, max_n: int = 2500) -> StepsCase:
     ordinal = [draw(st.booleans()) for _ in range(n_steps)]
     steps = [draw(st.sampled_from(ORDINAL_STEPS if o else LINEAR_STEPS)) for o in ordinal]
     zero_start = draw(st.booleans())
-    dithers = [None if o else draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))) for o in ordinal]
+    dithers = [draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))) if _ditherable(o, step)
+               else None for o, step in zip(ordinal, steps, strict=True)]
     first = draw(st.integers(0, 2**34))
     running = None if zero_start else start.copy()
     streams = []
@@ -884,12 +899,49 @@ def test_step_streams_argument_checks() -> None:
     with pytest.raises(ValueError, match="2 streams, 1 domains, 2 steps and 2 dithers"):
         decode_step_streams([stream, stream], out, ordinal=[False], steps=[1.0, 1.0], block=4,
                             zero_start=False)
-    for ordinal, seed in ((True, 5), (False, -1), (False, 2**32)):
+    for ordinal, seed in ((True, -1), (False, -1), (False, 2**32)):
         with pytest.raises(ValueError, match="dither seed"):
             decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,
                                 zero_start=False, dithers=[seed])
+    with pytest.raises(ValueError, match="dithered ordinal step"):
+        decode_step_streams([stream], out, ordinal=[True], steps=[MAX_DITHERED_KEY_STEP + 1],
+                            block=4, zero_start=False, dithers=[5])
     with pytest.raises(ValueError, match="step"):
         decode_step_streams([stream, stream], out, ordinal=[False, True], steps=[1.0, 1.5],
                             block=4, zero_start=False)
     decode_step_streams([], out, ordinal=[], steps=[], block=4, zero_start=False)
     assert_bits_equal(out, np.zeros(10, np.float32))
+
+
+# -- 6. dithered ordinal steps: unbiased, bounded, no sign flips ----------------------------
+
+@pytest.mark.parametrize("growth", [1.02, 1.3, 0.8])
+def test_dithered_ordinal_codes_slow_change_without_bias(growth: float) -> None:
+    """A positive tensor that grows or decays by less than half a coarse ordinal step per save:
+    undithered, every element stays at its old value (the dead zone); dithered, the elements
+    are restored with a median ratio of 1 and each within half a step."""
+    rng = np.random.default_rng(3)
+    n, step = 20000, 1 << 23  # one binade
+    base = np.exp(rng.normal(-10, 2, n)).astype(np.float32)
+    x = (base * np.float32(growth)).astype(np.float32)
+    for dither, expect_moved in ((None, False), (12345, True)):
+        recon = base.copy()
+        encode_block_stream(x, recon, recon, ordinal=True, step=step, block=1024, dither=dither)
+        ratio = np.median(recon / x)
+        if expect_moved:
+            assert abs(np.log2(ratio)) < 0.02, ratio
+            assert np.all(np.abs(numpy_keys(recon) - numpy_keys(x)) <= step // 2)
+        else:
+            np.testing.assert_array_equal(recon, base)
+
+
+def test_ordinal_never_flips_sign() -> None:
+    """Zeros and tiny values of either sign, coarsely dithered: none changes sign (a restored
+    second moment below zero would be a NaN in its square root)."""
+    x = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-39, -1e-39, 1e-30, -1e-30] * 500, np.float32)
+    for dither in (None, 7, 99):
+        for step in (1 << 23, 1 << 26, MAX_DITHERED_KEY_STEP):
+            recon = np.zeros_like(x)
+            encode_block_stream(x, None, recon, ordinal=True, step=step, block=64, dither=dither)
+            assert not (np.signbit(recon) & (x > 0)).any()
+            assert not ((recon > 0) & (x < 0)).any()

@@ -27,6 +27,7 @@ from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
 from deltackpt.errors import CorruptionError, FormatError
 from deltackpt.kernels.quant import (
+    MAX_DITHERED_KEY_STEP,
     MAX_KEY,
     STAT_BAD,
     STAT_CLIPPED,
@@ -90,11 +91,11 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
         ok = (isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0
               and float(np.float32(step)) == step)
     if ok and dither is not None:
-        ok = (domain == "linear" and isinstance(dither, int) and not isinstance(dither, bool)
-              and 0 <= dither < 1 << 32)
+        ok = (isinstance(dither, int) and not isinstance(dither, bool) and 0 <= dither < 1 << 32
+              and (domain == "linear" or step <= MAX_DITHERED_KEY_STEP))
     if ok and ("scale" in params or "eps" in params):
         eps = params.get("eps")
-        ok = (isinstance(params.get("scale"), str) and (domain, pred, dither) == ("linear", "zero", None)
+        ok = (isinstance(params.get("scale"), str) and (domain, pred) == ("linear", "zero")
               and isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0
               and math.isfinite(eps) and float(np.float32(eps)) == eps)
     if not ok:
