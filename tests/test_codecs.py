@@ -358,6 +358,8 @@ SCALED_QUANT = {**QUANT_BASE, "scale": "optimizer/state/w/exp_avg_sq", "eps": fl
 @pytest.mark.parametrize("params", [
     QUANT_BASE, {**QUANT_BASE, "pred": "base", "dither": 7},
     {"domain": "ordinal", "pred": "base", "step": 256, "block": 1024}, SCALED_QUANT,
+    {**SCALED_QUANT, "dither": 3}, {**QUANT_BASE, "dither": 0},  # since 1.5
+    {"domain": "ordinal", "pred": "base", "step": 1 << 29, "block": 64, "dither": 5},
 ])
 def test_valid_quant_params(params: dict[str, Any]) -> None:
     quant_params(params)
@@ -365,7 +367,8 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("params", [
     {**QUANT_BASE, "future": 1},  # unknown keys are refused, not ignored
-    {**SCALED_QUANT, "pred": "base"}, {**SCALED_QUANT, "dither": 3},
+    {**SCALED_QUANT, "pred": "base"}, {**QUANT_BASE, "dither": 2**32}, {**QUANT_BASE, "dither": True},
+    {"domain": "ordinal", "pred": "base", "step": (1 << 29) + 1, "block": 64, "dither": 5},
     {**SCALED_QUANT, "domain": "ordinal", "step": 4}, {**SCALED_QUANT, "eps": 0.0},
     {**SCALED_QUANT, "eps": 0.1}, {**SCALED_QUANT, "eps": True}, {**SCALED_QUANT, "scale": 3},
     {**QUANT_BASE, "eps": 1.0}, {k: v for k, v in SCALED_QUANT.items() if k != "eps"},
