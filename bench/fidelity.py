@@ -187,9 +187,9 @@ def measure(settings: dict[str, str | CompressionConfig], *, interval: int = 20,
 
 # Errors about 1000x below balanced's (a weight within 0.005 learning rates of its saved value,
 # moments within 0.5% of theirs): what restoring at all costs a chaotic training run, for scale.
-NEAR_LOSSLESS = CompressionConfig(weights=Quantizer(step=1e-3, lr_step=0.01),
-                                  exp_avg=Quantizer(step=0.01, pred="zero"),
-                                  exp_avg_sq=Quantizer(step=2.0**-10, domain="ordinal"),
+NEAR_LOSSLESS = CompressionConfig(weights=Quantizer(step=1e-3, move_step=0.01),
+                                  first_moment=Quantizer(step=0.01, pred="zero"),
+                                  second_moment=Quantizer(step=2.0**-10, domain="ordinal"),
                                   name="near-lossless")
 
 

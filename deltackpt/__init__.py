@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from deltackpt.compression import EXACT, CompressionConfig, Quantizer
 from deltackpt.errors import (
+    ConfigError,
     CorruptionError,
     DeltackptError,
     DistributedError,
@@ -30,6 +31,7 @@ __all__ = [
     "EXACT",
     "CheckpointManager",
     "CompressionConfig",
+    "ConfigError",
     "CorruptionError",
     "DeltackptError",
     "DistributedError",

@@ -131,7 +131,7 @@ def _step_row(meta: StepMetadata) -> dict[str, Any]:
             "created": meta.created, "classes": _classes(meta), "compression": stats.compression}
 
 
-CLASS_ORDER = ("weights", "exp_avg", "exp_avg_sq", "optimizer_other", "exact")
+CLASS_ORDER = ("weights", "first_moment", "second_moment", "buffers", "exact")
 
 
 def _number(value: Any) -> float | None:
@@ -237,10 +237,18 @@ def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compression_text(compression: dict[str, Any]) -> str:
-    """The preset name, scale and target ratio a delta step was coded with."""
+    """The preset name, scale and target ratio a delta step was coded with, whether the target
+    needed errors beyond ``max_error``, and the optimizer state stored exactly for want of a
+    known meaning."""
     scale, target = _number(compression.get("scale")), _number(compression.get("target_ratio"))
-    return (f"{compression.get('name', '?')}, scale {'?' if scale is None else f'{scale:.3g}'}, "
+    text = (f"{compression.get('name', '?')}, scale {'?' if scale is None else f'{scale:.3g}'}, "
             f"target ratio {'-' if target is None else f'{target:g}x'}")
+    if compression.get("at_max_error") is True:
+        text += f" (not met: held at max_error {compression.get('max_error')})"
+    unknown = compression.get("exact_state_keys")
+    if isinstance(unknown, list) and unknown:
+        text += f"; optimizer state stored exactly (meaning unknown): {', '.join(map(str, unknown))}"
+    return text
 
 
 def _class_table(classes: dict[str, dict[str, Any]]) -> list[str]:

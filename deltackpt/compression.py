@@ -1,27 +1,34 @@
 """Compression policy: which tensors a delta step quantizes, how finely, and to what ratio.
 
-A delta step codes each tensor by its class (:func:`tensor_class`):
+A delta step codes each tensor by its class (:func:`tensor_class`), and each
+class's error is bounded in a unit that keeps its meaning from run to run:
 
-* ``weights`` (float parameters and buffers, and the float32 master copies
+* ``weights`` (float parameters, and the float32 master copies
   mixed-precision optimizers keep of them): closed-loop residual against
-  the reconstruction of the previous step, linear domain;
-* ``exp_avg`` (Adam's first moment): directly (it forgets its past within
-  a few dozen steps), linear domain;
-* ``exp_avg_sq`` (Adam's second moment, positive, many orders of
-  magnitude): ordinal domain, i.e. bounded relative error, predicted from
-  the previous reconstruction;
-* ``optimizer_other`` (SGD momentum, Adagrad sums, any state of unknown
-  meaning): ordinal domain at a fine step, a safe generic codec;
-* everything else (integers, scalars such as Adam's ``step``, RNG states,
-  ``extra``, tensors with non-finite values) is stored exactly.
+  the reconstruction of the previous step, dithered, with a step in units of
+  how far the optimizer moves the weight in one training step
+  (:func:`movement_units`): the learning rate for optimizers that normalize
+  their updates (Adam, AdamW, RMSprop...), ``lr / sqrt(step)`` for Adagrad,
+  ``lr`` times the momentum's root mean square for SGD with momentum;
+* ``first_moment`` (Adam's ``exp_avg``, SGD's and RMSprop's
+  ``momentum_buffer``): coded from zero, dithered (unbiased, never zeroed
+  wholesale), with a step in units of the update it drives: per element
+  ``sqrt(exp_avg_sq) + eps`` for Adam, the tensor's root mean square
+  otherwise;
+* ``second_moment`` (``exp_avg_sq``, ``max_exp_avg_sq``, RMSprop's
+  ``square_avg``, Adagrad's ``sum``): ordinal domain, i.e. a bounded relative
+  error, against the previous reconstruction, dithered so that slow growth
+  or decay is never coded as "no change" (the error is unbiased);
+* ``buffers`` (BatchNorm running statistics and other float buffers):
+  exact unless configured otherwise;
+* everything else (integers, scalars such as Adam's ``step``, optimizer
+  state whose meaning is not known, RNG states, ``extra``, tensors with
+  non-finite values) is stored exactly.
 
-A :class:`Quantizer` gives a class its step. In the linear domain the step
-is relative to the root mean square of what is coded (sampled, never a
-full pass or sort), so one setting suits every tensor and every interval;
-in the ordinal domain it is a fraction of a binade (1.0: one power of two).
-With ``target_ratio`` the library scales every step by one factor, chosen
-per save from the sampled entropy of the symbols it would produce and
-corrected by what the previous save actually achieved.
+A :class:`Quantizer` gives a class its step. With ``target_ratio`` the
+library scales every step by one factor, chosen per save from the sampled
+entropy of the symbols it would produce and corrected by what the previous
+saves actually achieved, never beyond ``max_error``.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ import numpy as np
 
 from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.dtypes import DTypeSpec
-from deltackpt.kernels.quant import MAX_KEY, numpy_keys
+from deltackpt.errors import ConfigError
+from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, numpy_keys
+from deltackpt.optimizers import FIRST_MOMENTS, SECOND_MOMENTS
 
-CLASSES = ("weights", "exp_avg", "exp_avg_sq", "optimizer_other")
+CLASSES = ("weights", "first_moment", "second_moment", "buffers")
 LOSSY_DTYPES = ("float32", "bfloat16", "float16")
 # Tensors smaller than this are stored exactly: coding them saves nothing.
 MIN_LOSSY_ELEMENTS = 16
@@ -46,16 +55,23 @@ BINADE_KEYS = 1 << 23  # ordinal keys between one power of two and the next
 SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate sizes
 
 
+def _positive(value: float | None, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not (math.isfinite(value) and value > 0)):
+        raise ConfigError(f"{what} must be a positive number, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Quantizer:
     """How one class of tensors is coded in delta steps.
 
     Args:
-        step: quantization step. Linear domain: a multiple of the root mean
-            square of the coded values (residuals for ``pred="base"``);
-            values within half a step of the prediction become zero, the
-            rest are rounded to the step. Ordinal domain: a fraction of a
-            binade, so the relative error is at most about ``step / 2``.
+        step: quantization step where no unit below applies. Linear domain: a
+            multiple of the root mean square of the coded values (residuals
+            for ``pred="base"``); the error is then at most ``step / 2`` of
+            it. Ordinal domain: a fraction of a binade, so the relative error
+            is at most about ``step / 2`` binades (1.0: within a factor
+            ``sqrt(2)``).
         density: instead of ``step``, the fraction of coded values that
             should stay non-zero (linear domain); the step is then set from
             a sampled quantile of the values.
@@ -63,42 +79,38 @@ class Quantizer:
             (relative error; for positive or wide-ranging values).
         pred: ``"base"`` codes the residual against the previous step's
             reconstruction (closed loop), ``"zero"`` codes the value itself.
-        lr_step: weights moved by an Adam-family optimizer (Adam, AdamW:
-            any whose state holds ``exp_avg_sq``): the step as a multiple
-            of the parameter group's learning rate, used instead of
-            ``step``/``density`` where that rate is known. Such an optimizer
-            moves each weight by about ``lr`` a training step, so a
-            restored weight is within ``lr_step / 2`` training steps' worth
-            of movement of the saved one, however many steps apart the
+        move_step: weights: the step as a multiple of how far the optimizer
+            moves the weight in one training step (:func:`movement_units`),
+            used instead of ``step``/``density`` where that is known. A
+            restored weight is then within ``move_step / 2`` training steps'
+            worth of movement of the saved one, however many steps apart the
             saves are. A step relative to the change since the last save
             grows with that interval, and so does the error.
-        update_step: Adam's ``exp_avg`` (linear domain, ``pred="zero"``):
-            each element's step as a multiple of its Adam denominator
-            ``sqrt(exp_avg_sq) + eps`` (the reconstructed ``exp_avg_sq`` of
-            the same save, the group's ``eps``; FORMAT.md 3.2, scaled
-            steps), used instead of ``step``/``density`` where the
-            parameter's ``exp_avg_sq`` is coded lossily too. The first
-            moment drives an update of ``exp_avg / (sqrt(exp_avg_sq) +
-            eps)``, so each element's restored update is then within
-            ``update_step / 2`` of a learning rate of the saved one. A step
-            relative to the whole tensor's spread zeroes most elements'
-            moments instead: resumed training restarts their momentum.
-        dither: weights an Adam-family optimizer moves (linear domain,
-            ``pred="base"``): the first delta after a full step or a load
-            shifts each element's quantization grid by its own
-            pseudo-random fraction of a step (FORMAT.md 3.2, ``dither``).
-            Elements that do not move still code as zero, so it costs no
-            bits, but the error of every restored step is then uniform and
-            independent of how the values moved. Without it a restored
-            weight lags behind its recent movement: resumed training loses
-            that progress, and five restores in a row cost several percent
-            of loss (bench/fidelity.py's ``repeated_restores``).
+        update_step: first moments (``pred="zero"``): the step as a multiple
+            of the update the moment drives. Adam's ``exp_avg``, where its
+            ``exp_avg_sq`` is coded lossily too: each element's step is
+            ``update_step * (sqrt(exp_avg_sq) + eps)`` (the reconstructed
+            ``exp_avg_sq`` of the same save; FORMAT.md 3.2, scaled steps),
+            so each element's restored update ``exp_avg / (sqrt(exp_avg_sq)
+            + eps)`` is within ``update_step / 2`` learning rates of the
+            saved one. Other first moments (SGD's momentum, whose update is
+            ``lr * momentum_buffer``): ``update_step`` times the tensor's
+            root mean square.
+        dither: shift each element's quantization grid by its own
+            pseudo-random fraction of a step (FORMAT.md 3.2, ``dither``),
+            which makes the error uniform, unbiased and independent of how
+            the values moved. Coded against the base, the grid is shifted in
+            the first delta after a full step or a load and stays shifted,
+            so elements that do not move still cost nothing; coded from
+            zero, every delta dithers anew. Without it a restored weight
+            lags behind its recent movement, and a slowly growing second
+            moment stays at its old value (resumed training loses both).
         exact: store the class losslessly in every step instead.
     """
 
     step: float | None = 1.0
     density: float | None = None
-    lr_step: float | None = None
+    move_step: float | None = None
     update_step: float | None = None
     domain: Literal["linear", "ordinal"] = "linear"
     pred: Literal["base", "zero"] = "base"
@@ -107,33 +119,35 @@ class Quantizer:
 
     def __post_init__(self) -> None:
         if self.domain not in ("linear", "ordinal"):
-            raise ValueError(f"Quantizer domain must be 'linear' or 'ordinal', got {self.domain!r}")
+            raise ConfigError(f"Quantizer domain must be 'linear' or 'ordinal', got {self.domain!r}")
         if self.pred not in ("base", "zero"):
-            raise ValueError(f"Quantizer pred must be 'base' or 'zero', got {self.pred!r}")
+            raise ConfigError(f"Quantizer pred must be 'base' or 'zero', got {self.pred!r}")
         if self.exact:
             return
         if (self.step is None) == (self.density is None):
-            raise ValueError("give a Quantizer exactly one of step= and density=")
-        if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
-            raise ValueError(f"Quantizer step must be a positive number, got {self.step!r}")
+            raise ConfigError("give a Quantizer exactly one of step= and density=")
+        _positive(self.step, "Quantizer step")
+        if self.domain == "ordinal" and self.dither and self.step is not None \
+                and self.step * BINADE_KEYS > MAX_DITHERED_KEY_STEP:
+            raise ConfigError(f"a dithered ordinal Quantizer step is at most "
+                              f"{MAX_DITHERED_KEY_STEP // BINADE_KEYS} binades, got {self.step!r}")
         if self.density is not None:
             if not 0 < self.density <= 1:
-                raise ValueError(f"Quantizer density must be in (0, 1], got {self.density!r}")
+                raise ConfigError(f"Quantizer density must be in (0, 1], got {self.density!r}")
             if self.domain != "linear":
-                raise ValueError("Quantizer density= needs the linear domain")
-        for key, pred in (("lr_step", "base"), ("update_step", "zero")):
+                raise ConfigError("Quantizer density= needs the linear domain")
+        for key, pred in (("move_step", "base"), ("update_step", "zero")):
             value = getattr(self, key)
             if value is None:
                 continue
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"Quantizer {key} must be a positive number, got {value!r}")
+            _positive(value, f"Quantizer {key}")
             if (self.domain, self.pred) != ("linear", pred):
-                raise ValueError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
+                raise ConfigError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
 
     @property
     def dithers(self) -> bool:
-        """Whether ``dither`` applies: a lossy linear quantizer coding against the base."""
-        return self.dither and not self.exact and (self.domain, self.pred) == ("linear", "base")
+        """Whether ``dither`` applies (a lossy quantizer)."""
+        return self.dither and not self.exact
 
 
 EXACT = Quantizer(exact=True)
@@ -148,39 +162,54 @@ class CompressionConfig:
     :func:`dataclasses.replace`, or build one from scratch.
 
     Args:
-        weights, exp_avg, exp_avg_sq, optimizer_other: the quantizer of each class.
+        weights, first_moment, second_moment, buffers: the quantizer of each
+            class (see the module doc; ``buffers`` is exact by default).
         overrides: ``{pattern: quantizer}``; a tensor whose universal name
             (``model/<fqn>``, ``optimizer/state/<fqn>/<key>``) or FQN
             matches the shell-style ``pattern`` uses that quantizer
-            (first match wins). E.g. ``{"model/tok.*": EXACT}``.
+            (first match wins). E.g. ``{"model/tok.*": EXACT}``. A pattern
+            that matches no tensor of a save is an error.
         target_ratio: aim for this ratio of raw to stored bytes on every
-            delta step by scaling all steps by one factor (1/16 to 16 times
-            the configured ones); the achieved ratio is recorded per step.
+            delta step by scaling all steps by one factor; the achieved
+            ratio is recorded per step.
+        max_error: the ceiling of that factor, as the largest error of a
+            weight in training steps' worth of its movement (the unit of
+            ``weights.move_step``, whose error is ``move_step / 2``): the
+            scaled steps never exceed ``max_error / (weights.move_step /
+            2)`` times the configured ones, for every class alike. Where the
+            target cannot be met within it, the save stays at this floor and
+            says so (``SaveInfo.target_met``, the step's metadata, one
+            warning per manager).
         deltas: False makes every save a full lossless checkpoint.
         block: elements per block of the packed symbol stream.
         name: the preset this config came from (recorded in the metadata).
     """
 
-    weights: Quantizer = Quantizer(step=5.0, lr_step=16.0)
-    exp_avg: Quantizer = Quantizer(step=16.0, update_step=2.0, pred="zero")
-    exp_avg_sq: Quantizer = Quantizer(step=16.0, domain="ordinal")
-    optimizer_other: Quantizer = Quantizer(step=2.0**-10, domain="ordinal")
+    weights: Quantizer = Quantizer(step=1.0, move_step=16.0)
+    first_moment: Quantizer = Quantizer(step=2.0, update_step=2.0, pred="zero")
+    second_moment: Quantizer = Quantizer(step=1.0, domain="ordinal")
+    buffers: Quantizer = EXACT
     overrides: Mapping[str, Quantizer] = field(default_factory=dict)
     target_ratio: float | None = None
+    max_error: float = 32.0
     deltas: bool = True
     block: int = 1024
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        if self.target_ratio is not None and not (math.isfinite(self.target_ratio)
-                                                  and self.target_ratio > 1):
-            raise ValueError(f"target_ratio must be a number above 1, got {self.target_ratio!r}")
+        _positive(self.target_ratio, "target_ratio")
+        if self.target_ratio is not None and self.target_ratio <= 1:
+            raise ConfigError(f"target_ratio must be a number above 1, got {self.target_ratio!r}")
+        _positive(self.max_error, "max_error")
         if not isinstance(self.block, int) or not 64 <= self.block <= 1 << 20:
-            raise ValueError(f"block must be an integer in [64, 2**20], got {self.block!r}")
+            raise ConfigError(f"block must be an integer in [64, 2**20], got {self.block!r}")
+        for cls in CLASSES:
+            if not isinstance(getattr(self, cls), Quantizer):
+                raise ConfigError(f"{cls} must be a Quantizer, got {getattr(self, cls)!r}")
         for pattern, quantizer in self.overrides.items():
             if not isinstance(pattern, str) or not isinstance(quantizer, Quantizer):
-                raise TypeError(f"overrides maps name patterns to Quantizer, got "
-                                f"{pattern!r}: {quantizer!r}")
+                raise ConfigError(f"overrides maps name patterns to Quantizer, got "
+                                  f"{pattern!r}: {quantizer!r}")
 
     @classmethod
     def preset(cls, name: str) -> CompressionConfig:
@@ -188,16 +217,29 @@ class CompressionConfig:
         try:
             return PRESETS[name]
         except KeyError:
-            raise ValueError(f"unknown compression preset {name!r}; "
-                             f"choose one of {sorted(PRESETS)}") from None
+            raise ConfigError(f"unknown compression preset {name!r}; "
+                              f"choose one of {sorted(PRESETS)}") from None
+
+    @property
+    def max_scale(self) -> float:
+        """The largest factor ``target_ratio`` may scale the steps by (see ``max_error``)."""
+        move_step = self.weights.move_step if not self.weights.exact else None
+        return self.max_error / (move_step / 2) if move_step else self.max_error / 8
 
     def quantizer_for(self, name: str, fqn: str | None, cls: str | None) -> Quantizer:
         """The quantizer of one tensor: an override that matches it, else its class's."""
-        for pattern, quantizer in self.overrides.items():
+        pattern = self.override_for(name, fqn)
+        if pattern is not None:
+            return self.overrides[pattern]
+        return EXACT if cls is None else getattr(self, cls)
+
+    def override_for(self, name: str, fqn: str | None) -> str | None:
+        """The first override pattern matching a tensor's name or FQN, if any."""
+        for pattern in self.overrides:
             if fnmatch.fnmatchcase(name, pattern) or (fqn is not None
                                                        and fnmatch.fnmatchcase(fqn, pattern)):
-                return quantizer
-        return EXACT if cls is None else getattr(self, cls)
+                return pattern
+        return None
 
     def describe(self) -> dict:
         """A JSON summary for step metadata."""
@@ -210,26 +252,23 @@ class CompressionConfig:
         if self.overrides:
             out["overrides"] = {p: q(v) for p, v in self.overrides.items()}
         if self.target_ratio is not None:
-            out["target_ratio"] = self.target_ratio
+            out.update(target_ratio=self.target_ratio, max_error=self.max_error)
         return out
 
 
-# Chosen with bench/fidelity.py (TinyGPT small, AdamW betas (0.9, 0.95), resumed 100 steps from a
-# delta step; the deviation is of the mean resumed loss). balanced: 79x at 0.05% saving every 20
-# steps, 55x at 0.21% every 100 steps; five restores 40 steps apart 0.06-0.9% over four runs,
-# where near-lossless restores of the same runs cost 0.3-0.5%. aggressive: 156x at 0.28% every
-# 20 steps, 102x at 0.85% every 100. Weights moved by Adam are coded at a step proportional to
-# the learning rate (a step proportional to the change since the last save grew with the
-# interval: 59x at 2.7% every 100 steps) and dithered: undithered, five restores cost 5-7% of
-# loss. balanced codes exp_avg relative to sqrt(exp_avg_sq), within a learning rate of the
-# update it drives: at a step relative to its spread (aggressive, for its ratio) it is stored
-# nearly all zero, and five restores then cost 0.7-1.1%. exp_avg_sq only scales the update:
-# updated where it moved by more than 256x.
+# The presets' steps are units of what each class drives (module doc), not tuned to a run:
+# balanced restores a weight within 8 training steps' worth of its movement, the update a
+# first moment drives within one learning rate (a restored momentum is noisy but unbiased,
+# never zero), and a second moment within a factor sqrt(2) (its update within 2**(1/4));
+# aggressive allows three times the weights' error and twice the moments'. Their cost on real
+# runs (ratio and resumed loss, per model, optimizer, interval and restore point) is measured
+# by bench/fidelity.py and quoted in the README.
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
-    "aggressive": CompressionConfig(weights=Quantizer(step=9.0, lr_step=48.0),
-                                    exp_avg=Quantizer(step=16.0, pred="zero"),
+    "aggressive": CompressionConfig(weights=Quantizer(step=2.0, move_step=48.0),
+                                    first_moment=Quantizer(step=4.0, update_step=4.0, pred="zero"),
+                                    second_moment=Quantizer(step=2.0, domain="ordinal"),
                                     name="aggressive"),
 }
 
@@ -248,17 +287,19 @@ def tensor_class(role: str, state_key: str | None, spec: DTypeSpec, numel: int) 
     """The class a tensor is coded by in delta steps, or None if it is always stored exactly."""
     if spec.name not in LOSSY_DTYPES or numel < MIN_LOSSY_ELEMENTS:
         return None
-    if role in ("param", "buffer"):
+    if role == "param":
         return "weights"
-    if role != "optimizer" or state_key in (None, "step"):
+    if role == "buffer":
+        return "buffers"
+    if role != "optimizer" or state_key is None:
         return None
     if state_key in MASTER_KEYS:  # a float32 master copy of a parameter is that parameter
         return "weights"
-    if state_key == "exp_avg":
-        return "exp_avg"
-    if state_key in ("exp_avg_sq", "max_exp_avg_sq"):
-        return "exp_avg_sq"
-    return "optimizer_other"
+    if state_key in FIRST_MOMENTS:
+        return "first_moment"
+    if state_key in SECOND_MOMENTS:
+        return "second_moment"
+    return None
 
 
 def sample_stride(numel: int) -> int:
@@ -289,29 +330,31 @@ def _symbol_bits(sample: np.ndarray, step: float) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def needs_sample(quantizer: Quantizer, lr: float | None) -> bool:
+def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:
     """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step."""
-    return quantizer.domain == "linear" and (quantizer.lr_step is None or lr is None)
+    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None)
 
 
 def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
-              lr: float | None = None) -> float:
+              unit: float | None = None) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
     ``sample`` (what the quantizer codes, at sampled elements) may be None
-    where :func:`needs_sample` says it is not used. ``lr`` is the learning
-    rate of the Adam-family optimizer that moves the tensor, if any (for
-    ``Quantizer.lr_step``). ``carried_error`` is the
-    mean squared error the previous save left in the prediction. A
-    closed-loop residual is the change since that save plus this error; the
-    step follows the change alone, so the error a delta leaves does not
-    feed back into the next delta's step and stays the same however long
-    the chain.
+    where :func:`needs_sample` says it is not used. ``unit`` is how far the
+    optimizer moves the tensor in one training step, if known
+    (:func:`deltackpt.optimizers.movement_units`, for
+    ``Quantizer.move_step``). A first moment's ``update_step`` (unscaled) is
+    relative to the root mean square of the sample: the moment itself.
+    ``carried_error`` is the mean squared error the previous save left in
+    the prediction. A closed-loop residual is the change since that save
+    plus this error; the step follows the change alone, so the error a
+    delta leaves does not feed back into the next delta's step and stays
+    the same however long the chain.
     """
     if quantizer.domain == "ordinal":
         return quantizer.step * BINADE_KEYS
-    if quantizer.lr_step is not None and lr is not None:
-        return quantizer.lr_step * lr
+    if quantizer.move_step is not None and unit is not None:
+        return quantizer.move_step * unit
     finite = sample[np.isfinite(sample)]
     if finite.size == 0:
         return 0.0
@@ -320,6 +363,8 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
         k = min(mags.size - 1, int(mags.size * (1 - quantizer.density)))
         return 2 * float(np.partition(mags, k)[k])
     mean_sq = float(np.mean(finite * finite))
+    if quantizer.update_step is not None:
+        return quantizer.update_step * mean_sq ** 0.5
     change_sq = max(mean_sq - carried_error, mean_sq / 16)
     return quantizer.step * change_sq ** 0.5
 
@@ -342,12 +387,16 @@ class ScaleController:
     each save: how many bytes the coder actually spent per estimated bit
     (``correction``), and what the exactly stored tensors took
     (``exact_bytes``), so the target is met within a few saves even where
-    order-0 entropy misjudges the coder.
+    order-0 entropy misjudges the coder. The factor never exceeds
+    ``max_scale`` (:attr:`CompressionConfig.max_scale`): where the target
+    needs more, the save stays at that floor and ``at_floor`` says so.
     """
 
     target_ratio: float
+    max_scale: float = math.inf
     correction: float = 1.15
     exact_bytes: int | None = None
+    at_floor: bool = False
     SCALES: tuple[float, ...] = tuple(2.0 ** (k / 16) for k in range(-64, 65))
 
     def choose(self, samples: list[tuple[np.ndarray, float, int]], raw_bytes: int,
@@ -361,6 +410,7 @@ class ScaleController:
         """
         budget = raw_bytes / self.target_ratio
         exact = self.exact_bytes if self.exact_bytes is not None else exact_raw_bytes
+        scales = [s for s in self.SCALES if s <= self.max_scale] or [self.max_scale]
 
         def bits_at(scale: float) -> float:
             return sum(_symbol_bits(s, step * scale) * n for s, step, n in samples if step > 0)
@@ -368,17 +418,18 @@ class ScaleController:
         def size_at(scale: float) -> float:
             return exact + self.correction * bits_at(scale) / 8
 
-        lo, hi = 0, len(self.SCALES) - 1
+        lo, hi = 0, len(scales) - 1
         while lo < hi:  # first scale whose estimate fits the budget (the last one if none does)
             mid = (lo + hi) // 2
-            if size_at(self.SCALES[mid]) <= budget:
+            if size_at(scales[mid]) <= budget:
                 hi = mid
             else:
                 lo = mid + 1
-        if lo > 0 and size_at(self.SCALES[lo]) > 0 and math.log(
-                size_at(self.SCALES[lo - 1]) / budget) < math.log(budget / size_at(self.SCALES[lo])):
+        self.at_floor = lo == len(scales) - 1 and size_at(scales[lo]) > budget
+        if lo > 0 and size_at(scales[lo]) > 0 and math.log(
+                size_at(scales[lo - 1]) / budget) < math.log(budget / size_at(scales[lo])):
             lo -= 1  # the finer neighbour overshoots the budget by less than this one undershoots
-        return self.SCALES[lo], bits_at(self.SCALES[lo])
+        return scales[lo], bits_at(scales[lo])
 
     def update(self, estimated_bits: float, coded_bytes: int, exact_bytes: int) -> None:
         """Learn from the last save: bytes of its quantized chunks against their estimated

@@ -36,6 +36,7 @@ from deltackpt.compression import (
     tensor_class,
 )
 from deltackpt.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for
+from deltackpt.errors import ConfigError
 from deltackpt.format import TensorRecord
 from deltackpt.kernels.quant import (
     N_STATS,
@@ -45,7 +46,8 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
 )
-from deltackpt.state import CapturedState, adam_hyperparameters, master_copies
+from deltackpt.optimizers import group_hyperparameter, movement_units, unknown_state_keys
+from deltackpt.state import CapturedState, master_copies
 
 
 def captured_layout(captured: CapturedState,
@@ -102,6 +104,18 @@ class _ClassStats:
                 "max_rel_error": self.max_rel_error, "rms_rel_error": rms}
 
 
+def _error_stats(x: np.ndarray, y: np.ndarray, nonzero: int) -> np.ndarray:
+    """One row of the kernels' statistics (``STAT_*``) of a chunk restored as ``y``."""
+    x64 = x.astype(np.float64)
+    err = np.abs(y - x64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(x64 != 0, err / np.abs(x64), 0.0)
+    stats = np.zeros((1, N_STATS))
+    stats[0, [STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO]] = (
+        err.max(initial=0.0), rel.max(initial=0.0), np.dot(err, err), np.dot(x64, x64), nonzero)
+    return stats
+
+
 class StepEncoder:
     """Codes the chunks of one save and keeps the reconstruction a reader will have.
 
@@ -141,7 +155,9 @@ class StepEncoder:
     def _plan(self, captured: CapturedState) -> None:
         samples = []
         fixed = 0
-        learning_rates = adam_hyperparameters(captured, "lr") if self.is_delta else {}
+        self._check_overrides(captured)
+        self.unknown_state_keys = unknown_state_keys(captured)
+        units = movement_units(captured) if self.is_delta else {}
         masters = master_copies(captured) if self.is_delta else {}
         scales = self._scales(captured) if self.is_delta else {}
         for item in captured.tensors:
@@ -172,16 +188,15 @@ class StepEncoder:
                 continue
             ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
-            lr = learning_rates.get(item.fqn) if cls == "weights" else None
-            if quantizer.dithers and lr is not None and (self.base.deltas == 0
-                                                         or self.base.resumed):
-                # Weights an optimizer moves, in the first delta on values training holds
-                # exactly (a full step, or a load): after it their grid stays shifted. One seed
-                # per tensor and base step.
+            unit = units.get(item.fqn) if cls == "weights" else None
+            if quantizer.dithers and (not plan.pred or self.base.deltas == 0 or self.base.resumed):
+                # Coded against the base, the grid is shifted in the first delta on values
+                # training holds exactly (a full step, or a load) and stays shifted; coded from
+                # zero, in every delta. One seed per tensor and base step.
                 plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
             plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
             sample = None
-            if self.controller is not None or (plan.scale is None and needs_sample(quantizer, lr)):
+            if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
                 stride = sample_stride(numel)
                 xs = tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
                 ps = self._values[item.name][::stride] if plan.pred else None
@@ -196,7 +211,9 @@ class StepEncoder:
                 plan.step = quantizer.update_step
             else:
                 carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-                plan.step = base_step(quantizer, sample, carried, lr)
+                plan.step = base_step(quantizer, sample, carried, unit)
+                if plan.step <= 0:  # nothing moved: a dither would move what stays put
+                    plan.dither = None
             samples.append((sample, plan.step, numel, plan, ordinal))
         if samples and self.controller is not None:
             raw = sum(t.numel() * t.element_size() for t in self.local.values())
@@ -205,11 +222,23 @@ class StepEncoder:
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
 
+    def _check_overrides(self, captured: CapturedState) -> None:
+        """Refuse override patterns that match no tensor of the state: a misspelt pattern would
+        otherwise leave the tensors it meant coded as their class says, silently."""
+        unmatched = set(self.config.overrides)
+        for item in captured.tensors:
+            pattern = self.config.override_for(item.name, item.fqn) if unmatched else None
+            unmatched.discard(pattern)
+        if unmatched:
+            raise ConfigError(f"compression override pattern(s) {sorted(unmatched)} match no "
+                              f"tensor of the state (names look like 'model/<fqn>' and "
+                              f"'optimizer/state/<fqn>/<key>', or the FQN alone)")
+
     def _scales(self, captured: CapturedState) -> dict[str, tuple[str, float]]:
         """``exp_avg`` name -> (name of its ``exp_avg_sq``, the group's eps in float32), where
-        the first moment can be coded relative to the second (``Quantizer.update_step``): both
-        float32 of one shape, the second coded lossily (so its reconstruction is kept)."""
-        epsilons = adam_hyperparameters(captured, "eps")
+        Adam's first moment can be coded relative to the second (``Quantizer.update_step``):
+        both float32 of one shape, the second coded lossily (so its reconstruction is kept)."""
+        epsilons = group_hyperparameter(captured, "eps")
         local = self.local
         second = {t.fqn: t for t in captured.tensors
                   if t.state_key == "exp_avg_sq" and t.name in local}
@@ -251,11 +280,15 @@ class StepEncoder:
             chunk = encode_lossless(raw, spec)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
             return chunk, raw
-        self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
         with self._lock:
             self._errors[record.name] = self._errors.get(record.name, 0.0) + float(
                 stats[:, STAT_SUM_SQ_ERR].sum())
-        return chunk, dtype_bytes(recon, record.dtype)
+        decoded = dtype_bytes(recon, record.dtype)
+        if spec.itemsize < 4:  # the tensor holds its running values rounded: count that error
+            stats = _error_stats(x, float32_values(decoded, record.dtype),
+                                 int(stats[:, STAT_NONZERO].sum()))
+        self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+        return chunk, decoded
 
     def _cast(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
               lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
@@ -263,10 +296,7 @@ class StepEncoder:
         :func:`writer.write_step` has finished before (``coded_last``)."""
         decoded = dtype_bytes(self._values[plan.cast_of][lo:hi], record.dtype)
         x, y = float32_values(raw, record.dtype), float32_values(decoded, record.dtype)
-        err = np.abs(y - x)
-        stats = np.zeros((1, N_STATS))
-        stats[0, [STAT_MAX_ABS, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO]] = (
-            err.max(initial=0.0), np.dot(err, err), np.dot(x, x), np.count_nonzero(err))
+        stats = _error_stats(x, y, int(np.count_nonzero(y != x)))
         chunk = encode_cast(plan.cast_of)
         self._keep_exact(record, plan, decoded, lo, hi)
         self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
@@ -331,6 +361,10 @@ class StepEncoder:
         if self.is_delta:
             compression = self.config.describe()
             compression["scale"] = self.scale
+            if self.controller is not None:
+                compression["at_max_error"] = self.controller.at_floor
+            if self.unknown_state_keys:
+                compression["exact_state_keys"] = self.unknown_state_keys
             out["compression"] = compression
         return out
 

@@ -7,6 +7,10 @@ class DeltackptError(Exception):
     """Base class of every error deltackpt raises on purpose."""
 
 
+class ConfigError(DeltackptError, ValueError):
+    """A compression config, preset or override that cannot be used; names the setting."""
+
+
 class NotACheckpointError(DeltackptError):
     """The path is not a deltackpt checkpoint directory."""
 

@@ -88,6 +88,7 @@ class SaveInfo:
     stored_bytes: int
     seconds: float
     target_ratio: float | None = None
+    at_max_error: bool = False  # the target needed errors beyond max_error: steps at that floor
 
     @property
     def ratio(self) -> float:
@@ -104,10 +105,12 @@ class SaveInfo:
     @classmethod
     def of(cls, meta: StepMetadata) -> SaveInfo:
         """The save summary recorded in a step's metadata."""
-        target = (meta.stats.compression or {}).get("target_ratio")
+        compression = meta.stats.compression or {}
+        target = compression.get("target_ratio")
         return cls(meta.step, meta.kind, meta.base_step, meta.stats.raw_bytes,
                    meta.stats.stored_bytes, meta.stats.seconds,
-                   float(target) if isinstance(target, (int, float)) else None)
+                   float(target) if isinstance(target, (int, float)) else None,
+                   compression.get("at_max_error") is True)
 
 
 class CheckpointManager:
@@ -165,7 +168,9 @@ class CheckpointManager:
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
         target = self.compression.target_ratio
-        self._controller = ScaleController(target) if target is not None else None
+        self._controller = ScaleController(target, self.compression.max_scale) \
+            if target is not None else None
+        self._warned_target = False
         self._open_directory()
 
     def __repr__(self) -> str:
@@ -329,12 +334,26 @@ class CheckpointManager:
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
         info = SaveInfo.of(meta)
-        if info.target_met is False:
-            log.warning("step %d: target_ratio %.1f not met, achieved %.1f (steps scaled by %.3g)",
-                        step, info.target_ratio, info.ratio, encoder.scale)
+        self._warn_target(info, encoder.scale)
         if self.keep is not None:
             self.gc(self.keep)
         return info
+
+    def _warn_target(self, info: SaveInfo, scale: float) -> None:
+        """Warn, once per manager, of a delta that missed ``target_ratio``: because the target
+        needs errors beyond ``max_error``, or because the controller is still learning."""
+        if self._warned_target or info.kind != "delta" or info.target_ratio is None:
+            return
+        if info.at_max_error:
+            self._warned_target = True
+            log.warning("step %d: target_ratio %g needs errors beyond max_error=%g; deltas stay "
+                        "at that floor (%.1fx achieved); SaveInfo.at_max_error and the step "
+                        "metadata say so for each save", info.step, info.target_ratio,
+                        self.compression.max_error, info.ratio)
+        elif info.target_met is False:
+            self._warned_target = True
+            log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",
+                        info.step, info.target_ratio, info.ratio, scale)
 
     def _prepare_save(self, step: int, overwrite: bool) -> None:
         """Take the writer lock and check that ``step`` may be written."""

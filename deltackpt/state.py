@@ -11,7 +11,6 @@ reverse direction, putting a checkpoint back into live objects, is in
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -187,33 +186,6 @@ def _finish(table: _TensorTable, tree: dict[str, Any], rng: Any, extra: Any) -> 
     if extra is not None:
         tree["extra"] = encode_tree(extra, ("extra",), lambda path, t: table.add(path, t, "extra"))
     return CapturedState(table.tensors, tree)
-
-
-def adam_hyperparameters(captured: CapturedState, key: str) -> dict[str, float]:
-    """``fqn -> value`` of a parameter group hyperparameter (``"lr"``, ``"eps"``) for the
-    parameters an Adam-family optimizer moves.
-
-    Such an optimizer (its state holds ``exp_avg_sq``) normalizes every
-    coordinate's update, so one training step moves a weight by about its
-    group's learning rate, the natural unit of a weight's error; and its
-    first moment drives an update of ``exp_avg / (sqrt(exp_avg_sq) + eps)``.
-    Parameters of groups whose value is not a positive number (or a
-    one-element tensor) are left out: a learning rate of 0 freezes them.
-    """
-    optimizer = captured.tree.get("optimizer")
-    if not optimizer:
-        return {}
-    normalized = {t.fqn for t in captured.tensors if t.state_key == "exp_avg_sq"}
-    by_name = {t.name: t.tensor for t in captured.tensors}
-    values: dict[str, float] = {}
-    for group in optimizer["param_groups"]:
-        value = group.get(key)
-        if isinstance(value, dict) and "$tensor" in value and by_name[value["$tensor"]].numel() == 1:
-            value = float(by_name[value["$tensor"]].item())
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and math.isfinite(value) and value > 0:
-            values.update((fqn, float(value)) for fqn in group["params"] if fqn in normalized)
-    return values
 
 
 def master_copies(captured: CapturedState) -> dict[str, str]:

@@ -52,8 +52,8 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 # Steps fine enough that every class codes symbols of several widths (the presets' weights step,
 # 16 learning rates, leaves this toy model's weights all-zero blocks).
-FINE = CompressionConfig(weights=Quantizer(step=0.25), exp_avg=Quantizer(step=0.5, pred="zero"),
-                         exp_avg_sq=Quantizer(step=0.25, domain="ordinal"))
+FINE = CompressionConfig(weights=Quantizer(step=0.25), first_moment=Quantizer(step=0.5, pred="zero"),
+                         second_moment=Quantizer(step=0.25, domain="ordinal"))
 
 
 def _manager(root: Path, chunk_bytes: int = 1024) -> CheckpointManager:

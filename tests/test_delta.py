@@ -29,6 +29,7 @@ from deltackpt import (
     EXACT,
     CheckpointManager,
     CompressionConfig,
+    ConfigError,
     CorruptionError,
     Quantizer,
     StepExistsError,
@@ -37,7 +38,8 @@ from deltackpt import (
 from deltackpt.cli import main
 from deltackpt.compression import ScaleController
 from deltackpt.format import StepMetadata
-from deltackpt.state import adam_hyperparameters, capture
+from deltackpt.optimizers import group_hyperparameter, movement_units, sampled_rms
+from deltackpt.state import capture
 from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
 
 BINADE = 1 << 23  # ordinal keys per power of two (FORMAT 3.2)
@@ -152,9 +154,16 @@ def check_chunk_bounds(meta: StepMetadata, name: str, restored: torch.Tensor,
                 f"step {meta.step} {name}: error {err.max().item()} > half its step"
         else:
             diff = np.abs(keys(r[lo:hi]) - keys(x[lo:hi]))
-            assert diff.max() <= params["step"] / 2, \
+            bound = ordinal_bound(keys(x[lo:hi]), params["step"])
+            assert (diff <= bound).all(), \
                 f"step {meta.step} {name}: keys differ by {diff.max()} > step/2 = {params['step'] / 2}"
     return quant
+
+
+def ordinal_bound(x_keys: np.ndarray, step: int) -> np.ndarray:
+    """The largest key error of an ordinal quant chunk: half its step, or one and a half for
+    keys within a step of zero, which the coder moves by a step rather than flip their sign."""
+    return np.where(np.abs(x_keys) < step, step + step // 2, step // 2)
 
 
 @pytest.fixture
@@ -302,14 +311,14 @@ def test_every_quant_chunk_is_within_half_its_step(ckpt: Path) -> None:
                     assert {p["scale"] for p in params} == {f"{name}_sq"}  # balanced: update_step
                 else:
                     assert name.endswith("/exp_avg_sq") and domain_pred == {("ordinal", "base")}, name
-                    assert {p["step"] for p in params} == {16 * BINADE}  # balanced: 16 binades
+                    assert {p["step"] for p in params} == {BINADE}  # balanced: one binade
         stats = classes(mgr, 4)
-        assert set(stats) == {"weights", "exp_avg", "exp_avg_sq", "exact"}
+        assert set(stats) == {"weights", "first_moment", "second_moment", "exact"}
         assert stats["exact"]["max_abs_error"] == 0
 
 
 def test_weights_step_follows_the_learning_rate(ckpt: Path) -> None:
-    """With ``lr_step`` a weight's step is ``lr_step`` times its param group's learning rate at
+    """With ``move_step`` a weight's step is ``move_step`` times its param group's learning rate at
     every save, however far apart the saves are, and the restored weights stay within half of it;
     weights an SGD optimizer moves fall back to the step relative to their change."""
     model = mlp()
@@ -318,7 +327,7 @@ def test_weights_step_follows_the_learning_rate(ckpt: Path) -> None:
               {"params": [p for m in linears[1:] for p in m.parameters()], "lr": 2e-3}]
     lr_of = {f"model/{n}": (1e-2 if n.startswith("0.") else 2e-3) for n, _ in model.named_parameters()}
     config = dataclasses.replace(CompressionConfig.preset("balanced"),
-                                 weights=Quantizer(step=5.0, lr_step=10.0))
+                                 weights=Quantizer(step=5.0, move_step=10.0))
     with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
         optimizer = torch.optim.AdamW(groups)
         for step, steps in enumerate([3, 1, 8]):
@@ -332,7 +341,7 @@ def test_weights_step_follows_the_learning_rate(ckpt: Path) -> None:
                 steps_used = {c.params["step"] for c in meta.tensor(name).fragments[0].chunks}
                 assert steps_used == {float(np.float32(10.0 * lr_of[name]))}, (step, name)
                 assert check_chunk_bounds(meta, name, restored[name], saved[name]) >= 1
-            assert meta.stats.compression["weights"]["lr_step"] == 10.0
+            assert meta.stats.compression["weights"]["move_step"] == 10.0
 
     shutil.rmtree(ckpt)
     with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
@@ -344,34 +353,51 @@ def test_weights_step_follows_the_learning_rate(ckpt: Path) -> None:
         assert {c.params["step"] for c in chunks} != {float(np.float32(0.1))}
 
 
-def test_adam_hyperparameters_of_a_capture() -> None:
-    """Which parameters move at an Adam-family learning rate: float or one-element tensor rates,
-    none for frozen groups (lr 0), SGD, or parameters without optimizer state yet; and their
-    groups' eps."""
+def test_movement_units_of_a_capture() -> None:
+    """How far one training step moves each parameter: the learning rate for Adam (float or
+    one-element tensor rates; none for a frozen group with lr 0 or before any state exists),
+    lr times the momentum's rms for SGD, lr / sqrt(t) for Adagrad, nothing for plain SGD or
+    without an optimizer; and the groups' eps."""
     model = mlp()
     linears = [m for m in model if isinstance(m, nn.Linear)]
     optimizer = torch.optim.Adam([{"params": list(linears[0].parameters()), "lr": torch.tensor(3e-3)},
                                   {"params": list(linears[1].parameters()), "lr": 0.0},
                                   {"params": list(linears[2].parameters()), "lr": 1e-3,
                                    "eps": 1e-6}])
-    assert adam_hyperparameters(capture(model, optimizer, None, False), "lr") == {}  # no state yet
+    assert movement_units(capture(model, optimizer, None, False)) == {}  # no state yet
     train(model, optimizer, steps=1)
     captured = capture(model, optimizer, None, False)
-    rates = adam_hyperparameters(captured, "lr")
-    assert rates == pytest.approx({"0.weight": 3e-3, "0.bias": 3e-3, "4.weight": 1e-3, "4.bias": 1e-3})
-    assert adam_hyperparameters(captured, "eps") == pytest.approx(
+    assert movement_units(captured) == pytest.approx(
+        {"0.weight": 3e-3, "0.bias": 3e-3, "4.weight": 1e-3, "4.bias": 1e-3})
+    assert group_hyperparameter(captured, "eps") == pytest.approx(
         {"0.weight": 1e-8, "0.bias": 1e-8, "2.weight": 1e-8, "2.bias": 1e-8, "4.weight": 1e-6,
          "4.bias": 1e-6})
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train(model, sgd, steps=1)
-    assert adam_hyperparameters(capture(model, sgd, None, False), "lr") == {}
-    assert adam_hyperparameters(capture(model, None, None, False), "lr") == {}
+    units = movement_units(capture(model, sgd, None, False))
+    for i, p in enumerate(model.parameters()):
+        fqn = next(n for n, q in model.named_parameters() if q is p)
+        buf = sgd.state[p]["momentum_buffer"]
+        assert units[fqn] == pytest.approx(0.1 * sampled_rms(buf)), i
+        assert sampled_rms(buf) == pytest.approx(buf.double().pow(2).mean().sqrt().item(), rel=0.5)
+    adagrad = torch.optim.Adagrad(model.parameters(), lr=0.1, lr_decay=0.01)
+    train(model, adagrad, steps=4)
+    units = movement_units(capture(model, adagrad, None, False))
+    assert units and all(u == pytest.approx(0.1 / (1 + 3 * 0.01) / 2) for u in units.values())
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, plain, steps=1)
+    assert movement_units(capture(model, plain, None, False)) == {}
+    adadelta = torch.optim.Adadelta(model.parameters())  # square_avg, but not RMSprop's meaning
+    train(model, adadelta, steps=1)
+    assert movement_units(capture(model, adadelta, None, False)) == {}
+    assert movement_units(capture(model, None, None, False)) == {}
 
 
 def test_exp_avg_sq_relative_error_bound(ckpt: Path) -> None:
     """exp_avg_sq at half a binade: keys within 2**21 of the saved value, i.e. at most 25% relative
-    error (the key-to-value map is linear within a binade, 2**23 keys per binade)."""
-    config = CompressionConfig(exp_avg_sq=Quantizer(step=0.5, domain="ordinal"))
+    error (the key-to-value map is linear within a binade, 2**23 keys per binade), never below
+    zero."""
+    config = CompressionConfig(second_moment=Quantizer(step=0.5, domain="ordinal"))
     half_keys = 0.5 * BINADE / 2
     bound = half_keys / BINADE
     model = mlp()
@@ -382,8 +408,8 @@ def test_exp_avg_sq_relative_error_bound(ckpt: Path) -> None:
             train(model, optimizer, steps=3)
             mgr.save(step, model, optimizer)
             saved[step] = snapshot(model, optimizer)
-        assert mgr.metadata(1).stats.compression["exp_avg_sq"] == {"step": 0.5, "domain": "ordinal",
-                                                                    "pred": "base"}
+        assert mgr.metadata(1).stats.compression["second_moment"] == {
+            "step": 0.5, "domain": "ordinal", "pred": "base", "dither": True}
         worst = 0.0
         for step in range(1, 5):
             restored = mgr.restore(step).tensors
@@ -391,66 +417,111 @@ def test_exp_avg_sq_relative_error_bound(ckpt: Path) -> None:
                 if not name.endswith("/exp_avg_sq"):
                     continue
                 x, r = saved[step][name].reshape(-1), restored[name].reshape(-1)
-                assert np.abs(keys(r) - keys(x)).max() <= half_keys, name
+                assert (np.abs(keys(r) - keys(x)) <= ordinal_bound(keys(x), BINADE // 2)).all(), name
                 normal = x.abs() >= TINY
                 rel = ((r[normal].double() - x[normal].double()).abs() / x[normal].double()).max().item()
                 assert rel <= bound * (1 + 1e-6), (step, name, rel)
                 assert bool((r >= 0).all()), "a second moment was restored negative"
                 worst = max(worst, rel)
-            stats = classes(mgr, step)["exp_avg_sq"]
+            stats = classes(mgr, step)["second_moment"]
             assert 0 < stats["max_rel_error"] <= bound * (1 + 1e-6)
         assert worst > bound / 4  # the bound is reached in practice: the step is not finer than asked
 
 
-def _optimizer_other_errors(ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                            key: str) -> list[float]:
-    """Largest relative error of the ``key`` state of each delta step (normal values only)."""
+def _moment_errors(ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                   key: str, cls: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """``(saved, restored, chunk params)`` of the ``key`` state of every tensor of each delta step
+    (balanced), checking that ``key`` is coded as class ``cls``."""
     model = mlp()
     optimizer = make(list(model.parameters()))
     saved = {}
+    out = []
     with CheckpointManager(ckpt, full_every=100) as mgr:
         for step in range(5):
             train(model, optimizer, steps=3)
             mgr.save(step, model, optimizer)
             saved[step] = snapshot(model, optimizer)
-        errors = []
         for step in range(1, 5):
+            meta = mgr.metadata(step)
             restored = mgr.restore(step).tensors
             names = [n for n in float_names(saved[step], "optimizer/") if n.endswith("/" + key)]
             assert names
-            worst = 0.0
             for name in names:
-                x, r = saved[step][name].reshape(-1).double(), restored[name].reshape(-1).double()
-                normal = x.abs() >= TINY
-                worst = max(worst, ((r[normal] - x[normal]).abs() / x[normal].abs()).max().item())
-            assert set(classes(mgr, step)) >= {"optimizer_other", "weights"}
-            errors.append(worst)
-    return errors
+                chunks = meta.tensor(name).fragments[0].chunks
+                if saved[step][name].numel() >= 16:
+                    assert {c.codec for c in chunks} == {"quant"}, name
+                    out.append((saved[step][name].reshape(-1).double(),
+                                restored[name].reshape(-1).double(), chunks[0].params))
+            assert set(classes(mgr, step)) >= {cls, "weights"}
+    return out
 
 
-def test_optimizer_other_relative_error(ckpt: Path) -> None:
-    """Adagrad's ``sum`` (a float state of no special meaning: optimizer_other) is coded at 2**-10
-    binade: relative error at most 2**-11. (The accumulator starts at 0.1; starting at zero is
-    the next test.)"""
-    errors = _optimizer_other_errors(
-        ckpt, lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.1), "sum")
-    assert 0 < max(errors) <= 2.0**-11 * (1 + 1e-6), errors
+def test_sgd_momentum_is_a_first_moment(ckpt: Path) -> None:
+    """SGD's momentum_buffer (the update is lr times it) is coded from zero, dithered, at a step
+    of ``update_step`` times its root mean square: each element within half a step, unbiased
+    (never shrunk to zero)."""
+    update_step = CompressionConfig.preset("balanced").first_moment.update_step
+    errors = _moment_errors(ckpt, lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+                            "momentum_buffer", "first_moment")
+    for x, r, params in errors:
+        assert params["pred"] == "zero" and "dither" in params
+        rms = x.pow(2).mean().sqrt().item()
+        assert params["step"] == pytest.approx(update_step * rms, rel=0.3)
+        assert (r - x).abs().max().item() <= params["step"] / 2 * (1 + 1e-5)
+    x = torch.cat([e[0] for e in errors])
+    r = torch.cat([e[1] for e in errors])
+    slope = (r * x).sum() / (x * x).sum()
+    assert 0.9 < slope.item() < 1.1, slope  # unbiased: neither zeroed nor shrunk
 
 
 @pytest.mark.parametrize(("make", "key"), [
-    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "momentum_buffer"),
+    (lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.1), "sum"),
     (lambda p: torch.optim.Adagrad(p, lr=1e-2), "sum"),
-], ids=["sgd_momentum", "adagrad_from_zero"])
-def test_optimizer_other_relative_error_sign_flip_or_from_zero(
+    (lambda p: torch.optim.RMSprop(p, lr=1e-3), "square_avg"),
+], ids=["adagrad", "adagrad_from_zero", "rmsprop"])
+def test_second_moments_of_other_optimizers(
         ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], key: str) -> None:
-    """SGD momentum_buffer and Adagrad sum (optimizer_other): relative error at most 2**-11."""
-    errors = _optimizer_other_errors(ckpt, make, key)
-    assert max(errors) <= 2.0**-11 * (1 + 1e-6), errors
+    """Adagrad's ``sum`` and RMSprop's ``square_avg`` are second moments: relative error within
+    half a binade's keys (balanced: one-binade steps; at most 50%), never negative, median
+    ratio 1."""
+    errors = _moment_errors(ckpt, make, key, "second_moment")
+    ratios = []
+    for x, r, params in errors:
+        assert params["domain"] == "ordinal" and params["step"] == BINADE
+        assert (r >= 0).all()
+        normal = x >= TINY
+        ratio = r[normal] / x[normal]
+        assert ((ratio - 1).abs() <= 0.5 * (1 + 1e-6)).all()  # half a binade of keys
+        ratios.append(ratio)
+    assert abs(torch.cat(ratios).log2().median().item()) < 0.1
+
+
+def test_unknown_optimizer_state_is_exact(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """State keys of unknown meaning (Adadelta's ``acc_delta``) are stored exactly in deltas and
+    listed in the step's compression stats; the known ones are still coded."""
+    model = mlp()
+    optimizer = torch.optim.Adadelta(model.parameters())
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(3):
+            train(model, optimizer, steps=2)
+            mgr.save(step, model, optimizer)
+        state = snapshot(model, optimizer)
+        meta = mgr.metadata(2)
+        assert meta.stats.compression["exact_state_keys"] == ["acc_delta"]
+        restored = mgr.restore(2).tensors
+        for name, tensor in state.items():
+            if name.endswith("/acc_delta"):
+                assert_bitwise_equal(restored[name], tensor, name)
+            if name.endswith("/square_avg") and tensor.numel() >= 16:
+                assert {c.codec for c in meta.tensor(name).fragments[0].chunks} == {"quant"}
+    capsys.readouterr()
+    assert main(["info", str(ckpt), "--step", "2"]) == 0
+    assert "stored exactly (meaning unknown): acc_delta" in capsys.readouterr().out
 
 
 def test_exact_state_buffers_rng_and_extra(ckpt: Path) -> None:
-    """Integer buffers, Adam's ``step``, RNG states and ``extra`` (tensors included) are exact in
-    delta steps; float buffers are quantized as weights."""
+    """Buffers (BatchNorm running statistics included), Adam's ``step``, RNG states and
+    ``extra`` (tensors included) are exact in delta steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -476,8 +547,8 @@ def test_exact_state_buffers_rng_and_extra(ckpt: Path) -> None:
             if tensor.dtype == torch.int64 or name.endswith("/step"):
                 assert_bitwise_equal(ckpt_.tensors[name], tensor, f"step {step} {name}")
         assert meta.tensor("model/1.num_batches_tracked").dtype == "int64"
-        running = meta.tensor("model/1.running_var")
-        assert {c.codec for c in running.fragments[0].chunks} == {"quant"}
+        for buffer in ("running_var", "running_mean"):
+            assert_bitwise_equal(ckpt_.tensors[f"model/1.{buffer}"], saved[step][f"model/1.{buffer}"])
         for record in meta.tensors:
             if record.role in ("rng", "extra"):
                 assert all(c.codec != "quant" for f in record.fragments for c in f.chunks), record.name
@@ -511,11 +582,10 @@ class Edge(nn.Module):
         torch.manual_seed(3)
         self.odd = nn.Parameter(torch.randn(1001))
         self.frozen = nn.Parameter(torch.randn(37, 29), requires_grad=False)
-        self.register_buffer("zeros", torch.zeros(500))
-        self.register_buffer("const", torch.full((20, 25), 0.375))
-        self.register_buffer("tiny", torch.randn(7))
-        self.register_buffer("fifteen", torch.randn(15))
-        self.register_buffer("sixteen", torch.randn(16))
+        for name, value in (("zeros", torch.zeros(500)), ("const", torch.full((20, 25), 0.375)),
+                            ("tiny", torch.randn(7)), ("fifteen", torch.randn(15)),
+                            ("sixteen", torch.randn(16))):
+            setattr(self, name, nn.Parameter(value, requires_grad=False))
         nonfinite = torch.randn(3000)
         nonfinite[3], nonfinite[10], nonfinite[20] = math.nan, math.inf, -math.inf
         self.nonfinite = nn.Parameter(nonfinite)  # non-finite values in its first chunk only
@@ -676,7 +746,7 @@ def test_master_copies_code_16bit_parameters_as_casts(ckpt: Path) -> None:
     model = mlp(dtype=torch.bfloat16)
     optimizer = MasterAdamW(model.parameters())
     saved = {}
-    lr_step = CompressionConfig.preset("balanced").weights.lr_step
+    move_step = CompressionConfig.preset("balanced").weights.move_step
 
     def check(mgr: CheckpointManager, step: int) -> None:
         restored = mgr.restore(step).tensors
@@ -686,7 +756,7 @@ def test_master_copies_code_16bit_parameters_as_casts(ckpt: Path) -> None:
             master = restored[f"optimizer/state/{fqn}/master_param"]
             assert_bitwise_equal(restored[name], master.to(torch.bfloat16), name)
             err = max_err(master, saved[step][f"optimizer/state/{fqn}/master_param"])
-            assert err <= (lr_step * 1e-2 / 2 * (1 + 1e-5) if delta else 0.0), (step, name, err)
+            assert err <= (move_step * 1e-2 / 2 * (1 + 1e-5) if delta else 0.0), (step, name, err)
 
     # small chunks on several threads: a cast coded before its master's chunks would be caught
     with CheckpointManager(ckpt, full_every=100, chunk_bytes=1024, workers=4) as mgr:
@@ -750,7 +820,7 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
     model = nn.Linear(100, 200)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, optimizer, steps=1)
-    step_size = CompressionConfig.preset("balanced").weights.lr_step * 1e-3
+    step_size = CompressionConfig.preset("balanced").weights.move_step * 1e-3
 
     def move_and_save(mgr: CheckpointManager, step: int) -> tuple[torch.Tensor, list[dict]]:
         with torch.no_grad():
@@ -775,7 +845,7 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
         assert {p.get("dither") is not None for p in params} == {True}
         assert abs(error.mean().item()) < 0.02 * step_size
     undithered = dataclasses.replace(CompressionConfig.preset("balanced"),
-                                     weights=Quantizer(step=5.0, lr_step=16.0, dither=False))
+                                     weights=Quantizer(step=5.0, move_step=16.0, dither=False))
     with CheckpointManager(ckpt / "plain", full_every=100, compression=undithered) as mgr:
         mgr.save(0, model, optimizer)
         error, params = move_and_save(mgr, 1)
@@ -784,7 +854,7 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
 
 
 SCALED = dataclasses.replace(CompressionConfig.preset("balanced"),
-                             exp_avg=Quantizer(update_step=1.0, pred="zero"))
+                             first_moment=Quantizer(update_step=1.0, pred="zero"))
 
 
 def test_first_moment_coded_relative_to_the_second(ckpt: Path) -> None:
@@ -850,7 +920,7 @@ def test_first_moment_after_a_scaled_step_is_never_coded_against_it(ckpt: Path) 
     follow: FORMAT.md 3.2): that save stores exp_avg exactly, later ones code against it."""
     model = mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    against_base = dataclasses.replace(SCALED, exp_avg=Quantizer(step=1.0))
+    against_base = dataclasses.replace(SCALED, first_moment=Quantizer(step=1.0))
     with CheckpointManager(ckpt, full_every=100, compression=SCALED) as mgr:
         for step in range(2):
             train(model, optimizer)
@@ -1034,7 +1104,8 @@ def test_load_then_save_continues_the_chain(ckpt: Path) -> None:
                 stats["weights"]["max_abs_error"], rel=1e-6)
             for name in float_names(trained, "optimizer/"):
                 if name.endswith("/exp_avg"):
-                    assert max_err(restored[name], trained[name]) <= stats["exp_avg"]["max_abs_error"]
+                    assert max_err(restored[name], trained[name]) <= \
+                        stats["first_moment"]["max_abs_error"]
             for name, tensor in trained.items():
                 if name.endswith("/step"):
                     assert_bitwise_equal(restored[name], tensor, name)
@@ -1170,7 +1241,7 @@ def test_presets_and_validation(tmp_path: Path) -> None:
         assert config.deltas == (name != "lossless")
     balanced, aggressive = CompressionConfig.preset("balanced"), CompressionConfig.preset("aggressive")
     assert aggressive.weights.step > balanced.weights.step
-    assert aggressive.weights.lr_step > balanced.weights.lr_step
+    assert aggressive.weights.move_step > balanced.weights.move_step
     with pytest.raises(ValueError, match=r"'fast'.*aggressive.*balanced.*lossless"):
         CompressionConfig.preset("fast")
     with pytest.raises(ValueError, match="fast"):
@@ -1180,9 +1251,9 @@ def test_presets_and_validation(tmp_path: Path) -> None:
                    {"step": None, "density": 0.0}, {"step": None, "density": 1.5},
                    {"step": None, "density": -0.1}, {"step": 1.0, "density": 0.5},
                    {"step": None}, {"domain": "log"}, {"pred": "mean"},
-                   {"step": None, "density": 0.5, "domain": "ordinal"}, {"lr_step": 0.0},
-                   {"lr_step": math.nan}, {"lr_step": 4.0, "domain": "ordinal"},
-                   {"lr_step": 4.0, "pred": "zero"}, {"update_step": 0.0, "pred": "zero"},
+                   {"step": None, "density": 0.5, "domain": "ordinal"}, {"move_step": 0.0},
+                   {"move_step": math.nan}, {"move_step": 4.0, "domain": "ordinal"},
+                   {"move_step": 4.0, "pred": "zero"}, {"update_step": 0.0, "pred": "zero"},
                    {"update_step": math.inf, "pred": "zero"}, {"update_step": 1.0},
                    {"update_step": 1.0, "pred": "zero", "domain": "ordinal"}]:
         with pytest.raises(ValueError):
@@ -1195,8 +1266,12 @@ def test_presets_and_validation(tmp_path: Path) -> None:
                    {"block": 10}, {"block": 1 << 21}]:
         with pytest.raises(ValueError):
             CompressionConfig(**kwargs)
-    with pytest.raises(TypeError):
-        CompressionConfig(overrides={"model/*": 0.5})  # type: ignore[dict-item]
+    for kwargs, named in [({"target_ratio": 0.0}, "target_ratio"), ({"max_error": 0.0}, "max_error"),
+                          ({"max_error": -1.0}, "max_error"), ({"max_error": math.nan}, "max_error"),
+                          ({"target_ratio": "50"}, "target_ratio"),
+                          ({"overrides": {"model/*": 0.5}}, "overrides")]:
+        with pytest.raises(ConfigError, match=named):
+            CompressionConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         CheckpointManager(tmp_path / "y", compression=3)  # type: ignore[arg-type]
 
@@ -1228,8 +1303,8 @@ def test_exact_overrides(ckpt: Path, preset: str | None) -> None:
                                                      "exact": True}
     assert compression["scale"] == 1.0
     expected = CompressionConfig.preset(preset or "balanced").weights
-    assert (compression["weights"]["step"], compression["weights"]["lr_step"]) == (
-        expected.step, expected.lr_step)
+    assert (compression["weights"]["step"], compression["weights"]["move_step"]) == (
+        expected.step, expected.move_step)
 
 
 def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
@@ -1310,13 +1385,13 @@ def test_impossible_target_ratio_saves_at_the_coarsest_scale(
     target = 1e6
     mgr, infos = _target_run(tmp_path / "ckpt", gpt_trained, target)
     try:
-        coarsest = max(ScaleController.SCALES)
+        coarsest = max(s for s in ScaleController.SCALES if s <= mgr.compression.max_scale)
         for info in infos[1:]:
             compression = mgr.metadata(info.step).stats.compression
             assert compression["scale"] == coarsest
-            assert compression["target_ratio"] == target
+            assert compression["target_ratio"] == target and compression["at_max_error"] is True
             assert 1 < info.ratio < target
-            assert info.target_ratio == target and info.target_met is False
+            assert info.target_ratio == target and info.target_met is False and info.at_max_error
         assert mgr.verify(deep=True) == {i.step: [] for i in infos}
     finally:
         mgr.close()

@@ -515,7 +515,7 @@ def test_cli_ls_and_info_show_errors(templates, tmp_path: Path, capsys: pytest.C
     assert delta["kind"] == "delta" and delta["base_step"] == 1
     assert delta["compression"]["name"] == "balanced" and "scale" in delta["compression"]
     classes = mgr.metadata(2).stats.classes
-    order = ("weights", "exp_avg", "exp_avg_sq", "optimizer_other", "exact")
+    order = ("weights", "first_moment", "second_moment", "buffers", "exact")
     assert list(delta["classes"]) == [c for c in order if c in classes]
     for name, stats in classes.items():
         row = delta["classes"][name]
