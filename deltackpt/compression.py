@@ -187,7 +187,7 @@ class CompressionConfig:
 
     weights: Quantizer = Quantizer(step=1.0, move_step=16.0)
     first_moment: Quantizer = Quantizer(step=2.0, update_step=2.0, pred="zero")
-    second_moment: Quantizer = Quantizer(step=1.0, domain="ordinal")
+    second_moment: Quantizer = Quantizer(step=2.0, domain="ordinal")
     buffers: Quantizer = EXACT
     overrides: Mapping[str, Quantizer] = field(default_factory=dict)
     target_ratio: float | None = None
@@ -268,7 +268,7 @@ PRESETS = {
     "balanced": CompressionConfig(name="balanced"),
     "aggressive": CompressionConfig(weights=Quantizer(step=2.0, move_step=48.0),
                                     first_moment=Quantizer(step=4.0, update_step=4.0, pred="zero"),
-                                    second_moment=Quantizer(step=2.0, domain="ordinal"),
+                                    second_moment=Quantizer(step=4.0, domain="ordinal"),
                                     name="aggressive"),
 }
 

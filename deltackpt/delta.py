@@ -46,7 +46,12 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
 )
-from deltackpt.optimizers import group_hyperparameter, movement_units, unknown_state_keys
+from deltackpt.optimizers import (
+    adam_bias_corrections,
+    group_hyperparameter,
+    movement_units,
+    unknown_state_keys,
+)
 from deltackpt.state import CapturedState, master_copies
 
 
@@ -71,7 +76,8 @@ class _Plan:
     pred: bool = False
     cast_of: str | None = None  # the float32 master copy the tensor is rounded from
     dither: int | None = None  # seed of the dither that shifts its quantization grid
-    scale: tuple[str, float] | None = None  # (exp_avg_sq, eps) scaling its steps per element
+    # (exp_avg_sq, eps, factor) scaling its steps per element: update_step * factor is its step
+    scale: tuple[str, float, float] | None = None
 
 
 @dataclass
@@ -205,10 +211,11 @@ class StepEncoder:
                     # The scale will be this save's reconstruction of exp_avg_sq, which moves
                     # only where exp_avg_sq moved by more than its step: the base's is closer
                     # to it than exp_avg_sq itself.
-                    source, eps = plan.scale
-                    sample /= np.sqrt(np.maximum(self._values[source][::stride], 0)) + eps
+                    source, eps, factor = plan.scale
+                    sample /= factor * (np.sqrt(np.maximum(self._values[source][::stride], 0))
+                                        + eps)
             if plan.scale is not None:
-                plan.step = quantizer.update_step
+                plan.step = quantizer.update_step * plan.scale[2]
             else:
                 carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
                 plan.step = base_step(quantizer, sample, carried, unit)
@@ -234,11 +241,19 @@ class StepEncoder:
                               f"tensor of the state (names look like 'model/<fqn>' and "
                               f"'optimizer/state/<fqn>/<key>', or the FQN alone)")
 
-    def _scales(self, captured: CapturedState) -> dict[str, tuple[str, float]]:
-        """``exp_avg`` name -> (name of its ``exp_avg_sq``, the group's eps in float32), where
-        Adam's first moment can be coded relative to the second (``Quantizer.update_step``):
-        both float32 of one shape, the second coded lossily (so its reconstruction is kept)."""
+    def _scales(self, captured: CapturedState) -> dict[str, tuple[str, float, float]]:
+        """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
+        moment can be coded relative to the second (``Quantizer.update_step``): both float32 of
+        one shape, the second coded lossily (so its reconstruction is kept).
+
+        Adam's update is ``(m / c1) / (sqrt(v) / c2 + eps)`` with its bias
+        corrections ``c1``, ``c2`` (:func:`adam_bias_corrections`), so an
+        element's step ``update_step * factor * (sqrt(v) + eps')`` with
+        ``factor = c1 / c2`` and ``eps' = eps * c2`` (float32) is
+        ``update_step`` learning rates of that update, early in training too.
+        """
         epsilons = group_hyperparameter(captured, "eps")
+        corrections = adam_bias_corrections(captured)
         local = self.local
         second = {t.fqn: t for t in captured.tensors
                   if t.state_key == "exp_avg_sq" and t.name in local}
@@ -252,8 +267,11 @@ class StepEncoder:
                 continue
             v_cls = tensor_class(v.role, v.state_key, spec_for(local[v.name].dtype, v.name),
                                  local[v.name].numel())
-            if v_cls is not None and not self.config.quantizer_for(v.name, v.fqn, v_cls).exact:
-                scales[item.name] = (v.name, eps)
+            c1, c2 = corrections.get(item.fqn, (1.0, 1.0))
+            eps = float(np.float32(eps * c2))
+            if eps > 0 and v_cls is not None \
+                    and not self.config.quantizer_for(v.name, v.fqn, v_cls).exact:
+                scales[item.name] = (v.name, eps, c1 / c2)
         return scales
 
     def __call__(self, record: TensorRecord, spec: DTypeSpec, raw_offset: int,
