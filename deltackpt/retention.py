@@ -377,13 +377,20 @@ def _full_estimate(plan: _Plan, step: int) -> int:
     return plan.sizes[min(fulls, key=lambda s: (abs(s - step), s))]
 
 
+def _lossy_bytes(meta: StepMetadata) -> int:
+    """Bytes of the lossily coded tensors of a delta step (0 for a full step)."""
+    classes = (meta.stats.classes or {}) if meta.kind == "delta" else {}
+    return sum(c.get("stored_bytes", 0) for name, c in classes.items() if name != "exact")
+
+
 def _delta_estimate(plan: _Plan, step: int, base: int) -> int:
-    """Bytes of ``step`` re-coded against ``base``, for a dry run: those of the steps between
-    them, each full step among them counted as a delta of average size."""
-    deltas = [plan.sizes[s] for s, m in plan.metas.items() if m.kind == "delta"]
-    average = sum(deltas) // max(1, len(deltas))
-    return sum(plan.sizes[s] if plan.metas[s].kind == "delta" else average
-               for s in plan.metas if base < s <= step)
+    """Bytes of ``step`` re-coded against ``base``, for a dry run: its own metadata and exactly
+    stored tensors, and the lossily coded tensors of every step between ``base`` and it (those
+    of a full step among them counted as the average delta's)."""
+    lossy = {s: _lossy_bytes(m) for s, m in plan.metas.items() if m.kind == "delta"}
+    average = sum(lossy.values()) // max(1, len(lossy))
+    return plan.sizes[step] - lossy.get(step, 0) + sum(
+        lossy.get(s, average) for s in plan.metas if base < s <= step)
 
 
 @dataclass
