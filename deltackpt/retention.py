@@ -9,35 +9,38 @@ without ever breaking a kept step and without making the directory larger.
 is. A kept delta whose chain loses a step is *replaced*: re-coded as a
 delta, with the manager's compression config and closed loop as a save
 codes it, against the reconstruction of the nearest kept step below it
-that is *stable*: a step this gc leaves unchanged, with an unchanged chain
-(a full step, or a delta whose base is stable), of the same layout, saved
-by one process, and at most ``full_every - 2`` deltas above its full step
-(so the re-coded step is at most ``full_every - 1``). The re-coded step
-codes the values it restored to before, so it restores to them within the
-error the config allows (its stats record that error): against the
-training state it carries the error of two deltas, the original and the
-re-coding. It becomes a full (lossless) step holding exactly the values it
-restored to instead when there is no such base, when the config makes no
-deltas, or when the delta would not be smaller than a full step of its
-layout.
+that is *stable*, i.e. restores to the same running values before, during
+and after this gc: a full step; a step rewritten as a full step by this
+gc whose tensors are all float32 (or not floating point), since its
+running values are then the values it restored to, stored exactly; or a
+delta whose base is stable. The base must also have the step's layout,
+have been saved by one process (a delta keeps its base's fragments), and
+be at most ``full_every - 2`` deltas above its full step (so the re-coded
+step is at most ``full_every - 1``). The re-coded step codes the values it
+restored to before, so it restores to them within the error the config
+allows (its stats record that error, and the old base and error under
+``compression["recoded"]``): against the training state it carries the
+error of two deltas, the original and the re-coding. It becomes a full
+(lossless) step holding exactly the values it restored to instead when
+there is no such base, when the config makes no deltas, or when the delta
+is not smaller than a full step of its layout.
 
 Kept deltas above a replaced step in its chain were coded against its old
 reconstruction, so they are replaced too, each against a stable step as
-above (re-coding a step to reproduce its old reconstruction exactly would
-take a lossless step). The exception is a full rewrite: a full step's
-float32 running values are its stored values, which are the ones the step
-restored to, so a delta coding only float32 tensors against it stays valid
-(and stable). The running values of ``bfloat16`` and ``float16`` tensors
-are float32 while a full step stores the tensor rounded, so a delta coding
-such a tensor against a full rewrite is replaced as well. A re-coded delta
-codes 16-bit tensors against its base's float32 running values and holds
-new ones, so 16-bit models keep their deltas.
+above: re-coding a step to reproduce its old reconstruction exactly would
+take a lossless step, and a replaced step that is not stable is never a
+base. A delta on a full rewrite stays as it is when it codes only float32
+tensors against it. The running values of ``bfloat16`` and ``float16``
+tensors are float32 while a full step stores the tensor rounded, so a
+delta coding such a tensor against a full rewrite is replaced, and such a
+rewrite is no base. A re-coded delta codes 16-bit tensors against its
+base's float32 running values and holds new ones, so 16-bit models keep
+their deltas wherever a stable step is below them.
 
-Replacements never code against each other, only against stable steps,
-because each is committed on its own (the rename of its ``metadata.json``,
-FORMAT.md 1.1): a base must restore to the same values before and after
-every commit of the gc, or a crash between two commits would leave a step
-coded against a base that changed under it.
+Bases must be stable because each replacement is committed on its own
+(the rename of its ``metadata.json``, FORMAT.md 1.1): a base whose running
+values changed at a commit of the gc would leave, after a crash between
+two commits, a step coded against other values than its base has.
 
 **Size.** If the replacements would leave the directory larger than
 before (written data and metadata against the steps removed and the old
@@ -87,6 +90,7 @@ from deltackpt.writer import commit_step, metadata_bytes, new_save_id, step_meta
 if TYPE_CHECKING:
     from deltackpt.manager import CheckpointManager
 
+SIXTEEN_BIT = ("bfloat16", "float16")  # dtypes whose running values are not their values
 # Raw bytes per stored byte of a full step, for estimates where no full step of a layout is at hand.
 FULL_STEP_RATIO = 1.2
 
@@ -343,7 +347,7 @@ def _replacements(plan: _Plan, bases_allowed: bool, full_every: int,
     none, or ``bases_allowed`` is false) and returns the base chosen.
     """
     stable: dict[int, int] = {}  # stable kept step -> deltas above its full step
-    full: set[int] = set()  # rewritten as full steps
+    full: set[int] = set()  # rewritten as full steps, with 16-bit tensors
     replaced: dict[int, int | None] = {}
     for s in plan.kept:
         meta = plan.metas.get(s)
@@ -361,8 +365,12 @@ def _replacements(plan: _Plan, bases_allowed: bool, full_every: int,
                      if bases_allowed and deltas + 1 < full_every
                      and plan.metas[k].world_size == 1 and layout_of(plan.metas[k]) == layout]
             replaced[s] = decide(s, max(bases, default=None))
-            if replaced[s] is None:
+            if replaced[s] is not None:
+                continue
+            if any(dtype in SIXTEEN_BIT for _, dtype, _ in layout.values()):
                 full.add(s)
+            else:  # every running value is a stored value, the same before and after the rewrite
+                stable[s] = 0
     return replaced
 
 
