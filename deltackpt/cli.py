@@ -511,14 +511,24 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     lines = [f"{'dry run, nothing changed: ' if report.dry_run else ''}gc of {path} with --keep {policy}",
              f"  kept       {len(report.kept):>5}  {steps(report.kept)}",
              f"  removed    {len(report.removed):>5}  {steps(report.removed)}",
+             f"  re-coded   {len(report.recoded):>5}  {steps(report.recoded)}"
+             + ("  (delta steps coded again on a kept step: their chain loses a step)"
+                if report.recoded else ""),
              f"  rewritten  {len(report.rewritten):>5}  {steps(report.rewritten)}"
-             + ("  (delta steps made full: their base is removed)" if report.rewritten else "")]
+             + ("  (delta steps made full: no kept step to code them on, or full is smaller)"
+                if report.rewritten else "")]
+    if report.held:
+        lines.append(f"  held       {len(report.held):>5}  {steps(report.held)}  (not kept by "
+                     "--keep, but replacing the steps that need them would grow PATH)")
     if report.skipped:
         lines.append(f"  left alone {len(report.skipped):>5}  {steps(report.skipped)}  "
                      "(unreadable metadata or broken chain; run deltackpt verify)")
     freed, added = human_bytes(report.freed_bytes), human_bytes(report.added_bytes)
-    lines.append(f"would free {freed}; the rewrites would write about {added}" if report.dry_run
-                 else f"freed {freed}; the rewrites wrote {added}")
+    before, after = human_bytes(report.bytes_before), human_bytes(report.bytes_after)
+    lines.append(f"would free {freed}; the replacements would write about {added}; steps take "
+                 f"{before}, about {after} after" if report.dry_run
+                 else f"freed {freed}; the replacements wrote {added}; steps took {before}, "
+                 f"{after} now")
     _print_lines(lines)
     return 0
 
@@ -737,9 +747,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc = _add_command(
         sub, "gc", "delete the steps a retention policy does not keep",
         "Delete every step that --keep does not keep; the latest step is always kept.\n\n"
-        "A kept delta step whose base would be deleted is first rewritten as a full step\n"
-        "holding exactly the values it restores to, so every kept step stays restorable and\n"
-        "restores to the same tensors. Nothing is deleted unless every rewrite succeeded.\n"
+        "A kept delta step whose chain would lose a step is first re-coded as a delta on the\n"
+        "nearest kept step that stays as it is (within the compression's error of the values it\n"
+        "restored to), or rewritten as a full step holding exactly those values where that is\n"
+        "smaller or no kept step is below it; so every kept step stays restorable. If that would\n"
+        "make PATH larger, the steps the kept ones need are held instead. Nothing is changed\n"
+        "unless every new version was written.\n"
         "Steps whose metadata cannot be read are left alone.\n\n"
         "--keep SPEC is a comma-separated list of rules; a step is kept if any rule keeps it:\n\n"
         "  last=K         the K highest steps\n"
@@ -747,14 +760,14 @@ def build_parser() -> argparse.ArgumentParser:
         "  full_within=T  every full step above (latest step - T)\n\n"
         "Unlike the other commands gc changes PATH: it takes the writer lock and fails while a\n"
         "training job (or another gc) writes there. --dry-run only reads PATH and reports what\n"
-        "would be removed, rewritten and freed.",
+        "would be removed, re-coded, rewritten and freed, with estimated sizes.",
         "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n"
         "  deltackpt gc runs/ckpt --keep last=3,full_within=5000 --json",
         _cmd_gc, [path])
     gc.add_argument("--keep", required=True, metavar="SPEC",
                     help="retention policy, e.g. last=5,every=1000,full_within=5000")
     gc.add_argument("--dry-run", action="store_true",
-                    help="change nothing; report what would be removed, rewritten and freed")
+                    help="change nothing; report what would be removed, replaced and freed")
     _add_demo(sub)
     return parser
 

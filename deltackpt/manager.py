@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -452,17 +453,36 @@ class CheckpointManager:
     def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
         """Delete the steps a retention policy does not keep (default: the manager's ``keep``).
 
-        No kept step ever becomes unrestorable: a kept delta step whose chain
-        loses a step is first rewritten as a full step holding exactly the
-        values it restored to (so its error does not change). ``dry_run``
-        only reports what would be removed, rewritten and freed.
+        No kept step ever becomes unrestorable, and the directory never
+        grows: a kept delta step whose chain loses a step is re-coded as a
+        delta on the nearest kept step that stays as it is, with this
+        manager's compression config (within that config's error of the
+        values it restored to), or rewritten as a full step holding exactly
+        those values where that is smaller or there is no such step (see
+        :mod:`deltackpt.retention`). When the step this manager codes its
+        next save against is replaced, the next save is coded against its
+        new version, and full steps still come every ``full_every`` saves.
+        ``dry_run`` only reports what would be removed, replaced and freed.
         """
         policy = RetentionPolicy.parse(keep) if keep is not None else self.keep
         if policy is None:
             raise ValueError("gc needs a retention policy: pass keep= here or to the manager")
         if not dry_run:
             self._acquire_writer()
-        report = collect_garbage(self, policy, dry_run=dry_run)
+        recon = self._recon
+        report, replaced = collect_garbage(self, policy, dry_run=dry_run,
+                                           follow=recon.step if recon is not None else None)
+        if recon is not None and replaced is not None:
+            # the saves since the last full one are this manager's count, not the new chain's;
+            # the error against the training state is the old one plus the re-coding's
+            errors = {name: recon.errors.get(name, 0.0) + replaced.errors.get(name, 0.0)
+                      for name in {*recon.errors, *replaced.errors}}
+            self._recon = dataclasses.replace(replaced, deltas=recon.deltas, errors=errors)
+        elif recon is not None and not dry_run and recon.step in report.kept:
+            # its values stay, but steps of its chain may be gone (a full rewrite replaced them)
+            with contextlib.suppress(DeltackptError):
+                chain = chain_of(self.storage, self.metadata(recon.step))
+                self._recon = dataclasses.replace(recon, chain=[m.step for m in chain])
         return report
 
     def _delta_base(self, step: int, captured: CapturedState,

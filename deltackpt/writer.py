@@ -246,14 +246,19 @@ def step_metadata(step: int, save_id: str, written: WrittenData, tree: dict, *, 
                         **(summary or {})))
 
 
-def commit_step(storage: Storage, meta: StepMetadata) -> None:
-    """Make ``meta``'s step visible (the rename of its ``metadata.json``), then delete the files
-    of its directory it does not reference (those of a step it replaces)."""
+def metadata_bytes(meta: StepMetadata) -> bytes:
+    """The content of ``meta``'s ``metadata.json`` as a commit writes it."""
     text = meta.to_json().encode()
     if meta.kind == "delta":  # a delta's data is small enough that its metadata's size matters
         text = zstd_compress(text)
+    return text
+
+
+def commit_step(storage: Storage, meta: StepMetadata) -> None:
+    """Make ``meta``'s step visible (the rename of its ``metadata.json``), then delete the files
+    of its directory it does not reference (those of a step it replaces)."""
     step_dir = step_dir_name(meta.step)
-    storage.commit_file(f"{step_dir}/{METADATA_FILE}", text)
+    storage.commit_file(f"{step_dir}/{METADATA_FILE}", metadata_bytes(meta))
     remove_unreferenced(storage, step_dir, meta)
 
 

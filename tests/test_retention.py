@@ -20,9 +20,14 @@ import torch
 from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
+from deltackpt import retention as retention_module
+from deltackpt.chain import chain_of
 from deltackpt.cli import main
+from deltackpt.compression import tensor_class
+from deltackpt.dtypes import spec_named
 from deltackpt.format import step_dir_name
 from deltackpt.retention import GCReport, RetentionPolicy
+from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
 from deltackpt.writer import write_step
 
 STEPS = list(range(1, 11))
@@ -93,9 +98,33 @@ def chains(mgr: CheckpointManager) -> dict[int, tuple[str, int | None]]:
     return {s: (mgr.metadata(s).kind, mgr.metadata(s).base_step) for s in mgr.steps()}
 
 
-def expected_rewrites(before: dict[int, tuple[str, int | None]], kept: set[int]) -> list[int]:
-    """Kept float32 delta steps whose base is not kept (no cascade: every tensor is float32)."""
-    return sorted(s for s in kept if before[s][0] == "delta" and before[s][1] not in kept)
+def tensors_of(mgr: CheckpointManager, step: int) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in mgr.restore(step).tensors.items()}
+
+
+def assert_within_recorded_error(mgr: CheckpointManager, step: int, old: dict[str, torch.Tensor]) -> None:
+    """A re-coded step restores to its old values within the error its stats record per class: the
+    largest absolute error (linear domain) or relative one (ordinal domain), plus one rounding of
+    the tensor's dtype. Tensors of no class (stored exactly) restore bit for bit."""
+    meta = mgr.metadata(step)
+    assert meta.kind == "delta" and meta.stats.compression["recoded"]["base_step"] is not None
+    config = CompressionConfig.preset(meta.stats.compression["name"])
+    new = mgr.restore(step).tensors
+    for record in meta.tensors:
+        a, b = old[record.name], new[record.name]
+        cls = tensor_class(record.role, record.state_key, spec_named(record.dtype), record.numel)
+        if cls is None:
+            assert raw(a) == raw(b), (step, record.name)
+            continue
+        stats = meta.stats.classes[cls]
+        a, b = a.double(), b.double()
+        rounding = a.abs() * {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}[record.dtype]
+        if getattr(config, cls).domain == "ordinal":
+            bound = a.abs() * stats["max_rel_error"] * (1 + 1e-6)
+        else:
+            bound = torch.full_like(a, stats["max_abs_error"] * (1 + 1e-6))
+        excess = (b - a).abs() - bound - rounding
+        assert excess.max() <= 0, (step, record.name, cls, float(excess.max()), stats)
 
 
 # -- RetentionPolicy ---------------------------------------------------------------------------------
@@ -171,22 +200,24 @@ def test_select() -> None:
 
 @pytest.mark.parametrize(("full_every", "keep"), [
     # full_every=3: 1 full, 2 and 3 deltas, 4 full, ..., 10 full
-    (3, "last=2"),  # 9 loses its base 8
+    (3, "last=2"),  # 9 loses its base 8, and no kept step is below it: full
     (3, "every=3"),  # 3, 6, 9: deltas whose bases go
     (3, "last=1"),
     # full_every=5: 1 full, 2..5 deltas, 6 full, 7..10 deltas
-    (5, "every=3"),  # 3 and 9: deltas in the middle of a chain; 10 stays a delta on rewritten 9
+    (5, "every=3"),  # 3: full (nothing kept below); 9, and 10 above it, re-coded on 6
     (5, "last=3,every=4"),
     (5, "full_within=4"),
     (5, "full_within=10,every=7"),
-    (1, "every=2"),  # only full steps: nothing to rewrite
+    (1, "every=2"),  # only full steps: nothing to replace
 ])
-def test_gc_keeps_kept_steps_bit_identical(templates, tmp_path: Path, full_every: int, keep: str) -> None:
+def test_gc_keeps_every_kept_step_restorable(templates, tmp_path: Path, full_every: int, keep: str) -> None:
+    """Kept steps that stay restore bit for bit; full rewrites too; re-coded deltas within the
+    error their stats record; the directory does not grow; the dry run says what the run does."""
     path = templates(full_every, torch.float32, tmp_path / "ckpt")
     mgr = CheckpointManager(path)
     before = chains(mgr)
     assert list(before) == STEPS
-    values = {s: restored(mgr, s) for s in STEPS}
+    values = {s: tensors_of(mgr, s) for s in STEPS}
     policy = RetentionPolicy.parse(keep)
     kept = policy.select(STEPS, {s: k for s, (k, _) in before.items()})
     sizes = {s: dir_bytes(path / step_dir_name(s)) for s in STEPS}
@@ -197,27 +228,34 @@ def test_gc_keeps_kept_steps_bit_identical(templates, tmp_path: Path, full_every
     assert dry.dry_run
     assert dry.kept == sorted(kept)
     assert dry.removed == sorted(set(STEPS) - kept)
-    assert dry.rewritten == expected_rewrites(before, kept)
     assert dry.freed_bytes == sum(sizes[s] for s in dry.removed)
-    assert dry.added_bytes == sum(int(mgr.metadata(s).stats.raw_bytes / 1.2) for s in dry.rewritten)
-    assert dry.skipped == []
+    assert dry.bytes_before == sum(sizes.values())
+    assert dry.skipped == dry.held == []
 
     report = mgr.gc(keep)
     assert not report.dry_run
-    assert (report.kept, report.removed, report.rewritten, report.freed_bytes) == (
-        dry.kept, dry.removed, dry.rewritten, dry.freed_bytes)
+    assert (report.kept, report.removed, report.rewritten, report.recoded, report.freed_bytes,
+            report.bytes_before) == (dry.kept, dry.removed, dry.rewritten, dry.recoded, dry.freed_bytes,
+                                     dry.bytes_before)
+    assert report.bytes_after == sum(dir_bytes(path / step_dir_name(s)) for s in report.kept)
+    assert report.bytes_after <= report.bytes_before
     assert mgr.steps() == report.kept
     assert sorted(p.name for p in path.glob("step-*")) == [step_dir_name(s) for s in report.kept]
-    for s in report.rewritten:
-        assert mgr.metadata(s).kind == "full" and mgr.metadata(s).base_step is None
-    assert report.added_bytes == sum(dir_bytes(path / step_dir_name(s)) for s in report.rewritten)
+    replaced = set(report.rewritten) | set(report.recoded)
+    assert not set(report.rewritten) & set(report.recoded)
+    # every kept delta whose base goes is replaced
+    assert {s for s in kept if before[s][0] == "delta" and before[s][1] not in kept} <= replaced
+    assert report.added_bytes == sum(dir_bytes(path / step_dir_name(s)) for s in replaced)
     after = chains(mgr)
-    for s in report.kept:  # every kept step restores to the very same bytes
-        if s not in report.rewritten:
-            assert after[s] == before[s]
+    for s in report.kept:
         if after[s][0] == "delta":
             assert after[s][1] in report.kept
-        assert restored(mgr, s) == values[s], f"step {s} restores to other values after gc({keep!r})"
+        if s in report.recoded:  # on a kept step that gc left as it was, or rewrote as full (float32)
+            assert after[s][0] == "delta" and after[s][1] not in report.recoded
+            assert_within_recorded_error(mgr, s, values[s])
+        else:
+            assert after[s] == (("full", None) if s in report.rewritten else before[s])
+            assert restored(mgr, s) == {n: (t.dtype, raw(t)) for n, t in values[s].items()}, s
     assert all(not problems for problems in mgr.verify(deep=True).values())
     mgr.close()
 
@@ -230,28 +268,45 @@ def test_chain_shapes(templates, tmp_path: Path) -> None:
                            5: ("delta", 4), 6: ("full", None), 7: ("delta", 6), 8: ("delta", 7),
                            9: ("delta", 8), 10: ("delta", 9)}
     report = mgr.gc("every=3")
-    assert (report.kept, report.removed, report.rewritten) == ([3, 6, 9, 10], [1, 2, 4, 5, 7, 8], [3, 9])
-    # 3 and 9 sat in the middle of chains whose lower steps are gone: now full; 10 (float32
-    # only) stays a delta, on the rewritten 9
-    assert chains(mgr) == {3: ("full", None), 6: ("full", None), 9: ("full", None), 10: ("delta", 9)}
+    assert (report.kept, report.removed) == ([3, 6, 9, 10], [1, 2, 4, 5, 7, 8])
+    # 3 sat in the middle of a chain whose lower steps are gone and has no kept step below: full.
+    # 9 lost its base 8: re-coded as a delta on 6, the nearest kept step below it; 10, coded
+    # against the old 9, too (on 6 as well: a replaced step is never a base)
+    assert (report.rewritten, report.recoded) == ([3], [9, 10])
+    assert chains(mgr) == {3: ("full", None), 6: ("full", None), 9: ("delta", 6), 10: ("delta", 6)}
+    assert mgr.metadata(9).stats.compression["recoded"]["base_step"] == 8
     mgr.close()
 
     path = templates(3, torch.float32, tmp_path / "f3")
     with CheckpointManager(path) as mgr:
         report = mgr.gc("last=2")  # 9 is a delta on 8, which goes; 10 is full
-        assert (report.kept, report.removed, report.rewritten) == ([9, 10], [1, 2, 3, 4, 5, 6, 7, 8], [9])
+        assert (report.kept, report.removed, report.rewritten, report.recoded) == (
+            [9, 10], [1, 2, 3, 4, 5, 6, 7, 8], [9], [])
         assert chains(mgr) == {9: ("full", None), 10: ("full", None)}
         report = mgr.gc("last=1")
         assert (report.kept, report.removed, report.rewritten) == ([10], [9], [])
         # nothing left to do: a second run is a no-op
         again = mgr.gc("last=1")
-        assert (again.kept, again.removed, again.rewritten, again.freed_bytes, again.added_bytes) == (
-            [10], [], [], 0, 0)
+        assert (again.kept, again.removed, again.rewritten, again.recoded, again.freed_bytes,
+                again.added_bytes) == ([10], [], [], [], 0, 0)
+        assert again.bytes_before == again.bytes_after
+
+
+def test_float32_deltas_stay_on_a_full_rewrite(templates, tmp_path: Path) -> None:
+    """A full rewrite holds the very values its step restored to, which are the running values of
+    float32 tensors: deltas above it stay as they are."""
+    path = templates(5, torch.float32, tmp_path / "f32")
+    with CheckpointManager(path) as mgr:
+        values = {s: restored(mgr, s) for s in (8, 9, 10)}
+        report = mgr.gc("last=3")
+        assert (report.rewritten, report.recoded) == ([8], [])
+        assert chains(mgr) == {8: ("full", None), 9: ("delta", 8), 10: ("delta", 9)}
+        assert all(restored(mgr, s) == v for s, v in values.items())
 
 
 def test_bfloat16_rewrites_cascade(templates, tmp_path: Path) -> None:
-    """A bfloat16 delta coded against a rewritten step must be rewritten too (its float32 running
-    values are gone); float32 deltas need not."""
+    """A bfloat16 delta coded against a step rewritten as full, with no kept step to re-code it
+    on, is rewritten too (its float32 running values are gone); float32 deltas need not."""
     path = templates(5, torch.bfloat16, tmp_path / "bf16")
     mgr = CheckpointManager(path)
     metas = {s: mgr.metadata(s) for s in mgr.steps()}
@@ -263,15 +318,42 @@ def test_bfloat16_rewrites_cascade(templates, tmp_path: Path) -> None:
     report = mgr.gc("last=3")
     assert (dry.kept, dry.removed, dry.rewritten) == (report.kept, report.removed, report.rewritten)
     # 8 loses its base 7; 9 and 10 are coded against 8 and 9 in bfloat16
-    assert (report.kept, report.rewritten) == ([8, 9, 10], [8, 9, 10])
+    assert (report.kept, report.rewritten, report.recoded) == ([8, 9, 10], [8, 9, 10], [])
     for s in report.kept:
         assert mgr.metadata(s).kind == "full"
         assert restored(mgr, s) == values[s], s
+    assert report.bytes_after <= report.bytes_before
     mgr.close()
 
-    path = templates(5, torch.float32, tmp_path / "f32")
-    with CheckpointManager(path) as mgr:
-        assert mgr.gc("last=3").rewritten == [8]
+
+def test_bfloat16_deltas_are_recoded_on_float32_running_values(templates, tmp_path: Path) -> None:
+    """With a kept step below them, bfloat16 deltas are re-coded as deltas against its float32
+    running values (instead of a cascade of full steps that loses them), within their recorded
+    error of what they restored to; a manager continuing from the latest one keeps its deltas."""
+    path = templates(5, torch.bfloat16, tmp_path / "bf16")
+    mgr = CheckpointManager(path, full_every=5)
+    values = {s: tensors_of(mgr, s) for s in mgr.steps()}
+    before = dir_bytes(path)
+    report = mgr.gc("every=3")
+    assert (report.kept, report.rewritten, report.recoded) == ([3, 6, 9, 10], [3], [9, 10])
+    assert chains(mgr) == {3: ("full", None), 6: ("full", None), 9: ("delta", 6), 10: ("delta", 6)}
+    assert dir_bytes(path) <= before
+    for s in (9, 10):
+        assert_within_recorded_error(mgr, s, values[s])
+    assert restored(mgr, 3) == {n: (t.dtype, raw(t)) for n, t in values[3].items()}
+    assert all(not problems for problems in mgr.verify(deep=True).values())
+
+    # the loaded step's reconstruction holds the re-coded float32 running values: the next save is a
+    # delta on it, restored within its error
+    model, optimizer = _model(torch.bfloat16)
+    mgr.load(10, model, optimizer)
+    _train(model, optimizer, torch.bfloat16)
+    assert mgr.save(11, model, optimizer).kind == "delta"
+    assert mgr.metadata(11).base_step == 10
+    saved = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    for name, t in mgr.restore(11).model.items():
+        assert (t.float() - saved[name].float()).abs().max() < 0.1, name
+    mgr.close()
 
 
 def test_bfloat16_without_cascade_would_break(tmp_path: Path) -> None:
@@ -297,8 +379,8 @@ def test_dry_run_on_a_read_only_manager(templates, tmp_path: Path) -> None:
     assert isinstance(report, GCReport)
     assert (report.kept, report.removed, report.rewritten) == ([5, 10], [1, 2, 3, 4, 6, 7, 8, 9], [5])
     assert snapshot(path) == files
-    assert ("would remove 8 steps (1, 2, 3, 4, 6, 7, 8, 9), rewrite 1 delta step as full (5)"
-            in report.describe())
+    assert ("would remove 8 steps (1, 2, 3, 4, 6, 7, 8, 9), re-code 0 delta steps, rewrite 1 delta "
+            "step as full (5)" in report.describe())
     with pytest.raises(PermissionError, match="read_only"):
         reader.gc("every=5")
     assert snapshot(path) == files
@@ -306,12 +388,58 @@ def test_dry_run_on_a_read_only_manager(templates, tmp_path: Path) -> None:
         reader.gc(dry_run=True)
 
 
+def test_dry_run_reports_recoded_steps_and_sizes(templates, tmp_path: Path) -> None:
+    """The dry run names the steps the run re-codes and rewrites, and estimates the bytes after from
+    the sizes on disk (a full step as one of its layout, not raw_bytes / 1.2)."""
+    path = templates(5, torch.float32, tmp_path / "ckpt")
+    with CheckpointManager(path) as mgr:
+        dry = mgr.gc("every=3", dry_run=True)
+        report = mgr.gc("every=3")
+    assert (dry.recoded, dry.rewritten, dry.held) == (report.recoded, report.rewritten, []) == (
+        [9, 10], [3], [])
+    assert dry.bytes_before == report.bytes_before
+    assert report.bytes_after == sum(dir_bytes(path / step_dir_name(s)) for s in report.kept)
+    # the estimate of what a full step takes is a full step's size: within 10% of the rewrite
+    assert abs(dry.added_bytes - report.added_bytes) <= 0.5 * report.added_bytes
+    assert abs(dry.bytes_after - report.bytes_after) <= 0.25 * report.bytes_after
+    assert "re-code 2 delta steps (9, 10)" in dry.describe()
+    assert f"-> about {dry.bytes_after / 1024:.1f} KiB" in dry.describe()
+
+
 def test_describe() -> None:
     report = GCReport(kept=[9, 10], removed=[*range(1, 9), 11, 12], rewritten=[9], freed_bytes=3 << 20,
-                      added_bytes=1536, dry_run=False)
-    assert report.describe() == ("removed 10 steps (1, 2, 3, 4, 5, 6, 7, ..., 12), rewrote 1 delta step as "
-                                 "full (9), kept 2 steps; freed 3.0 MiB, wrote 1.5 KiB")
-    assert report.as_dict()["rewritten"] == [9]
+                      added_bytes=1536, dry_run=False, recoded=[10], bytes_before=4 << 20,
+                      bytes_after=(1 << 20) + 1536)
+    assert report.describe() == ("removed 10 steps (1, 2, 3, 4, 5, 6, 7, ..., 12), re-coded 1 delta step "
+                                 "(10), rewrote 1 delta step as full (9), kept 2 steps; freed 3.0 MiB, "
+                                 "wrote 1.5 KiB (4.0 MiB -> 1.0 MiB)")
+    assert report.as_dict()["rewritten"] == [9] and report.as_dict()["recoded"] == [10]
+
+
+def test_replacing_would_grow_the_directory(templates, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the replacements would take more bytes than the gc frees, nothing is replaced: the steps
+    the kept steps' chains need are held, and only the others go."""
+    path = templates(5, torch.float32, tmp_path / "ckpt")
+    values = {}
+    with CheckpointManager(path) as mgr:
+        values = {s: restored(mgr, s) for s in STEPS}
+        files = snapshot(path)
+        huge = 10 << 20  # what every replacement would take
+        monkeypatch.setattr(retention_module, "metadata_bytes", lambda meta: bytes(huge))
+        monkeypatch.setattr(retention_module, "_full_estimate", lambda plan, step: huge)
+        monkeypatch.setattr(retention_module, "_delta_estimate", lambda plan, step, base: huge)
+        dry = mgr.gc("every=3", dry_run=True)
+        report = mgr.gc("every=3")
+        monkeypatch.undo()
+        for r in (dry, report):
+            assert (r.kept, r.removed, r.held, r.recoded, r.rewritten, r.added_bytes) == (
+                [1, 2, 3, 6, 7, 8, 9, 10], [4, 5], [1, 2, 7, 8], [], [], 0)
+        assert "held 4 steps the policy drops" in report.describe()
+        assert report.bytes_after == report.bytes_before - report.freed_bytes
+        gone = (step_dir_name(4), step_dir_name(5))
+        assert snapshot(path) == {k: v for k, v in files.items() if not k.startswith(gone)}
+        assert all(restored(mgr, s) == values[s] for s in report.kept)
 
 
 def test_unreadable_steps_are_left_alone(templates, tmp_path: Path) -> None:
@@ -321,10 +449,11 @@ def test_unreadable_steps_are_left_alone(templates, tmp_path: Path) -> None:
     values = {s: restored(mgr, s) for s in (9, 10)}
     report = mgr.gc("last=2,every=5")
     # 2 is unreadable: kept as is. 5 depends on 4 -> 3 -> 2: its chain is broken already, so it is
-    # neither rewritten nor able to protect anything. 10 is a delta on 9, kept.
+    # neither replaced nor able to serve as a base. 9 is rewritten (no kept step to re-code it on);
+    # 10, a float32 delta on 9, stays.
     assert report.kept == [2, 5, 9, 10]
     assert report.skipped == [2, 5]
-    assert report.rewritten == [9]
+    assert (report.rewritten, report.recoded) == ([9], [])
     assert report.removed == [1, 3, 4, 6, 7, 8]
     assert mgr.steps() == [2, 5, 9, 10]
     assert (path / step_dir_name(2) / "metadata.json").read_text() == "{not json"
@@ -340,15 +469,15 @@ def test_kept_steps_with_a_missing_base_are_left_alone(templates, tmp_path: Path
         values = restored(mgr, 6)
         dry = mgr.gc("last=3,every=6", dry_run=True)
         report = mgr.gc("last=3,every=6")
-        assert (report.kept, report.removed, report.rewritten, report.skipped) == (
-            [6, 8, 9, 10], [1, 2, 3, 4, 5], [], [8, 9, 10])
+        assert (report.kept, report.removed, report.rewritten, report.recoded, report.skipped) == (
+            [6, 8, 9, 10], [1, 2, 3, 4, 5], [], [], [8, 9, 10])
         assert (dry.kept, dry.removed, dry.rewritten, dry.skipped) == (
             report.kept, report.removed, report.rewritten, report.skipped)
         assert mgr.steps() == [6, 8, 9, 10]
         assert restored(mgr, 6) == values
 
 
-def test_damaged_chain_stops_gc_before_deleting(templates, tmp_path: Path) -> None:
+def test_damaged_chain_stops_gc_before_changing_anything(templates, tmp_path: Path) -> None:
     path = templates(5, torch.float32, tmp_path / "ckpt")
     mgr = CheckpointManager(path)
     meta = mgr.metadata(6)
@@ -357,12 +486,59 @@ def test_damaged_chain_stops_gc_before_deleting(templates, tmp_path: Path) -> No
     damaged = bytearray(data.read_bytes())
     damaged[chunk.offset] ^= 0xFF
     data.write_bytes(bytes(damaged))
-    steps = mgr.steps()
-    with pytest.raises(CorruptionError, match="gc stopped before deleting anything: kept step 8 must be "
-                                              "rewritten as a full step, but it cannot be restored"):
-        mgr.gc("last=3")  # 8 loses its base 7 and must be restored through the damaged 6
-    assert mgr.steps() == steps
+    files = snapshot(path)
+    with pytest.raises(CorruptionError, match=r"gc stopped before changing anything: kept step 9 must be "
+                                              r"re-coded .* cannot be restored"):
+        mgr.gc("every=3")  # 3 is rewritten first (its chain is intact); 9 is restored through 6
+    assert snapshot(path) == files  # 3's new version, written, is deleted again
     mgr.close()
+
+
+def test_a_crash_at_any_point_leaves_kept_steps_restorable(templates, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupt gc before each of its commits and deletions in turn: every kept step still restores,
+    to its old values or (re-coded and committed) within the error its stats record."""
+    template = templates(5, torch.float32, tmp_path / "template")
+    with CheckpointManager(template, read_only=True) as mgr:
+        values = {s: tensors_of(mgr, s) for s in STEPS}
+    real_commit = retention_module.commit_step
+    point = 0
+    while True:
+        path = tmp_path / f"crash{point}"
+        shutil.copytree(template, path)
+        countdown = [point]
+
+        def fail_at_point(real: Callable, *args: object, countdown: list[int] = countdown) -> object:
+            if countdown[0] == 0:
+                raise KeyboardInterrupt("crash")
+            countdown[0] -= 1
+            return real(*args)
+
+        mgr = CheckpointManager(path)
+        monkeypatch.setattr(retention_module, "commit_step",
+                            lambda *a: fail_at_point(real_commit, *a))
+        monkeypatch.setattr(mgr.storage, "remove_tree",
+                            lambda rel, real=mgr.storage.remove_tree: fail_at_point(real, rel))
+        try:
+            mgr.gc("every=3")
+            crashed = False
+        except KeyboardInterrupt:
+            crashed = True
+        monkeypatch.undo()
+        mgr.close()
+        mgr = CheckpointManager(path)  # a new writer, as after a crash
+        for s in [3, 6, 9, 10]:
+            meta = mgr.metadata(s)
+            if meta.kind == "delta" and "recoded" in (meta.stats.compression or {}):
+                assert_within_recorded_error(mgr, s, values[s])
+            else:
+                assert restored(mgr, s) == {n: (t.dtype, raw(t)) for n, t in values[s].items()}, (point, s)
+        assert all(not problems for problems in mgr.verify(deep=True).values()), point
+        mgr.close()
+        if not crashed:
+            break
+        point += 1
+    assert point == 3 + 6  # 3 replacements and 6 deletions
 
 
 # -- keep= on the manager ----------------------------------------------------------------------------
@@ -370,26 +546,105 @@ def test_damaged_chain_stops_gc_before_deleting(templates, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_keep_applies_after_every_save(tmp_path: Path, dtype: torch.dtype) -> None:
-    """gc after every save; with bfloat16 it rewrites the step the manager's next delta would be
-    coded against, which must then not be used (the save after it starts a new chain)."""
+    """gc after every save: kept steps stay restorable (to the same values, or within the recorded
+    error where re-coded), and the saves keep the kinds full_every gives them."""
     model, optimizer = _model(dtype)
-    restored_at: dict[int, dict] = {}
+    values: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
     with CheckpointManager(tmp_path / "ckpt", full_every=4, keep="last=2,every=5") as mgr:
         assert mgr.keep == RetentionPolicy(last=2, every=5)
         for step in range(1, 12):
             _train(model, optimizer, dtype)
-            mgr.save(step, model, optimizer)
-            restored_at[step] = restored(mgr, step)
-            expected = sorted({s for s in range(1, step + 1) if s % 5 == 0} | {step - 1, step} - {0})
-            assert mgr.steps() == expected, step
-            for s in mgr.steps():  # gc never changes what a kept step restores to
-                assert restored(mgr, s) == restored_at[s], (step, s)
+            assert mgr.save(step, model, optimizer).kind == ("full" if step % 4 == 1 else "delta"), step
+            expected = {s for s in range(1, step + 1) if s % 5 == 0} | {step - 1, step} - {0}
+            # with bfloat16, rewriting a chain as full steps can grow the directory: steps the
+            # kept ones need are held instead
+            held = set(mgr.steps()) - expected
+            assert expected <= set(mgr.steps()) and (dtype == torch.bfloat16 or not held), step
+            assert held <= {link.step for s in expected for link in chain_of(mgr.storage, mgr.metadata(s))}
+            for s in mgr.steps():
                 meta = mgr.metadata(s)
                 assert meta.kind == "full" or meta.base_step in mgr.steps()
+                if s in values and values[s][0] != meta.save_id:  # replaced by this gc
+                    if meta.kind == "delta":
+                        assert_within_recorded_error(mgr, s, values[s][1])
+                    else:
+                        assert restored(mgr, s) == {n: (t.dtype, raw(t)) for n, t in values[s][1].items()}
+                elif s in values:
+                    assert restored(mgr, s) == {n: (t.dtype, raw(t)) for n, t in values[s][1].items()}
+                values[s] = meta.save_id, tensors_of(mgr, s)
         kinds = chains(mgr)
         assert any(kind == "delta" for kind, _ in kinds.values())  # deltas are still written
     with pytest.raises(ValueError, match="unknown key 'lats'"):
         CheckpointManager(tmp_path / "other", keep="lats=2")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_every_counts_saves_across_gc(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A full step every full_every saves, with gc after every save as without: a replaced step the
+    manager codes its next save against is followed, not a reason for a full save."""
+    kinds = {}
+    for keep in (None, "last=3,every=7"):
+        model, optimizer = _model(dtype)
+        with CheckpointManager(tmp_path / f"ckpt-{keep}", full_every=6, keep=keep) as mgr:
+            kinds[keep] = [mgr.save(step, model, optimizer).kind
+                           for step in range(1, 21) if _train(model, optimizer, dtype) is None]
+            if keep is not None:
+                assert mgr.steps() == [7, 14, 18, 19, 20]
+                assert all(not problems for problems in mgr.verify(deep=True).values())
+    assert kinds[None] == ["full" if i % 6 == 0 else "delta" for i in range(20)]
+    assert kinds["last=3,every=7"] == kinds[None]
+
+
+def tiny_gpt_run(path: Path, saves: int, keep: str, full_every: int = 10, train_steps: int = 3,
+                 ) -> tuple[list[str], list[tuple[int, int, GCReport]], CheckpointManager]:
+    """TinyGPT ("tiny") trained with AdamW on real text, saved every ``train_steps`` steps, with gc
+    after every save (what ``keep=`` does), measured: the kinds of the saves and, per gc, the bytes
+    of the directory before and after it and its report."""
+    torch.manual_seed(0)
+    model = TinyGPT(SIZES["tiny"])
+    optimizer = make_optimizer(model)
+    data, _ = split_corpus(load_corpus(1 << 20))
+    mgr = CheckpointManager(path, full_every=full_every)
+    kinds, sizes = [], []
+    for step in range(1, saves + 1):
+        for _ in range(train_steps):
+            train_step(model, optimizer, None, data, 8)
+        kinds.append(mgr.save(step, model, optimizer).kind)
+        values = {s: (mgr.metadata(s).save_id, tensors_of(mgr, s)) for s in mgr.steps()}
+        before = dir_bytes(path)
+        report = mgr.gc(keep)
+        sizes.append((before, dir_bytes(path), report))
+        for s in report.recoded:  # within the recorded error of what it restored to before
+            assert_within_recorded_error(mgr, s, values[s][1])
+            lr = optimizer.param_groups[0]["lr"]  # and of the documented bound of the weights
+            bound = CompressionConfig.preset("balanced").weights.lr_step / 2 * lr * (1 + 1e-5)
+            restored_now = mgr.restore(s).model
+            for name, t in values[s][1].items():
+                if name.startswith("model/") and t.dim() >= 2:
+                    assert (restored_now[name.removeprefix("model/")] - t).abs().max() <= bound, name
+        for s in report.kept:
+            if s not in report.recoded and s not in report.held:
+                assert restored(mgr, s) == {n: (t.dtype, raw(t)) for n, t in values[s][1].items()}
+    return kinds, sizes, mgr
+
+
+def test_gc_of_a_training_run_never_grows_the_directory(tmp_path: Path) -> None:
+    """Real training (TinyGPT on real text), keep="last=3,every=20" after every save: no gc makes
+    the directory larger, kept deltas are re-coded as deltas (not rewritten as full steps once a
+    kept step is below them), and full steps come every full_every saves."""
+    kinds, sizes, mgr = tiny_gpt_run(tmp_path / "ckpt", 24, "last=3,every=20")
+    outside_steps = (tmp_path / "ckpt" / "deltackpt.json").stat().st_size  # and an empty lock file
+    for step, (before, after, report) in enumerate(sizes, 1):
+        assert after <= before, (step, before, after, report.describe())
+        assert (report.bytes_before, report.bytes_after) == (before - outside_steps, after - outside_steps)
+    assert kinds == ["full" if i % 10 == 0 else "delta" for i in range(24)]
+    assert mgr.steps() == [20, 22, 23, 24]
+    reports = {step: report for step, (*_, report) in enumerate(sizes, 1)}
+    # until 20 is rewritten as a full step (it lost its base 19 at the save of 22), no kept step is
+    # below the last three: the lowest of them is rewritten; then they are re-coded on 20
+    assert (reports[22].rewritten, reports[24].recoded, reports[24].rewritten) == ([20], [22, 23, 24], [])
+    assert all(not problems for problems in mgr.verify(deep=True).values())
+    mgr.close()
 
 
 # -- the CLI -----------------------------------------------------------------------------------------
@@ -411,16 +666,20 @@ def test_cli_gc(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert (code, err) == (0, "")
     dry = json.loads(out)
     assert dry == {"path": str(path), "policy": "every=3", "kept": [3, 6, 9, 10],
-                   "removed": [1, 2, 4, 5, 7, 8], "rewritten": [3, 9], "freed_bytes": dry["freed_bytes"],
-                   "added_bytes": dry["added_bytes"],
-                   "dry_run": True, "skipped": []}
+                   "removed": [1, 2, 4, 5, 7, 8], "rewritten": [3], "recoded": [9, 10], "held": [],
+                   "freed_bytes": dry["freed_bytes"], "added_bytes": dry["added_bytes"],
+                   "bytes_before": sum(dir_bytes(p) for p in path.glob("step-*")),
+                   "bytes_after": dry["bytes_after"], "dry_run": True, "skipped": []}
     assert dry["freed_bytes"] == sum(dir_bytes(path / step_dir_name(s)) for s in dry["removed"])
+    assert dry["bytes_after"] < dry["bytes_before"]
 
     code, out, err = cli(capsys, "gc", path, "--keep", "every=3", "--dry-run")
     assert (code, err) == (0, "")
     assert out.splitlines()[0] == f"dry run, nothing changed: gc of {path} with --keep every=3"
     assert re.search(r"^  removed +6  1, 2, 4, 5, 7, 8$", out, re.M)
-    assert re.search(r"^  rewritten +2  3, 9 ", out, re.M)
+    assert re.search(r"^  re-coded +2  9, 10 ", out, re.M)
+    assert re.search(r"^  rewritten +1  3 ", out, re.M)
+    assert re.search(r"^would free .*; steps take .*, about .* after$", out, re.M)
     assert snapshot(path) == files
 
     code, out, err = cli(capsys, "gc", path, "--keep", "every=3")
@@ -428,16 +687,17 @@ def test_cli_gc(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert re.search(r"^  kept +4  3, 6, 9, 10$", out, re.M)
     assert out.splitlines()[-1].startswith("freed ")
     assert mgr.steps() == [3, 6, 9, 10]
-    assert all(restored(mgr, s) == v for s, v in values.items())
+    assert restored(mgr, 3) == values[3]
+    recoded = {s: restored(mgr, s) for s in (9, 10)}
 
     code, out, err = cli(capsys, "gc", path, "--keep", "last=1", "--json")
     assert (code, err) == (0, "")
     report = json.loads(out)
     assert (report["kept"], report["removed"], report["rewritten"], report["dry_run"]) == (
         [10], [3, 6, 9], [10], False)
-    assert report["added_bytes"] == dir_bytes(path / step_dir_name(10))
+    assert report["added_bytes"] == dir_bytes(path / step_dir_name(10)) == report["bytes_after"]
     assert mgr.steps() == [10] and mgr.metadata(10).kind == "full"
-    assert restored(mgr, 10) == values[10]
+    assert restored(mgr, 10) == recoded[10]
 
 
 def test_cli_gc_errors(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
