@@ -318,16 +318,32 @@ def sample_values(xs: np.ndarray, ps: np.ndarray | None, ordinal: bool) -> np.nd
         return xs - ps if ps is not None else xs
 
 
-def _symbol_bits(sample: np.ndarray, step: float) -> float:
-    """Order-0 entropy, bits per element, of the symbols ``sample`` quantizes to at ``step``."""
-    q = np.rint(sample / step)
-    q = q[np.isfinite(q)]
-    if q.size == 0:
-        return 0.0
-    q = np.clip(q, -4096, 4096).astype(np.int64) + 4096
-    counts = np.bincount(q)
-    p = counts[counts > 0] / q.size
-    return float(-(p * np.log2(p)).sum())
+@dataclass(frozen=True)
+class Sample:
+    """What a quantizer codes at a tensor's sampled elements (:func:`sample_values`), with the
+    dither offsets of those elements (None undithered), to estimate the symbols' entropy."""
+
+    values: np.ndarray
+    dither: np.ndarray | None
+    ordinal: bool
+
+    def bits(self, step: float) -> float:
+        """Order-0 entropy, bits per element, of the symbols the sample quantizes to at
+        ``step``, as the kernels choose them (FORMAT.md 3.2; dithered grids included: a
+        dither turns small residuals into symbols of 1 as often as they cover the step)."""
+        u = 0.0 if self.dither is None else self.dither.astype(np.float64)
+        if self.ordinal:
+            step = float(max(round(step), 1))
+            q = np.rint((self.values - (np.floor((u + 0.5) * step) - np.floor(step / 2))) / step)
+        else:
+            q = np.rint(self.values / step + u)
+        q = q[np.isfinite(q)]
+        if q.size == 0:
+            return 0.0
+        q = np.clip(q, -4096, 4096).astype(np.int64) + 4096
+        counts = np.bincount(q)
+        p = counts[counts > 0] / q.size
+        return float(-(p * np.log2(p)).sum())
 
 
 def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:
@@ -399,7 +415,7 @@ class ScaleController:
     at_floor: bool = False
     SCALES: tuple[float, ...] = tuple(2.0 ** (k / 16) for k in range(-64, 65))
 
-    def choose(self, samples: list[tuple[np.ndarray, float, int]], raw_bytes: int,
+    def choose(self, samples: list[tuple[Sample, float, int]], raw_bytes: int,
                exact_raw_bytes: int) -> tuple[float, float]:
         """The factor whose estimated size is closest to the target, and its estimated bits.
 
@@ -413,7 +429,7 @@ class ScaleController:
         scales = [s for s in self.SCALES if s <= self.max_scale] or [self.max_scale]
 
         def bits_at(scale: float) -> float:
-            return sum(_symbol_bits(s, step * scale) * n for s, step, n in samples if step > 0)
+            return sum(s.bits(step * scale) * n for s, step, n in samples if step > 0)
 
         def size_at(scale: float) -> float:
             return exact + self.correction * bits_at(scale) / 8

@@ -27,6 +27,7 @@ from deltackpt.codecs.quant import Scale, encode_quant
 from deltackpt.compression import (
     CompressionConfig,
     Quantizer,
+    Sample,
     ScaleController,
     base_step,
     finalize_step,
@@ -45,6 +46,7 @@ from deltackpt.kernels.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
+    numpy_dither,
 )
 from deltackpt.optimizers import (
     adam_bias_corrections,
@@ -225,7 +227,9 @@ class StepEncoder:
         if samples and self.controller is not None:
             raw = sum(t.numel() * t.element_size() for t in self.local.values())
             self.scale, self.estimated_bits = self.controller.choose(
-                [(s, step, n) for s, step, n, _, _ in samples], raw, fixed)
+                [(Sample(s, None if plan.dither is None else numpy_dither(
+                    s.size, plan.dither, stride=sample_stride(n)), ordinal), step, n)
+                 for s, step, n, plan, ordinal in samples], raw, fixed)
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
 
