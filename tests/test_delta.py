@@ -1326,6 +1326,61 @@ def test_exact_overrides(ckpt: Path, preset: str | None) -> None:
         expected.step, expected.move_step)
 
 
+def test_override_matching_nothing_is_refused(ckpt: Path) -> None:
+    """A misspelt override pattern would leave the tensors it meant coded by their class: the
+    save names it and writes nothing; the directory keeps its earlier steps."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer)
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        mgr.save(0, model, optimizer)
+    config = CompressionConfig(overrides={"model/0.*": EXACT, "model/tok.*": EXACT})
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        with pytest.raises(ConfigError, match=r"\['model/tok\.\*'\] match no tensor"):
+            mgr.save(1, model, optimizer)
+        assert mgr.steps() == [0]
+
+
+@pytest.mark.parametrize("preset", ["balanced", "aggressive"])
+def test_no_preset_zeroes_a_first_moment(ckpt: Path, preset: str) -> None:
+    """Adam's exp_avg and SGD's momentum restored under either preset are noisy but unbiased: the
+    least-squares slope of restored on saved is about 1 and most elements are non-zero."""
+    for make in (lambda p: torch.optim.AdamW(p, lr=1e-2),
+                 lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9)):
+        shutil.rmtree(ckpt, ignore_errors=True)
+        model = mlp()
+        optimizer = make(model.parameters())
+        with CheckpointManager(ckpt, full_every=100, compression=preset) as mgr:
+            for step in range(3):
+                train(model, optimizer, steps=4)
+                mgr.save(step, model, optimizer)
+            saved, restored = snapshot(model, optimizer), mgr.restore(2).tensors
+        names = [n for n in float_names(saved, "optimizer/")
+                 if n.endswith(("/exp_avg", "/momentum_buffer")) and saved[n].numel() >= 16]
+        x = torch.cat([saved[n].reshape(-1).double() for n in names])
+        r = torch.cat([restored[n].reshape(-1).double() for n in names])
+        assert 0.8 < ((r * x).sum() / (x * x).sum()).item() < 1.2, (preset, names[0])
+        assert r.count_nonzero() > r.numel() / 2
+
+
+def test_buffers_lossy_only_when_asked(ckpt: Path) -> None:
+    """BatchNorm running statistics are exact by default; a ``buffers`` quantizer opts in."""
+    config = dataclasses.replace(CompressionConfig.preset("balanced"), buffers=Quantizer(step=0.5))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        for step in range(3):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        saved, meta = snapshot(model, optimizer), mgr.metadata(2)
+        restored = mgr.restore(2).tensors
+    assert "buffers" in meta.stats.classes
+    for name in ("model/1.running_mean", "model/1.running_var"):
+        assert {c.codec for c in meta.tensor(name).fragments[0].chunks} == {"quant"}
+        assert check_chunk_bounds(meta, name, restored[name], saved[name]) == 1
+
+
 def test_aggressive_stores_less_than_balanced(tmp_path: Path) -> None:
     """The same states saved with both presets: aggressive deltas are smaller, with larger errors.
     (Saves 24 training steps apart: the presets' weight steps are 16 and 48 learning rates.)"""
