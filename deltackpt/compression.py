@@ -86,6 +86,12 @@ class Quantizer:
             worth of movement of the saved one, however many steps apart the
             saves are. A step relative to the change since the last save
             grows with that interval, and so does the error.
+        rel_step: weights: the most the step may be, as a multiple of the
+            root mean square of the tensor's values: a restored weight then
+            also stays within ``rel_step / 2`` of the tensor's typical
+            magnitude, which bounds how much a layer's output changes. It
+            binds early in training, while weights are small against how
+            far each step moves them.
         update_step: first moments (``pred="zero"``): the step as a multiple
             of the update the moment drives. Adam's ``exp_avg``, where its
             ``exp_avg_sq`` is coded lossily too: each element's step is
@@ -111,6 +117,7 @@ class Quantizer:
     step: float | None = 1.0
     density: float | None = None
     move_step: float | None = None
+    rel_step: float | None = None
     update_step: float | None = None
     domain: Literal["linear", "ordinal"] = "linear"
     pred: Literal["base", "zero"] = "base"
@@ -136,7 +143,7 @@ class Quantizer:
                 raise ConfigError(f"Quantizer density must be in (0, 1], got {self.density!r}")
             if self.domain != "linear":
                 raise ConfigError("Quantizer density= needs the linear domain")
-        for key, pred in (("move_step", "base"), ("update_step", "zero")):
+        for key, pred in (("move_step", "base"), ("rel_step", "base"), ("update_step", "zero")):
             value = getattr(self, key)
             if value is None:
                 continue
@@ -348,11 +355,12 @@ class Sample:
 
 def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:
     """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step."""
-    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None)
+    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None
+                                             or quantizer.rel_step is not None)
 
 
 def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
-              unit: float | None = None) -> float:
+              unit: float | None = None, value_rms: float | None = None) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
     ``sample`` (what the quantizer codes, at sampled elements) may be None
@@ -365,12 +373,16 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
     the prediction. A closed-loop residual is the change since that save
     plus this error; the step follows the change alone, so the error a
     delta leaves does not feed back into the next delta's step and stays
-    the same however long the chain.
+    the same however long the chain. ``value_rms`` is the root mean square
+    of the tensor's values (for ``Quantizer.rel_step``).
     """
     if quantizer.domain == "ordinal":
         return quantizer.step * BINADE_KEYS
     if quantizer.move_step is not None and unit is not None:
-        return quantizer.move_step * unit
+        step = quantizer.move_step * unit
+        if quantizer.rel_step is not None and value_rms:
+            step = min(step, quantizer.rel_step * value_rms)
+        return step
     finite = sample[np.isfinite(sample)]
     if finite.size == 0:
         return 0.0

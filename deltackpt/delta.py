@@ -203,10 +203,12 @@ class StepEncoder:
                 # zero, in every delta. One seed per tensor and base step.
                 plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
             plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
-            sample = None
+            sample, value_rms = None, None
             if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
                 stride = sample_stride(numel)
                 xs = tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+                finite = xs[np.isfinite(xs)].astype(np.float64)
+                value_rms = float(np.sqrt(np.mean(finite * finite))) if finite.size else None
                 ps = self._values[item.name][::stride] if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
                 if plan.scale is not None:  # in units of each element's step
@@ -220,7 +222,7 @@ class StepEncoder:
                 plan.step = quantizer.update_step * plan.scale[2]
             else:
                 carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-                plan.step = base_step(quantizer, sample, carried, unit)
+                plan.step = base_step(quantizer, sample, carried, unit, value_rms)
                 if plan.step <= 0:  # nothing moved: a dither would move what stays put
                     plan.dither = None
             samples.append((sample, plan.step, numel, plan, ordinal))
