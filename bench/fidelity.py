@@ -449,12 +449,13 @@ class _Pool:
     signed: bool = False
 
     def add(self, restored: torch.Tensor, true: torch.Tensor) -> None:
-        """Sample a pair of tensors; for signed ones only elements with ``|true|`` at least its
-        median count in the ratios."""
+        """Sample a pair of tensors; the ratios are of non-zero elements, for signed tensors only
+        of those with ``|true|`` at least its median (more than half may be zero: rows of an
+        embedding no batch used)."""
         r, t = restored.detach().double().flatten(), true.detach().double().flatten()
         stride = max(1, t.numel() // SAMPLE)
         signed = bool((t < 0).any())
-        chosen = t.abs() >= t.abs().median() if signed else t > 0
+        chosen = (t.abs() >= t.abs().median() if signed else True) & (t != 0)
         self.ratios.append((r[chosen] / t[chosen])[::stride])
         self.restored.append(r[::stride])
         self.true.append(t[::stride])
