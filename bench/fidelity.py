@@ -712,7 +712,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the quick subset (about 2 minutes)")
     parser.add_argument("--cells", help="comma-separated cell names (see MATRIX) to run instead")
     parser.add_argument("--json", help="also write the full report to this file")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: faster for these small models)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     cells = QUICK if args.quick else MATRIX
     if args.cells:
         known = {c.name: c for c in MATRIX + QUICK}
