@@ -693,16 +693,16 @@ def table(report: dict, header: bool = True) -> str:
     """One row per cell and preset; ``ref`` is the near-lossless loss_dev of the same cell."""
     lines = []
     if header:
-        lines.append(f"{'cell':<32} {'restores':<14} {'preset':<13} {'ratio':>7} {'loss dev':>8} "
+        lines.append(f"{'cell':<32} {'restores':<19} {'preset':<13} {'ratio':>7} {'loss dev':>8} "
                      f"{'ref dev':>7} {'eval dev':>8} {'logit':>7} {'max err':>8}  "
                      f"moments: median restored/true [5%,95%] slope")
     for c in report["cells"]:
         ref = c["presets"].get(REFERENCE, {}).get("loss_dev", math.nan)
         restores = ",".join(map(str, c["restores"]))
         for name, r in c["presets"].items():
-            lines.append(f"{c['name']:<32} {restores:<14} {name:<13} {r['ratio']:>6.1f}x "
-                         f"{100 * r['loss_dev']:>7.2f}% {100 * ref:>6.2f}% "
-                         f"{100 * r['eval_dev']:>7.2f}% {r['logit_diff']:>7.3f} {r['max_err']:>8.4f}  "
+            lines.append(f"{c['name']:<32} {restores:<19} {name:<13} {r['ratio']:>6.1f}x "
+                         f"{100 * r['loss_dev']:>7.3f}% {100 * ref:>6.3f}% "
+                         f"{100 * r['eval_dev']:>7.3f}% {r['logit_diff']:>7.3f} {r['max_err']:>8.4f}  "
                          f"{_moments_text(r['moments'])}")
     return "\n".join(lines)
 
