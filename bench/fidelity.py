@@ -59,8 +59,9 @@ Per cell and preset the report gives:
   training losses from the exact run's; ``eval_dev``: of the evaluation
   loss at the end; ``logit_diff``: the largest absolute difference of the
   evaluation logits (in eval mode, so it sees BatchNorm's running stats);
-* ``max_err``: the largest ``rms_rel_error`` of any tensor class recorded
-  in the metadata of its delta steps;
+* ``max_err``: the largest ``rms_rel_error`` (root of the summed squared
+  errors over the summed squared values) of any tensor class recorded in
+  the metadata of its delta steps; ``max_err_by_class``: per class;
 * ``moments``: per optimizer state key holding a float tensor of its
   parameter's shape (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
   ``sum``, ``square_avg``, ``master_param``...) and per float buffer
@@ -599,14 +600,16 @@ def run_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None = None,
             ev, logits = run.evaluate()
             with CheckpointManager(paths[name], full_every=FULL_EVERY) as mgr:
                 disk = [step_disk_bytes(mgr, s) for s in delta_steps[name]]
-                max_err = max((cls["rms_rel_error"] for s in delta_steps[name]
-                               for cls in (mgr.metadata(s).stats.classes or {}).values()),
-                              default=math.nan)
+                errors: dict[str, float] = {}
+                for s in delta_steps[name]:
+                    for cls, stats in (mgr.metadata(s).stats.classes or {}).items():
+                        errors[cls] = max(errors.get(cls, 0.0), stats["rms_rel_error"])
             results[name] = {
                 "ratio": raw / (sum(disk) / len(disk)) if disk else math.nan,
                 "loss_dev": abs(loss / exact_loss - 1), "eval_dev": abs(ev / exact_eval - 1),
                 "logit_diff": float((logits - exact_logits).abs().max()),
-                "max_err": max_err, "deltas": len(disk), "restored_kinds": kinds, "moments": moments,
+                "max_err": max(errors.values(), default=math.nan), "max_err_by_class": errors,
+                "deltas": len(disk), "restored_kinds": kinds, "moments": moments,
                 "losses": run.losses[c.restores[0]:]}
         return {**asdict(c), "name": c.name, "family": spec.family, "resume": c.resume,
                 "dtype": str(spec.dtype).removeprefix("torch."), "raw_bytes": raw,
