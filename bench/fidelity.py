@@ -123,26 +123,28 @@ REFERENCE = "near-lossless"
 
 # --- data and models -------------------------------------------------------------------------
 
+MLP_CONTEXT = 8  # bytes the MLP sees
+PAGE_WIDTH, PATCH = 64, 16  # columns of the CNN's page, side of its patches
+MASK = 256  # the token of the byte the CNN fills in
+
+
 @functools.cache
 def _text() -> tuple[torch.Tensor, torch.Tensor]:
     """Train and evaluation bytes of the standard library sources."""
     return split_corpus(load_corpus())
 
 
-PAGE_WIDTH, PATCH = 64, 16
-
-
 @functools.cache
 def _pages() -> tuple[torch.Tensor, torch.Tensor]:
-    """The sources as a page: one line a row, cut or padded with spaces to PAGE_WIDTH bytes."""
-    lines = bytes(_text()[0].numpy()).split(b"\n") + bytes(_text()[1].numpy()).split(b"\n")
+    """The sources as a page: one line a row, cut or padded with spaces to PAGE_WIDTH bytes;
+    train and evaluation rows."""
+    lines = bytes(torch.cat(_text()).numpy()).split(b"\n")
     rows = b"".join(line[:PAGE_WIDTH].ljust(PAGE_WIDTH) for line in lines)
-    grid = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(-1, PAGE_WIDTH)
-    cut = int(len(grid) * 0.95)
-    return grid[:cut], grid[cut:]
+    return split_corpus(torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(-1, PAGE_WIDTH))
 
 
 def _text_windows(context: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of the GPT: ``context`` bytes and the same shifted by one."""
     def batch(data: torch.Tensor, size: int, gen: torch.Generator | None):
         b = get_batch(data, size, context, gen)
         return b[:, :-1], b[:, 1:]
@@ -150,14 +152,14 @@ def _text_windows(context: int) -> Callable[..., tuple[torch.Tensor, torch.Tenso
 
 
 def _next_byte(data: torch.Tensor, size: int, gen: torch.Generator | None):
+    """Batches of the MLP: ``MLP_CONTEXT`` bytes and the byte after them."""
     b = get_batch(data, size, MLP_CONTEXT, gen)
     return b[:, :-1], b[:, -1]
 
 
-MASK = 256  # the token of the masked byte
-
-
 def _patches(grid: torch.Tensor, size: int, gen: torch.Generator | None):
+    """Batches of the CNN: PATCH x PATCH patches of the page with the centre byte masked, and
+    that byte."""
     rows = torch.randint(len(grid) - PATCH, (size,), generator=gen)
     cols = torch.randint(PAGE_WIDTH - PATCH + 1, (size,), generator=gen)
     x = torch.stack([grid[r:r + PATCH, c:c + PATCH] for r, c in zip(rows.tolist(), cols.tolist(),
@@ -165,9 +167,6 @@ def _patches(grid: torch.Tensor, size: int, gen: torch.Generator | None):
     y = x[:, PATCH // 2, PATCH // 2].clone()
     x[:, PATCH // 2, PATCH // 2] = MASK
     return x, y
-
-
-MLP_CONTEXT = 8
 
 
 class ByteMLP(nn.Module):
