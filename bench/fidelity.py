@@ -64,11 +64,11 @@ Per cell and preset the report gives:
   the metadata of its delta steps; ``max_err_by_class``: per class;
 * ``moments``: per optimizer state key holding a float tensor of its
   parameter's shape (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
-  ``sum``, ``square_avg``, ``master_param``...) and per float buffer
-  (``running_mean``, ``running_var``): quantiles (5%, median, 95%) of the
-  element ratio restored / true, on each restored step against the exact
-  state at that step, pooled over the cell's tensors and restores (up to
-  :data:`SAMPLE` elements). For signed quantities only elements with
+  ``sum``, ``square_avg``, ``master_param``...), per float buffer
+  (``running_mean``, ``running_var``) and for all parameters (``weights``):
+  quantiles (5%, median, 95%) of the element ratio restored / true, on each
+  restored step against the exact state at that step, pooled over the
+  cell's tensors and restores (up to :data:`SAMPLE` elements). For signed quantities only elements with
   ``|true|`` at least their tensor's median ``|true|`` count (the ratio of
   near-zero values means nothing); ``slope`` is the least-squares
   ``sum(r*t) / sum(t*t)`` over all elements, which shrinkage toward zero
@@ -426,17 +426,19 @@ def step_disk_bytes(mgr: CheckpointManager, step: int) -> int:
 
 def _paired_state(run: Run, snap: dict) -> Iterable[tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, restored, true) of every optimizer state tensor of its parameter's shape and float
-    dtype, and of every float buffer; ``run`` holds the restored state, ``snap`` the true one."""
+    dtype, of every float buffer (keyed by its last name), and of every parameter (``weights``);
+    ``run`` holds the restored state, ``snap`` the true one."""
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
     restored = run.optimizer.state_dict()["state"]
     for i, state in snap["optimizer"]["state"].items():
         for key, true in state.items():
             if torch.is_tensor(true) and true.is_floating_point() and true.shape == params[i].shape:
                 yield key, restored[i][key], true
-    buffers = dict(run.model.named_buffers())
-    for name, buf in buffers.items():
+    for name, buf in run.model.named_buffers():
         if buf.is_floating_point():
             yield name.rsplit(".", 1)[-1], buf, snap["model"][name]
+    for name, param in run.model.named_parameters():
+        yield "weights", param, snap["model"][name]
 
 
 @dataclass
@@ -641,8 +643,8 @@ class Targets:
 
     ``max_loss_dev``: by save interval (the entry of the largest interval not
     above the cell's applies); ``min_ratio``: ``(family, interval or None for
-    any, ratio)``; ``drift``: the range every moment's median restored / true
-    ratio must stay in.
+    any, ratio)``; ``drift``: the range the median restored / true ratio of
+    every key of ``moments`` (optimizer state, buffers, weights) must stay in.
     """
 
     max_loss_dev: dict[int, float]

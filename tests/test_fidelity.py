@@ -49,9 +49,9 @@ def report(one_torch_thread: None) -> dict:
 
 
 def test_report_structure(report: dict) -> None:
-    expected_keys = {"gpt-tiny": {"exp_avg", "exp_avg_sq"},
-                     "cnn-bn": {"momentum_buffer", "running_mean", "running_var"},
-                     "mlp": {"exp_avg", "exp_avg_sq"}}
+    expected_keys = {"gpt-tiny": {"exp_avg", "exp_avg_sq", "weights"},
+                     "cnn-bn": {"momentum_buffer", "running_mean", "running_var", "weights"},
+                     "mlp": {"exp_avg", "exp_avg_sq", "weights"}}
     assert [len(c["restores"]) for c in report["cells"]] == [1, 1, 5]
     for c in report["cells"]:
         assert c["resume"] == 100 and len(c["exact"]["losses"]) >= 100
