@@ -36,7 +36,7 @@ steps), ``warmup`` (the first delta after warm-up), ``mid`` (step 400 of the
 and ``5x``: five interruptions two saves apart from ``mid``, each resumed from
 the latest delta step, the loss compared with the uninterrupted exact run.
 
-The full matrix (:data:`MATRIX`, about an hour on 2 cores) runs every
+The full matrix (:data:`MATRIX`, about 30 minutes on 2 cores) runs every
 restore point and every interval (5, 20, 100 steps) on AdamW and on SGD
 momentum with the tiny GPT; every optimizer on the tiny GPT at ``mid``;
 AdamW (0.9, 0.999), Adam-cosine and bf16 master weights also early; the
