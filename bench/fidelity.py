@@ -110,7 +110,7 @@ EVAL_BATCHES = 8
 LAST = 20  # resumed training losses averaged for loss_dev
 SAMPLE = 100_000  # elements pooled per state key for the moment statistics
 
-# Errors about 1000x below balanced's (a weight within 0.005 learning rates of its saved value,
+# Errors about 1000x below balanced's (a weight within 0.005 steps' worth of its movement,
 # moments within 0.5% of theirs): what restoring at all costs a chaotic training run, for scale.
 NEAR_LOSSLESS = CompressionConfig(weights=Quantizer(step=1e-3, move_step=0.01),
                                   first_moment=Quantizer(step=0.01, update_step=0.01, pred="zero"),

@@ -348,6 +348,35 @@ def test_weights_step_follows_the_movement(ckpt: Path) -> None:
                 assert meta.stats.compression["weights"]["move_step"] == 10.0
 
 
+def test_weights_step_is_capped_relative_to_their_magnitude(ckpt: Path) -> None:
+    """``rel_step`` caps a weight's step at that fraction of the tensor's root mean square:
+    small weights moved far by each step (a high learning rate early in training) are restored
+    within ``rel_step / 2`` of their typical magnitude; where the movement is the smaller unit
+    it alone sets the step."""
+    model = mlp()
+    optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.05},
+                                   {"params": [*model[2].parameters(), *model[4].parameters()],
+                                    "lr": 1e-4}])
+    config = dataclasses.replace(CompressionConfig.preset("balanced"),
+                                 weights=Quantizer(move_step=16.0, rel_step=0.125))
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        for step in range(3):
+            train(model, optimizer, steps=2)
+            units = movement_units(capture(model, optimizer, None, False))
+            mgr.save(step, model, optimizer)
+        saved, meta, restored = snapshot(model, optimizer), mgr.metadata(2), mgr.restore(2).tensors
+    capped = 0
+    for name in float_names(saved, "model/"):
+        x = saved[name].reshape(-1).double()
+        rms = x.pow(2).mean().sqrt().item()
+        expected = min(16.0 * units[name.removeprefix("model/")], 0.125 * rms)
+        steps = [c.params["step"] for c in meta.tensor(name).fragments[0].chunks]
+        assert steps == [pytest.approx(expected, rel=1e-6)], name
+        assert check_chunk_bounds(meta, name, restored[name], saved[name]) == 1
+        capped += expected < 16.0 * units[name.removeprefix("model/")]
+    assert 0 < capped < len(float_names(saved, "model/"))  # both units bind somewhere
+
+
 def adam_movement(optimizer: torch.optim.Optimizer, param: torch.Tensor, lr: float) -> float:
     """lr times the rms of Adam's bias-corrected update of ``param``, computed here from scratch."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
