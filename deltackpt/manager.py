@@ -347,10 +347,10 @@ class CheckpointManager:
             return
         if info.at_max_error:
             self._warned_target = True
-            log.warning("step %d: target_ratio %g needs errors beyond max_error=%g; deltas stay "
-                        "at that floor (%.1fx achieved); SaveInfo.at_max_error and the step "
-                        "metadata say so for each save", info.step, info.target_ratio,
-                        self.compression.max_error, info.ratio)
+            log.warning("step %d: target_ratio %g needs errors beyond max_error (%.3g times "
+                        "the configured ones); deltas stay at that floor (%.1fx achieved); "
+                        "SaveInfo.at_max_error and the step metadata say so for each save",
+                        info.step, info.target_ratio, self.compression.max_scale, info.ratio)
         elif info.target_met is False:
             self._warned_target = True
             log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",

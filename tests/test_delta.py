@@ -864,7 +864,9 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, optimizer, steps=1)
     unit = movement_units(capture(model, optimizer, None, False))["weight"]
-    step_size = float(np.float32(CompressionConfig.preset("balanced").weights.move_step * unit))
+    balanced = CompressionConfig.preset("balanced")
+    moved = dataclasses.replace(balanced, weights=dataclasses.replace(balanced.weights, rel_step=None))
+    step_size = float(np.float32(moved.weights.move_step * unit))
 
     def move_and_save(mgr: CheckpointManager, step: int) -> tuple[torch.Tensor, list[dict]]:
         with torch.no_grad():
@@ -873,7 +875,7 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
         params = [c.params for c in mgr.metadata(step).tensor("model/weight").fragments[0].chunks]
         return mgr.restore(step).tensors["model/weight"] - model.weight.detach(), params
 
-    with CheckpointManager(ckpt, full_every=100) as mgr:
+    with CheckpointManager(ckpt, full_every=100, compression=moved) as mgr:
         mgr.save(0, model, optimizer)
         error, params = move_and_save(mgr, 1)
         assert {p.get("dither") is not None for p in params} == {True}
@@ -883,13 +885,12 @@ def test_dither_makes_the_weights_error_independent_of_their_movement(ckpt: Path
         error, params = move_and_save(mgr, 2)
         assert {p.get("dither") for p in params} == {None}
         assert error.abs().max().item() <= step_size / 2 * (1 + 1e-5)
-    with CheckpointManager(ckpt, full_every=100) as mgr:
+    with CheckpointManager(ckpt, full_every=100, compression=moved) as mgr:
         mgr.load(2, model, optimizer)
         error, params = move_and_save(mgr, 3)
         assert {p.get("dither") is not None for p in params} == {True}
         assert abs(error.mean().item()) < 0.02 * step_size
-    undithered = dataclasses.replace(CompressionConfig.preset("balanced"),
-                                     weights=Quantizer(step=5.0, move_step=16.0, dither=False))
+    undithered = dataclasses.replace(moved, weights=dataclasses.replace(moved.weights, dither=False))
     with CheckpointManager(ckpt / "plain", full_every=100, compression=undithered) as mgr:
         mgr.save(0, model, optimizer)
         error, params = move_and_save(mgr, 1)
