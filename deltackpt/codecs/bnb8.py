@@ -52,7 +52,7 @@ NAME = "bnb8"
 STATE_PARAMS = frozenset({"codec", "params", "qmap", "absmax", "blocksize"})
 QMAP_SIZE = 256
 BLOCKSIZES = tuple(1 << k for k in range(6, 13))  # 64..4096: bitsandbytes' optimizers use 256
-INSTALL = "pip install --no-deps bitsandbytes"
+INSTALL = "pip install 'deltackpt[bnb]', i.e. bitsandbytes>=0.50"
 # How much farther from value / absmax than the nearest code-map entry a requantized code may be:
 # bitsandbytes' native quantizers search the map approximately (up to 3e-5 measured on CPU).
 CODE_TOLERANCE = 2.0**-12

@@ -1,0 +1,210 @@
+"""bitsandbytes' 8-bit optimizers: their moments coded by meaning in delta steps (FORMAT.md 3.4).
+
+Every delta restores to a valid 8-bit state (the running values requantized by bitsandbytes),
+whose running values are within the coded bounds of what the optimizer held, and loads into a
+fresh optimizer that trains on. A real run measures the ratio and the resumed loss.
+"""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from deltackpt import CheckpointManager, CompressionConfig, DeltackptError
+from deltackpt.chain import restore_chain
+from deltackpt.codecs import bnb8
+from deltackpt.training import SIZES, TinyGPT, eval_loss, load_corpus, split_corpus, train_step
+
+bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed "
+                          "(pip install 'deltackpt[bnb]')")
+
+OPTIMIZERS = ["AdamW8bit", "PagedAdamW8bit", "Lion8bit"]
+F32_EPS = 2.0**-23
+WRAP = "__bnb_optimizer_quant_state__"
+
+
+def _keys(x: np.ndarray) -> np.ndarray:
+    """Ordinal keys of float32 values (FORMAT.md 3.2)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.int64)
+    return np.where(bits < 0x80000000, bits, -(bits & 0x7FFFFFFF))
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    lr = 3e-4 if name.startswith("Lion") else 3e-3
+    return getattr(bnb.optim, name)(model.parameters(), lr=lr, betas=(0.9, 0.95))
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # two matrices of 8192 elements: 8-bit states; biases: float32 ones
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> float:
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        x = torch.randn(32, 64)
+        loss = (model(x) - x.flip(1)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
+def _moments(state: dict) -> dict[str, np.ndarray]:
+    """``state1``/``state2`` of a bitsandbytes parameter state, dequantized."""
+    quant = state[WRAP]
+    return {k: bnb8.dequantize(quant[k].numpy(), quant[f"absmax{k[-1]}"].numpy(),
+                               quant[f"qmap{k[-1]}"].numpy(), 256)
+            for k in ("state1", "state2") if k in quant}
+
+
+def _check_bounds(meta, name: str, running: np.ndarray, saved: np.ndarray,
+                  values: dict[str, np.ndarray]) -> None:
+    """Each element of a bnb8 chunk's running values is within half its step of the saved
+    (dequantized) moment: linear in value (a scaled chunk's steps from the running values it
+    names), ordinal in keys (one and a half steps within a step of zero)."""
+    for chunk in meta.tensor(name).fragments[0].chunks:
+        assert chunk.codec == "bnb8", f"{name}: {chunk.codec} chunk in a delta"
+        codec, params, *_ = bnb8.state_params(chunk.params)
+        lo, hi = chunk.raw_offset, chunk.raw_offset + chunk.raw_length
+        r, x = running[lo:hi].astype(np.float64), saved[lo:hi].astype(np.float64)
+        if codec != "quant":
+            assert np.array_equal(running[lo:hi], saved[lo:hi]), f"{name}: lossless chunk differs"
+        elif params["domain"] == "linear":
+            step = params["step"]
+            if "scale" in params:
+                step = step * (np.sqrt(values[params["scale"]][lo:hi].astype(np.float64))
+                               + params["eps"])
+            slack = 4 * F32_EPS * (np.abs(r) + np.abs(x) + step)
+            assert np.all(np.abs(r - x) <= step / 2 + slack), f"step {meta.step} {name}"
+        else:
+            kx, step = _keys(saved[lo:hi]), params["step"]
+            bound = np.where(np.abs(kx) < step, step + step // 2, step // 2)
+            assert np.all(np.abs(_keys(running[lo:hi]) - kx) <= bound), f"step {meta.step} {name}"
+
+
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_deltas_restore_valid_8bit_states_within_their_bounds(tmp_path: Path, name: str,
+                                                              one_torch_thread: None) -> None:
+    model = _model()
+    optimizer = _optimizer(name, model)
+    saved = {}
+    with CheckpointManager(tmp_path / "ckpt", full_every=5) as mgr:
+        for step in range(1, 31):
+            _train(model, optimizer, 1)
+            if step % 5 == 0:
+                info = mgr.save(step, model=model, optimizer=optimizer)
+                assert info.kind == ("full" if step in (5, 30) else "delta")
+                saved[step] = copy.deepcopy(optimizer.state_dict()["state"])
+        assert not any(mgr.verify(deep=True).values())
+        for step, state in saved.items():
+            meta = mgr.metadata(step)
+            tensors, recon = restore_chain(mgr.storage, meta)
+            for fqn, index in (("0.weight", 0), ("2.weight", 2)):
+                truth = _moments(state[index])
+                prefix = f"optimizer/state/{fqn}/{WRAP}"
+                for key, x in truth.items():
+                    s = f"{prefix}/{key}"
+                    codes, absmax = tensors[s], tensors[f"{prefix}/absmax{key[-1]}"]
+                    qmap = tensors[f"{prefix}/qmap{key[-1]}"].numpy()
+                    assert codes.dtype == torch.uint8 and absmax.dtype == torch.float32
+                    running = recon.values[s]
+                    if meta.kind == "full":  # stored exactly: the very codes and scales
+                        assert torch.equal(codes, state[index][WRAP][key])
+                        assert torch.equal(absmax, state[index][WRAP][f"absmax{key[-1]}"])
+                        assert np.array_equal(running, x)
+                        continue
+                    # A valid 8-bit state: the running values requantized
+                    bnb8.check_requantized(running, codes.reshape(-1).numpy(), absmax.numpy(),
+                                           qmap, 256)
+                    _check_bounds(meta, s, running, x, recon.values)
+                    restored = bnb8.dequantize(codes.numpy(), absmax.numpy(), qmap, 256)
+                    live = np.abs(x) > 1e-3 * np.abs(x).max()
+                    ratio = float(np.median(restored[live] / x[live]))
+                    assert 0.9 <= ratio <= 1.1, f"step {step} {s}: median ratio {ratio}"
+        fresh_model = _model(seed=1)
+        fresh = _optimizer(name, fresh_model)
+        mgr.load(15, fresh_model, fresh)
+        assert np.isfinite(_train(fresh_model, fresh, 3))
+        assert mgr.save(33, model=fresh_model, optimizer=fresh).kind == "delta"
+        assert not mgr.verify(33, deep=True)[33]
+
+
+def test_missing_bitsandbytes_names_what_to_install(tmp_path: Path, monkeypatch,
+                                                    one_torch_thread: None) -> None:
+    model = _model()
+    optimizer = _optimizer("AdamW8bit", model)
+    with CheckpointManager(tmp_path / "ckpt", full_every=5) as mgr:
+        for step in (1, 2):
+            _train(model, optimizer, 1)
+            mgr.save(step, model=model, optimizer=optimizer)
+        real_import = builtins.__import__
+
+        def no_bnb(name: str, *args, **kwargs):
+            if name.startswith("bitsandbytes"):
+                raise ImportError(f"No module named {name!r}")
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", no_bnb)
+        mgr.restore(1)  # a full step needs no bitsandbytes
+        with pytest.raises(DeltackptError, match=r"bnb8.*deltackpt\[bnb\]"):
+            mgr.restore(2)
+
+
+def test_an_older_reader_fails_naming_the_codec() -> None:
+    from deltackpt.codecs.base import decode_into
+    with pytest.raises(DeltackptError, match="unknown codec 'bnb8'"):
+        decode_into("bnb8", {}, memoryview(b""), np.empty(0, np.uint8))
+
+
+@pytest.mark.slow
+def test_real_run_ratio_and_resumed_loss(tmp_path: Path, one_torch_thread: None) -> None:
+    """TinyGPT "tiny" on its real text with AdamW8bit, saved every 20 steps (a full step then
+    deltas), restored from the fifth delta and resumed 100 steps beside the exact resume."""
+    train, evaluation = split_corpus(load_corpus(1 << 20))
+    config = replace(CompressionConfig.preset("balanced"), target_ratio=20, max_error=64)
+
+    def fresh() -> tuple[TinyGPT, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TinyGPT(SIZES["tiny"])
+        return model, _optimizer("AdamW8bit", model)
+
+    model, optimizer = fresh()
+    ratios = []
+    with CheckpointManager(tmp_path / "ckpt", full_every=10, compression=config) as mgr:
+        for step in range(1, 121):
+            train_step(model, optimizer, None, train, 16)
+            if step % 20 == 0:
+                info = mgr.save(step, model=model, optimizer=optimizer)
+                if info.kind == "delta":
+                    ratios.append(info.ratio)
+        snap = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()),
+                torch.get_rng_state())
+
+        def resume(load) -> tuple[float, float]:
+            m, o = fresh()
+            load(m, o)
+            losses = [train_step(m, o, None, train, 16) for _ in range(100)]
+            return statistics.mean(losses[-20:]), eval_loss(m, evaluation, batches=8)
+
+        def exact(m: nn.Module, o: torch.optim.Optimizer) -> None:
+            m.load_state_dict(snap[0])
+            o.load_state_dict(snap[1])
+            torch.set_rng_state(snap[2])
+
+        base = resume(exact)
+        restored = resume(lambda m, o: mgr.load(120, m, o))
+    loss_dev, eval_dev = (r / b - 1 for r, b in zip(restored, base, strict=True))
+    print(f"\nAdamW8bit tiny, every 20 steps: delta ratios {[round(r, 1) for r in ratios]}, "
+          f"resumed from step 120: loss dev {loss_dev:+.2%}, eval dev {eval_dev:+.2%}")
+    assert statistics.median(ratios) >= 20
+    assert abs(loss_dev) < 0.05 and abs(eval_dev) < 0.05
