@@ -216,3 +216,23 @@ def test_real_run_ratio_and_resumed_loss(tmp_path: Path, name: str, setting: str
           f"eval dev {eval_dev:+.2%}")
     assert statistics.median(ratios) >= (20 if setting == "20x" else 8)
     assert abs(loss_dev) < 0.05 and abs(eval_dev) < 0.05
+
+
+def test_gc_keeps_what_kept_steps_restore_to(tmp_path: Path, one_torch_thread: None) -> None:
+    """A kept delta whose base is rewritten as a full step (its 8-bit moments stored requantized,
+    no longer their running values) is rewritten too, and restores to what it did."""
+    model = _model()
+    optimizer = _optimizer("AdamW8bit", model)
+    with CheckpointManager(tmp_path / "ckpt", full_every=10) as mgr:
+        for step in range(1, 9):
+            _train(model, optimizer, 1)
+            mgr.save(step, model=model, optimizer=optimizer)
+        before = {s: mgr.restore(s).optimizer["state"] for s in (7, 8)}
+        mgr.gc("last=2")
+        assert mgr.steps() == [7, 8]
+        assert not any(mgr.verify(deep=True).values())
+        for step, state in before.items():
+            after = mgr.restore(step).optimizer["state"]
+            for fqn, entries in state.items():
+                for key, value in entries[WRAP].items():
+                    assert torch.equal(after[fqn][WRAP][key], value), f"step {step} {fqn} {key}"
