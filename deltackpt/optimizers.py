@@ -140,7 +140,8 @@ def group_hyperparameter(captured: CapturedState, key: str) -> dict[str, float]:
 def state_by_parameter(captured: CapturedState) -> dict[str, dict[str, torch.Tensor]]:
     """``fqn -> {state key: tensor}`` of the optimizer's per-parameter state (under
     torch.distributed, the elements this rank holds). bitsandbytes' moments appear under the
-    keys they mean, dequantized; their scales and code maps not at all."""
+    keys they mean; an 8-bit one dequantized at about SAMPLE_ELEMENTS evenly strided elements
+    (what every use here samples), its scales and code map not at all."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     bnb = captured_bnb_states(captured)
     parts = {b.absmax for b in bnb.values()} | {b.qmap for b in bnb.values()}
@@ -152,9 +153,11 @@ def state_by_parameter(captured: CapturedState) -> dict[str, dict[str, torch.Ten
             b = bnb[t.name]
             values = local_values(t.tensor)
             if b.is_8bit:
-                values = torch.from_numpy(dequantize(
-                    values.cpu().numpy(), by_name[b.absmax].cpu().numpy(),
-                    by_name[b.qmap].cpu().numpy(), b.blocksize).reshape(values.shape))
+                stride = max(1, values.numel() // SAMPLE_ELEMENTS)
+                index = np.arange(0, values.numel(), stride)
+                codes = values.reshape(-1)[::stride].cpu().numpy()
+                absmax = by_name[b.absmax].reshape(-1).cpu().numpy()[index // b.blocksize]
+                values = torch.from_numpy(dequantize(codes, absmax, by_name[b.qmap].cpu().numpy(), 1))
             out.setdefault(t.fqn, {})[b.key] = values
         else:
             out.setdefault(t.fqn, {})[t.state_key] = local_values(t.tensor)

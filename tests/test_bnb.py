@@ -171,7 +171,7 @@ TARGET_20 = replace(CompressionConfig.preset("balanced"), target_ratio=20, max_e
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "setting"), [("AdamW8bit", "balanced"), ("AdamW8bit", "20x"),
-                                               ("Lion8bit", "20x")])
+                                               ("Lion8bit", "balanced")])
 def test_real_run_ratio_and_resumed_loss(tmp_path: Path, name: str, setting: str,
                                          one_torch_thread: None) -> None:
     """TinyGPT "tiny" on its real text, saved every 20 steps (a full step then deltas),
