@@ -86,6 +86,12 @@ class Quantizer:
             worth of movement of the saved one, however many steps apart the
             saves are. A step relative to the change since the last save
             grows with that interval, and so does the error.
+        rel_step: weights: the most the step may be, as a multiple of the
+            root mean square of the tensor's values: a restored weight then
+            also stays within ``rel_step / 2`` of the tensor's typical
+            magnitude, which bounds how much a layer's output changes. It
+            binds early in training, while weights are small against how
+            far each step moves them.
         update_step: first moments (``pred="zero"``): the step as a multiple
             of the update the moment drives. Adam's ``exp_avg``, where its
             ``exp_avg_sq`` is coded lossily too: each element's step is
@@ -111,6 +117,7 @@ class Quantizer:
     step: float | None = 1.0
     density: float | None = None
     move_step: float | None = None
+    rel_step: float | None = None
     update_step: float | None = None
     domain: Literal["linear", "ordinal"] = "linear"
     pred: Literal["base", "zero"] = "base"
@@ -136,7 +143,7 @@ class Quantizer:
                 raise ConfigError(f"Quantizer density must be in (0, 1], got {self.density!r}")
             if self.domain != "linear":
                 raise ConfigError("Quantizer density= needs the linear domain")
-        for key, pred in (("move_step", "base"), ("update_step", "zero")):
+        for key, pred in (("move_step", "base"), ("rel_step", "base"), ("update_step", "zero")):
             value = getattr(self, key)
             if value is None:
                 continue
@@ -318,25 +325,42 @@ def sample_values(xs: np.ndarray, ps: np.ndarray | None, ordinal: bool) -> np.nd
         return xs - ps if ps is not None else xs
 
 
-def _symbol_bits(sample: np.ndarray, step: float) -> float:
-    """Order-0 entropy, bits per element, of the symbols ``sample`` quantizes to at ``step``."""
-    q = np.rint(sample / step)
-    q = q[np.isfinite(q)]
-    if q.size == 0:
-        return 0.0
-    q = np.clip(q, -4096, 4096).astype(np.int64) + 4096
-    counts = np.bincount(q)
-    p = counts[counts > 0] / q.size
-    return float(-(p * np.log2(p)).sum())
+@dataclass(frozen=True)
+class Sample:
+    """What a quantizer codes at a tensor's sampled elements (:func:`sample_values`), with the
+    dither offsets of those elements (None undithered), to estimate the symbols' entropy."""
+
+    values: np.ndarray
+    dither: np.ndarray | None
+    ordinal: bool
+
+    def bits(self, step: float) -> float:
+        """Order-0 entropy, bits per element, of the symbols the sample quantizes to at
+        ``step``, as the kernels choose them (FORMAT.md 3.2; dithered grids included: a
+        dither turns small residuals into symbols of 1 as often as they cover the step)."""
+        u = 0.0 if self.dither is None else self.dither.astype(np.float64)
+        if self.ordinal:
+            step = float(max(round(step), 1))
+            q = np.rint((self.values - (np.floor((u + 0.5) * step) - np.floor(step / 2))) / step)
+        else:
+            q = np.rint(self.values / step + u)
+        q = q[np.isfinite(q)]
+        if q.size == 0:
+            return 0.0
+        q = np.clip(q, -4096, 4096).astype(np.int64) + 4096
+        counts = np.bincount(q)
+        p = counts[counts > 0] / q.size
+        return float(-(p * np.log2(p)).sum())
 
 
 def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:
     """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step."""
-    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None)
+    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None
+                                             or quantizer.rel_step is not None)
 
 
 def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
-              unit: float | None = None) -> float:
+              unit: float | None = None, value_rms: float | None = None) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
     ``sample`` (what the quantizer codes, at sampled elements) may be None
@@ -349,12 +373,16 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
     the prediction. A closed-loop residual is the change since that save
     plus this error; the step follows the change alone, so the error a
     delta leaves does not feed back into the next delta's step and stays
-    the same however long the chain.
+    the same however long the chain. ``value_rms`` is the root mean square
+    of the tensor's values (for ``Quantizer.rel_step``).
     """
     if quantizer.domain == "ordinal":
         return quantizer.step * BINADE_KEYS
     if quantizer.move_step is not None and unit is not None:
-        return quantizer.move_step * unit
+        step = quantizer.move_step * unit
+        if quantizer.rel_step is not None and value_rms:
+            step = min(step, quantizer.rel_step * value_rms)
+        return step
     finite = sample[np.isfinite(sample)]
     if finite.size == 0:
         return 0.0
@@ -399,7 +427,7 @@ class ScaleController:
     at_floor: bool = False
     SCALES: tuple[float, ...] = tuple(2.0 ** (k / 16) for k in range(-64, 65))
 
-    def choose(self, samples: list[tuple[np.ndarray, float, int]], raw_bytes: int,
+    def choose(self, samples: list[tuple[Sample, float, int]], raw_bytes: int,
                exact_raw_bytes: int) -> tuple[float, float]:
         """The factor whose estimated size is closest to the target, and its estimated bits.
 
@@ -413,7 +441,7 @@ class ScaleController:
         scales = [s for s in self.SCALES if s <= self.max_scale] or [self.max_scale]
 
         def bits_at(scale: float) -> float:
-            return sum(_symbol_bits(s, step * scale) * n for s, step, n in samples if step > 0)
+            return sum(s.bits(step * scale) * n for s, step, n in samples if step > 0)
 
         def size_at(scale: float) -> float:
             return exact + self.correction * bits_at(scale) / 8

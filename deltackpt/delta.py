@@ -30,6 +30,7 @@ from deltackpt.codecs.quant import Scale, encode_quant
 from deltackpt.compression import (
     CompressionConfig,
     Quantizer,
+    Sample,
     ScaleController,
     base_step,
     finalize_step,
@@ -48,6 +49,7 @@ from deltackpt.kernels.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
+    numpy_dither,
 )
 from deltackpt.optimizers import (
     BnbState,
@@ -229,11 +231,13 @@ class StepEncoder:
                 # zero, in every delta. One seed per tensor and base step.
                 plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
             plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
-            sample = None
+            sample, value_rms = None, None
             if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
                 stride = sample_stride(numel)
                 xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
                     tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+                finite = xs[np.isfinite(xs)].astype(np.float64)
+                value_rms = float(np.sqrt(np.mean(finite * finite))) if finite.size else None
                 ps = self._values[item.name][::stride] if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
                 if plan.scale is not None:  # in units of each element's step
@@ -247,7 +251,7 @@ class StepEncoder:
                 plan.step = quantizer.update_step * plan.scale[2]
             else:
                 carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-                plan.step = base_step(quantizer, sample, carried, unit)
+                plan.step = base_step(quantizer, sample, carried, unit, value_rms)
                 if plan.step <= 0:  # nothing moved: a dither would move what stays put
                     plan.dither = None
             samples.append((sample, plan.step, numel, plan, ordinal))
@@ -257,7 +261,9 @@ class StepEncoder:
         if samples and self.controller is not None:
             raw = sum(t.numel() * t.element_size() for t in self.local.values())
             self.scale, self.estimated_bits = self.controller.choose(
-                [(s, step, n) for s, step, n, _, _ in samples], raw, fixed)
+                [(Sample(s, None if plan.dither is None else numpy_dither(
+                    s.size, plan.dither, stride=sample_stride(n)), ordinal), step, n)
+                 for s, step, n, plan, ordinal in samples], raw, fixed)
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
 

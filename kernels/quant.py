@@ -788,9 +788,11 @@ def numpy_from_keys(keys: np.ndarray) -> np.ndarray:
     return np.where(keys >= 0, keys, (-keys) | 0x80000000).astype(np.uint32).view(np.float32)
 
 
-def numpy_dither(n: int, seed: int, first: int = 0) -> np.ndarray:
-    """Dither offsets (float32) of elements ``first .. first + n - 1`` for ``seed``."""
-    x = (np.arange(first, first + n, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(seed)
+def numpy_dither(n: int, seed: int, first: int = 0, stride: int = 1) -> np.ndarray:
+    """Dither offsets (float32) of the ``n`` elements ``first, first + stride, ...`` for
+    ``seed``."""
+    indices = np.arange(first, first + n * stride, stride, dtype=np.int64)
+    x = (indices & 0xFFFFFFFF).astype(np.uint32) ^ np.uint32(seed)
     x ^= x >> np.uint32(16)
     x *= np.uint32(0x21F0AAAD)
     x ^= x >> np.uint32(15)
