@@ -681,7 +681,7 @@ def _bnb8_moments(meta: StepMetadata, final: dict[str, TensorRecord]) -> dict[st
     """The 8-bit moments of a step stored as ``bnb8`` state chunks, checked against FORMAT.md
     3.4: a ``uint8`` tensor of one fragment whose chunks all name one ``qmap`` (a float32
     tensor of 256 values stored as it is), ``absmax`` (float32, one value per block, all its
-    chunks derived from this moment) and block size; chunks start on block boundaries."""
+    chunks derived from this moment) and block size."""
     moments = {}
     for name, record in final.items():
         if bnb8.NAME not in record.codecs or all(
@@ -707,8 +707,6 @@ def _bnb8_moments(meta: StepMetadata, final: dict[str, TensorRecord]) -> dict[st
             raise CorruptionError(f"{where}: its absmax {absmax!r} is not a float32 tensor of "
                                   f"one value per block of {blocksize} whose chunks are all "
                                   "bnb8 chunks derived from it")
-        if any(c.raw_offset % blocksize for c in record.fragments[0].chunks):
-            raise CorruptionError(f"{where}: a bnb8 chunk does not start on a block boundary")
         moments[name] = _Bnb8(absmax, qmap, blocksize)
     return moments
 

@@ -281,8 +281,8 @@ class StepEncoder:
 
     def _bnb8(self, captured: CapturedState) -> dict[str, tuple[BnbState, np.ndarray]]:
         """``name -> (state, dequantized values)`` of the bitsandbytes 8-bit moments this process
-        holds whole, with their ``absmax`` and ``qmap`` (a moment split between ranks is stored
-        as its bytes)."""
+        holds whole, with their ``absmax`` and ``qmap``, and whose values are finite (others are
+        stored as their bytes: a moment split between ranks, or one no 8-bit state can hold)."""
         out = {}
         captured_tensors = captured.by_name()
         for name, b in captured_bnb_states(captured).items():
@@ -290,7 +290,9 @@ class StepEncoder:
             if b.is_8bit and all(p is not None and p.numel() == captured_tensors[n].numel()
                                  for p, n in zip(parts, (name, b.absmax, b.qmap), strict=True)):
                 codes, absmax, qmap = (p.detach().reshape(-1).cpu().numpy() for p in parts)
-                out[name] = (b, dequantize(codes, absmax, qmap, b.blocksize))
+                values = dequantize(codes, absmax, qmap, b.blocksize)
+                if np.isfinite(values).all():
+                    out[name] = (b, values)
         return out
 
     def _scales(self, captured: CapturedState, meanings: dict[str, str],

@@ -42,9 +42,9 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return getattr(bnb.optim, name)(model.parameters(), lr=lr, betas=(0.9, 0.95))
 
 
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)  # two matrices of 8192 elements: 8-bit states; biases: float32 ones
-    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+def _model(seed: int = 0, hidden: int = 1200) -> nn.Module:
+    torch.manual_seed(seed)  # two matrices of 64 * hidden elements: 8-bit states; biases: float32
+    return nn.Sequential(nn.Linear(64, hidden), nn.GELU(), nn.Linear(hidden, 64))
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> float:
@@ -92,13 +92,17 @@ def _check_bounds(meta, name: str, running: np.ndarray, saved: np.ndarray,
 
 
 @pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize(("name", "chunk_bytes"), list(zip(OPTIMIZERS, (8 << 20, 1100, 5000),
+                                                                  strict=True)))
 def test_deltas_restore_valid_8bit_states_within_their_bounds(tmp_path: Path, name: str,
+                                                              chunk_bytes: int,
                                                               one_torch_thread: None) -> None:
+    """Chunks of any size (1100 bytes: several absmax chunks too; neither 1100 nor 5000 bytes
+    on a block boundary)."""
     model = _model()
     optimizer = _optimizer(name, model)
     saved = {}
-    with CheckpointManager(tmp_path / "ckpt", full_every=5) as mgr:
+    with CheckpointManager(tmp_path / "ckpt", full_every=5, chunk_bytes=chunk_bytes) as mgr:
         for step in range(1, 31):
             _train(model, optimizer, 1)
             if step % 5 == 0:
@@ -233,7 +237,7 @@ def test_real_run_ratio_and_resumed_loss(tmp_path: Path, name: str, setting: str
 def test_gc_keeps_what_kept_steps_restore_to(tmp_path: Path, one_torch_thread: None) -> None:
     """A kept delta whose base is rewritten as a full step (its 8-bit moments stored requantized,
     no longer their running values) is rewritten too, and restores to what it did."""
-    model = _model()
+    model = _model(hidden=128)  # deltas small enough against a full step for the gc to rewrite
     optimizer = _optimizer("AdamW8bit", model)
     with CheckpointManager(tmp_path / "ckpt", full_every=10) as mgr:
         for step in range(1, 9):
