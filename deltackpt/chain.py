@@ -680,7 +680,7 @@ class _Bnb8:
 def _bnb8_moments(meta: StepMetadata, final: dict[str, TensorRecord]) -> dict[str, _Bnb8]:
     """The 8-bit moments of a step stored as ``bnb8`` state chunks, checked against FORMAT.md
     3.4: a ``uint8`` tensor of one fragment whose chunks all name one ``qmap`` (a float32
-    tensor of 256 values stored as it is), ``absmax`` (float32, one value per block, all its
+    tensor of 256 values), ``absmax`` (float32, one value per block, all its
     chunks derived from this moment) and block size."""
     moments = {}
     for name, record in final.items():
