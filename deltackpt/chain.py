@@ -7,6 +7,10 @@ in order to a running float32 reconstruction. A chunk that does not depend
 on its base in some step (stored exactly, or coded against zero) is
 decoded from that step on only.
 
+bitsandbytes' 8-bit moments coded as ``bnb8`` chunks (FORMAT.md 3.4) are
+rebuilt after the other tensors: their float32 running values through the
+chain, then requantized by bitsandbytes (:func:`_restore_bnb8`).
+
 When a tensor's chunks cover the same elements in every delta (the same
 ``chunk_bytes``), each chunk range is one task: its chunk of every step is
 read and checked against its stored checksum, and all its quant streams
@@ -30,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltackpt.codecs import bnb8
+from deltackpt.codecs.base import decode_into
 from deltackpt.codecs.cast import CAST_DTYPES, cast_source
 from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
@@ -44,6 +50,7 @@ from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
 from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
+from deltackpt.optimizers import bnb_states
 from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
 from deltackpt.storage import Storage
 
@@ -113,6 +120,8 @@ def chain_of(storage: Storage, meta: StepMetadata,
 
 def _self_contained(chunk: Chunk) -> bool:
     """Whether a chunk decodes without its base step (FORMAT.md 5)."""
+    if chunk.codec == bnb8.NAME:
+        return bnb8.self_contained(chunk.params)
     return chunk.codec != QUANT or not uses_base(chunk.params)
 
 
@@ -132,6 +141,8 @@ def _scale_of(record: TensorRecord) -> str | None:
     """The tensor whose values scale a record's quant chunks (FORMAT.md 3.2), or None."""
     sources = {scale_source(c.params) for f in record.fragments for c in f.chunks
                if c.codec == QUANT}
+    sources |= {scale_source(c.params["params"]) for f in record.fragments for c in f.chunks
+                if c.codec == bnb8.NAME and isinstance(c.params.get("params"), dict)}
     sources.discard(None)
     if len(sources) > 1:
         raise CorruptionError(f"tensor {record.name!r} is scaled by more than one tensor")
@@ -461,11 +472,14 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
         for record in meta.tensors:
             if record.alias_of is None:
                 _state(values, record, tensors[record.name].reshape(-1))
+        _dequantized_moments(meta, tensors, values, boxes)
         return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
                                        chain=[meta.step])
     stored = {r.name: r for r in meta.tensors if r.alias_of is None}
+    moments = _bnb8_moments(meta, stored)  # restored whole, and cut to their boxes at the end
+    derived_absmax = {moments[name].absmax for name in moments}
     regions, spans = _regions(stored, boxes), _spans(chain, boxes)
-    kept = _paired(stored, {**regions, **spans})
+    kept = _paired(stored, {**regions, **spans}).keys() - moments.keys() - derived_absmax
     regions = {n: c for n, c in regions.items() if n in kept}
     spans = {n: c for n, c in spans.items() if n in kept}
     chain = [_restricted(m, regions, spans) for m in chain]
@@ -474,7 +488,7 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     casts = {name: _checked_cast(meta, record, final) for name, record in final.items()
              if _cast_of(record) is not None}
     scaled = {name: _checked_scale(meta, record, final) for name, record in final.items()
-              if _scale_of(record) is not None}
+              if _scale_of(record) is not None and name not in moments}
     start = {name: _first_needed(chain, records, name) for name in final}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -488,8 +502,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     pieces: dict[str, list[_Piece]] = {}
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
     for name, record in final.items():
-        if name in casts or name in scaled:  # decoded from other tensors' values, after these
-            continue
+        if name in casts or name in scaled or name in moments or name in derived_absmax:
+            continue  # decoded from other tensors' values, after these
         if name not in tensors:
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
@@ -524,12 +538,17 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
                                                 source_piece.state[lo:hi], first))
         run_chunk_tasks(derived, lambda t: _restore_derived(sources[-1], t), workers,
                         f"decode casts and scaled moments of step {meta.step}", progress)
+        # Scale sources first: a scaled moment is decoded from their running values.
+        for name in sorted(moments, key=lambda n: _scale_of(final[n]) is not None):
+            _restore_bnb8(storage, chain, records, sources, name, moments[name], start[name],
+                          tensors, values, workers)
     finally:
         for source in sources:
             source.close()
     for name, tensor_pieces in pieces.items():
         _assemble(values, final[name], tensors[name], tensor_pieces)
 
+    _dequantized_moments(meta, tensors, values, boxes)
     for name, record in final.items():
         _state(values, record, tensors[name])  # running values of tensors no delta touched
         tensors[name] = tensors[name].reshape(record.shape)
@@ -549,7 +568,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
         out[record.name] = tensors[record.alias_of or record.name]
     deltas = len(chain) - 1
     return out, Reconstruction(meta.step, deltas, layout_of(meta), values, meta.save_id,
-                               chain=[m.step for m in chain], scaled=frozenset(scaled))
+                               chain=[m.step for m in chain], scaled=frozenset(scaled).union(
+                                   n for n in moments if _scale_of(final[n]) is not None))
 
 
 def _checked_cast(meta: StepMetadata, record: TensorRecord,
@@ -631,3 +651,128 @@ def _state(values: dict[str, np.ndarray], record: TensorRecord, flat: torch.Tens
             values[record.name] = flat.float().numpy() if decoded else \
                 np.empty(flat.numel(), np.float32)
     return values[record.name]
+
+
+def _dequantized_moments(meta: StepMetadata, tensors: dict[str, torch.Tensor],
+                         values: dict[str, np.ndarray], boxes: dict[str, Box]) -> None:
+    """Set the running values of the bitsandbytes 8-bit moments of a step that holds their
+    codes (FORMAT.md 3.4: their dequantized values), which a writer continuing the chain codes
+    against. Moments restored from ``bnb8`` chunks have theirs already, and those cut to a box
+    have none (a later delta stores them exactly)."""
+    optimizer = meta.state.get("optimizer") or {}
+    records = [(r.name, r.fqn, r.dtype, tuple(r.shape)) for r in meta.tensors
+               if r.role == "optimizer" and r.alias_of is None]
+    for name, b in bnb_states(records, optimizer.get("class", "")).items():
+        if b.is_8bit and name not in values and not {name, b.absmax, b.qmap} & boxes.keys():
+            values[name] = bnb8.dequantize(*(tensors[n].reshape(-1).numpy()
+                                             for n in (name, b.absmax, b.qmap)), b.blocksize)
+
+
+@dataclass(frozen=True)
+class _Bnb8:
+    """What the ``bnb8`` chunks of an 8-bit moment name: its scales, code map, block size."""
+
+    absmax: str
+    qmap: str
+    blocksize: int
+
+
+def _bnb8_moments(meta: StepMetadata, final: dict[str, TensorRecord]) -> dict[str, _Bnb8]:
+    """The 8-bit moments of a step stored as ``bnb8`` state chunks, checked against FORMAT.md
+    3.4: a ``uint8`` tensor of one fragment whose chunks all name one ``qmap`` (a float32
+    tensor of 256 values), ``absmax`` (float32, one value per block, all its
+    chunks derived from this moment) and block size."""
+    moments = {}
+    for name, record in final.items():
+        if bnb8.NAME not in record.codecs or all(
+                bnb8.is_absmax_chunk(c.params) for f in record.fragments for c in f.chunks):
+            continue
+        where = f"step {meta.step}, tensor {record.name!r}"
+        params = {bnb8.state_params(c.params)[2:] if c.codec == bnb8.NAME else None
+                  for f in record.fragments for c in f.chunks}
+        if meta.kind != "delta" or record.dtype != "uint8" or not _whole(record) \
+                or len(params) != 1 or None in params:
+            raise CorruptionError(f"{where}: bnb8 state chunks belong to uint8 tensors of delta "
+                                  "steps stored in one fragment, all of whose chunks are bnb8 "
+                                  "state chunks naming one qmap, absmax and block size")
+        qmap, absmax, blocksize = params.pop()
+        q, a = final.get(qmap), final.get(absmax)
+        if q is None or (q.dtype, q.shape) != ("float32", [bnb8.QMAP_SIZE]) \
+                or set(q.codecs) & {bnb8.NAME, CAST} or _scale_of(q) is not None:
+            raise CorruptionError(f"{where}: its qmap {qmap!r} is not a float32 tensor of "
+                                  f"{bnb8.QMAP_SIZE} values")
+        if a is None or a.dtype != "float32" or a.shape != [-(-record.numel // blocksize)] \
+                or not _whole(a) or any(c.codec != bnb8.NAME or bnb8.absmax_source(c.params)
+                                        != name for c in a.fragments[0].chunks):
+            raise CorruptionError(f"{where}: its absmax {absmax!r} is not a float32 tensor of "
+                                  f"one value per block of {blocksize} whose chunks are all "
+                                  "bnb8 chunks derived from it")
+        moments[name] = _Bnb8(absmax, qmap, blocksize)
+    return moments
+
+
+def _restore_bnb8(storage: Storage, chain: list[StepMetadata],
+                  records: list[dict[str, TensorRecord]], sources: list[ChunkSource], name: str,
+                  moment: _Bnb8, first: int, tensors: dict[str, torch.Tensor],
+                  values: dict[str, np.ndarray], workers: int | None) -> None:
+    """Rebuild 8-bit moment ``name`` of the chain's last step: its float32 running values from
+    step ``first`` on (dequantized codes where that step stores them, else decoded), each
+    step's bnb8 chunks applied and checked, then requantized by bitsandbytes into its codes and
+    ``absmax``, which are checked against the running values (FORMAT.md 3.4)."""
+    record = records[-1][name]
+    running = np.empty(record.numel, np.float32)
+    qmap = tensors[moment.qmap].reshape(-1).numpy()  # the same along the chain (3.4)
+    if bnb8.NAME not in records[first][name].codecs:  # stored as codes: what they mean
+        held = read_tensors(storage, chain[first], [name, moment.absmax], workers=workers)
+        running[:] = bnb8.dequantize(held[name].reshape(-1).numpy(),
+                                     held[moment.absmax].reshape(-1).numpy(), qmap,
+                                     moment.blocksize)
+        first += 1
+    scale = _scale_of(record)
+    for depth in range(first, len(chain)):
+        step_record = records[depth][name]
+        if any(c.codec != bnb8.NAME for c in step_record.fragments[0].chunks):
+            raise CorruptionError(f"step {chain[depth].step}, tensor {name!r}: mixes bnb8 "
+                                  "state chunks with others")
+
+        def decode(chunk: Chunk, depth: int = depth, step_record: TensorRecord = step_record
+                   ) -> None:
+            source = sources[depth]
+            codec, inner, *_ = bnb8.state_params(chunk.params)
+            out = running[chunk.raw_offset : chunk.raw_offset + chunk.raw_length]
+            try:
+                if codec == QUANT:
+                    decode_quant(source.stored(step_record, chunk), inner, out, out,
+                                 chunk.raw_offset, None if scale is None else
+                                 values[scale][chunk.raw_offset : chunk.raw_offset + out.size])
+                else:
+                    decode_into(codec, inner, source.stored(step_record, chunk), out.view(np.uint8))
+            except DeltackptError as exc:
+                raise type(exc)(f"{source.where(step_record, chunk)}: {exc}") from None
+            source.check_raw(step_record, chunk, out.view(np.uint8))
+
+        run_chunk_tasks([_ChunkTask(c, decode) for c in step_record.fragments[0].chunks],
+                        lambda t: t.run(), workers, f"apply bnb8 chunks of step {chain[depth].step}",
+                        False)
+    try:
+        codes, absmax = bnb8.quantize_blockwise(running, qmap, moment.blocksize)
+        bnb8.check_requantized(running, codes, absmax, qmap, moment.blocksize)
+    except DeltackptError as exc:
+        raise type(exc)(f"step {chain[-1].step}, tensor {name!r}: {exc}") from None
+    absmax_record = records[-1][moment.absmax]
+    for chunk in absmax_record.fragments[0].chunks:
+        sources[-1].check_raw(absmax_record, chunk, absmax.view(np.uint8)[
+            chunk.raw_offset : chunk.raw_offset + chunk.raw_length])
+    tensors[name], tensors[moment.absmax] = torch.from_numpy(codes), torch.from_numpy(absmax)
+    values[name] = running
+
+
+@dataclass
+class _ChunkTask:
+    """One chunk for :func:`reader.run_chunk_tasks`, decoded by ``decode``."""
+
+    chunk: Chunk
+    decode: Callable[[Chunk], None]
+
+    def run(self) -> None:
+        self.decode(self.chunk)

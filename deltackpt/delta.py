@@ -7,7 +7,9 @@ tensor as its :class:`~deltackpt.compression.Quantizer` says, against the
 reconstruction of the previous save (closed loop), updating that
 reconstruction in place to exactly what a reader will decode; tensors
 marked exact, too small, not of a float dtype, or holding non-finite values
-in a chunk, are stored losslessly. It also gathers the per-class error
+in a chunk, are stored losslessly. bitsandbytes' 8-bit moments are coded by
+their dequantized values, their ``absmax`` derived from those
+(:mod:`deltackpt.codecs.bnb8`). It also gathers the per-class error
 statistics that the step's metadata records.
 """
 
@@ -22,6 +24,7 @@ import torch
 
 from deltackpt.chain import Layout, Reconstruction
 from deltackpt.codecs import EncodedChunk, encode_lossless
+from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
 from deltackpt.codecs.cast import encode_cast
 from deltackpt.codecs.quant import Scale, encode_quant
 from deltackpt.compression import (
@@ -36,7 +39,7 @@ from deltackpt.compression import (
     sample_values,
     tensor_class,
 )
-from deltackpt.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for
+from deltackpt.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for, spec_named
 from deltackpt.errors import ConfigError
 from deltackpt.format import TensorRecord
 from deltackpt.kernels.quant import (
@@ -49,9 +52,12 @@ from deltackpt.kernels.quant import (
     numpy_dither,
 )
 from deltackpt.optimizers import (
+    BnbState,
     adam_bias_corrections,
+    captured_bnb_states,
     group_hyperparameter,
     movement_units,
+    state_meanings,
     unknown_state_keys,
 )
 from deltackpt.state import CapturedState, master_copies
@@ -80,6 +86,9 @@ class _Plan:
     dither: int | None = None  # seed of the dither that shifts its quantization grid
     # (exp_avg_sq, eps, factor) scaling its steps per element: update_step * factor is its step
     scale: tuple[str, float, float] | None = None
+    bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
+    absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
+    unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
 
 
 @dataclass
@@ -153,6 +162,8 @@ class StepEncoder:
         self._plans: dict[str, _Plan] = {}
         self._numel: dict[str, int] = {}
         self._values: dict[str, np.ndarray] = {} if base is None else base.values
+        # What bitsandbytes' 8-bit moments mean: their dequantized values, by name
+        self._dequantized: dict[str, np.ndarray] = {}
         self._plan(captured)
 
     @property
@@ -167,18 +178,34 @@ class StepEncoder:
         self.unknown_state_keys = unknown_state_keys(captured)
         units = movement_units(captured) if self.is_delta else {}
         masters = master_copies(captured) if self.is_delta else {}
-        scales = self._scales(captured) if self.is_delta else {}
+        meanings = state_meanings(captured)
+        bnb = self._bnb8(captured)
+        qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
+            self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
+            for b, _ in bnb.values()}  # code map -> whether it equals the base's
+        scales = self._scales(captured, meanings, bnb) if self.is_delta else {}
         for item in captured.tensors:
             tensor = self.local.get(item.name)
             if tensor is None:  # an alias, or a tensor another rank writes
                 continue
             spec = spec_for(tensor.dtype, item.name)
             numel = tensor.numel()
-            cls = tensor_class(item.role, item.state_key, spec, numel)
+            cls = tensor_class(item.role, meanings.get(item.name, item.state_key),
+                               spec_named("float32") if item.name in bnb else spec, numel)
             quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
                 exact=True)
             plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact)
             self._numel[item.name] = numel
+            if item.name in qmaps:  # kept, so that an unchanged one costs nothing in a delta
+                plan.lossy = True
+                plan.unchanged = qmaps[item.name]
+            if item.name in bnb and not quantizer.exact:
+                self._dequantized[item.name] = bnb[item.name][1]
+                if self.is_delta and not (item.name in self._values
+                                          and qmaps[bnb[item.name][0].qmap]):
+                    # No running values to code against (a base from before 1.6), or its code
+                    # map changed (bnb8 chunks keep it along the chain): stored exactly.
+                    plan.quantizer = Quantizer(exact=True)
             master = masters.get(item.name)
             if master is not None and not quantizer.exact and self.is_delta:
                 if torch.equal(tensor, self.local[master].to(tensor.dtype)):
@@ -194,6 +221,7 @@ class StepEncoder:
             if plan.quantizer.exact or not self.is_delta:
                 fixed += numel * spec.itemsize
                 continue
+            plan.bnb = bnb[item.name][0] if item.name in bnb else None
             ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
             unit = units.get(item.fqn) if cls == "weights" else None
@@ -206,7 +234,8 @@ class StepEncoder:
             sample, value_rms = None, None
             if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
                 stride = sample_stride(numel)
-                xs = tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+                xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
+                    tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
                 finite = xs[np.isfinite(xs)].astype(np.float64)
                 value_rms = float(np.sqrt(np.mean(finite * finite))) if finite.size else None
                 ps = self._values[item.name][::stride] if plan.pred else None
@@ -226,6 +255,9 @@ class StepEncoder:
                 if plan.step <= 0:  # nothing moved: a dither would move what stays put
                     plan.dither = None
             samples.append((sample, plan.step, numel, plan, ordinal))
+        for name, plan in list(self._plans.items()):
+            if plan.bnb is not None:  # its absmax is derived from its running values
+                self._plans[plan.bnb.absmax].absmax_of = name
         if samples and self.controller is not None:
             raw = sum(t.numel() * t.element_size() for t in self.local.values())
             self.scale, self.estimated_bits = self.controller.choose(
@@ -247,10 +279,28 @@ class StepEncoder:
                               f"tensor of the state (names look like 'model/<fqn>' and "
                               f"'optimizer/state/<fqn>/<key>', or the FQN alone)")
 
-    def _scales(self, captured: CapturedState) -> dict[str, tuple[str, float, float]]:
+    def _bnb8(self, captured: CapturedState) -> dict[str, tuple[BnbState, np.ndarray]]:
+        """``name -> (state, dequantized values)`` of the bitsandbytes 8-bit moments this process
+        holds whole, with their ``absmax`` and ``qmap``, and whose values are finite (others are
+        stored as their bytes: a moment split between ranks, or one no 8-bit state can hold)."""
+        out = {}
+        captured_tensors = captured.by_name()
+        for name, b in captured_bnb_states(captured).items():
+            parts = [self.local.get(n) for n in (name, b.absmax, b.qmap)]
+            if b.is_8bit and all(p is not None and p.numel() == captured_tensors[n].numel()
+                                 for p, n in zip(parts, (name, b.absmax, b.qmap), strict=True)):
+                codes, absmax, qmap = (p.detach().reshape(-1).cpu().numpy() for p in parts)
+                values = dequantize(codes, absmax, qmap, b.blocksize)
+                if np.isfinite(values).all():
+                    out[name] = (b, values)
+        return out
+
+    def _scales(self, captured: CapturedState, meanings: dict[str, str],
+                bnb: dict[str, tuple[BnbState, np.ndarray]]) -> dict[str, tuple[str, float, float]]:
         """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
-        moment can be coded relative to the second (``Quantizer.update_step``): both float32 of
-        one shape, the second coded lossily (so its reconstruction is kept).
+        moment can be coded relative to the second (``Quantizer.update_step``): both of one
+        shape with float32 running values (float32, or bitsandbytes 8-bit moments, ``bnb``),
+        the second coded lossily (so its reconstruction is kept).
 
         Adam's update is ``(m / c1) / (sqrt(v) / c2 + eps)`` with its bias
         corrections ``c1``, ``c2`` (:func:`adam_bias_corrections`), so an
@@ -262,16 +312,21 @@ class StepEncoder:
         corrections = adam_bias_corrections(captured)
         local = self.local
         second = {t.fqn: t for t in captured.tensors
-                  if t.state_key == "exp_avg_sq" and t.name in local}
+                  if meanings.get(t.name) == "exp_avg_sq" and t.name in local}
+
+        def float32_running(name: str) -> bool:
+            return local[name].dtype == torch.float32 or name in bnb
+
         scales = {}
         for item in captured.tensors:
             v = second.get(item.fqn)
             eps = float(np.float32(epsilons.get(item.fqn, 0.0)))
-            if item.state_key != "exp_avg" or item.name not in local or v is None or eps <= 0 \
-                    or {local[item.name].dtype, local[v.name].dtype} != {torch.float32} \
+            if meanings.get(item.name) != "exp_avg" or item.name not in local or v is None \
+                    or eps <= 0 or not (float32_running(item.name) and float32_running(v.name)) \
+                    or (item.name in bnb) != (v.name in bnb) \
                     or local[item.name].shape != local[v.name].shape:
                 continue
-            v_cls = tensor_class(v.role, v.state_key, spec_for(local[v.name].dtype, v.name),
+            v_cls = tensor_class(v.role, "exp_avg_sq", spec_named("float32"),
                                  local[v.name].numel())
             c1, c2 = corrections.get(item.fqn, (1.0, 1.0))
             eps = float(np.float32(eps * c2))
@@ -286,12 +341,22 @@ class StepEncoder:
         lo, hi = raw_offset // spec.itemsize, (raw_offset + raw.size) // spec.itemsize
         if plan.cast_of is not None:
             return self._cast(record, plan, raw_offset, raw, lo, hi)
+        if plan.absmax_of is not None:
+            return self._absmax(record, plan, raw_offset, raw, lo, hi)
+        if plan.unchanged:  # predicted by the base exactly: every symbol is zero
+            recon = self._values[record.name][lo:hi]
+            chunk, _ = encode_quant(float32_values(raw, record.dtype), recon, recon,
+                                    ordinal=False, step=1.0, block=self.config.block)
+            if chunk is not None and np.array_equal(recon.view(np.uint8), raw):
+                self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+                return chunk, raw
         if plan.quantizer.exact or plan.cls is None or not self.is_delta:
             chunk = encode_lossless(raw, spec)
             self._keep_exact(record, plan, raw, lo, hi)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
             return chunk, raw
-        x = float32_values(raw, record.dtype)
+        bnb = plan.bnb
+        x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
         recon = self._values[record.name][lo:hi]
         scale = None if plan.scale is None else Scale(  # coded by now: see coded_last
             plan.scale[0], self._values[plan.scale[0]][lo:hi], plan.scale[1])
@@ -301,12 +366,20 @@ class StepEncoder:
                                     scale=scale)
         if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
+            if bnb is not None:  # its running values, as a bnb8 chunk's inner chunk
+                chunk = encode_state(encode_lossless(recon.view(np.uint8), spec_named("float32")),
+                                     bnb.qmap, bnb.absmax, bnb.blocksize)
+                self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+                return chunk, recon.view(np.uint8)
             chunk = encode_lossless(raw, spec)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
             return chunk, raw
         with self._lock:
             self._errors[record.name] = self._errors.get(record.name, 0.0) + float(
                 stats[:, STAT_SUM_SQ_ERR].sum())
+        if bnb is not None:  # its raw_xxh3 covers the running values (FORMAT.md 3.4)
+            self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+            return encode_state(chunk, bnb.qmap, bnb.absmax, bnb.blocksize), recon.view(np.uint8)
         decoded = dtype_bytes(recon, record.dtype)
         if spec.itemsize < 4:  # the tensor holds its running values rounded: count that error
             stats = _error_stats(x, float32_values(decoded, record.dtype),
@@ -326,13 +399,29 @@ class StepEncoder:
         self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
         return chunk, decoded
 
+    def _absmax(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
+                lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
+        """A chunk of the ``absmax`` of a bnb8-coded moment: derived from the moment's running
+        values, coded before (``coded_last``)."""
+        blocksize = self._plans[plan.absmax_of].bnb.blocksize
+        values = self._values[plan.absmax_of][lo * blocksize : hi * blocksize]
+        decoded = block_absmax(values, blocksize).view(np.uint8)
+        chunk = encode_absmax(plan.absmax_of)
+        self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+        return chunk, decoded
+
     @property
-    def coded_last(self) -> frozenset[str]:
-        """Tensors whose chunks are coded from other tensors' reconstruction (casts of master
-        copies, first moments scaled by second ones): :func:`writer.write_step` codes them after
-        every other chunk."""
-        return frozenset(name for name, plan in self._plans.items()
-                         if plan.cast_of is not None or plan.scale is not None)
+    def coded_last(self) -> dict[str, int]:
+        """``name -> phase`` of the tensors whose chunks are coded from other tensors'
+        reconstruction (casts of master copies, first moments scaled by second ones: 1; the
+        ``absmax`` of a bnb8-coded moment: one after the moment's):
+        :func:`writer.write_data` codes each phase after the ones before."""
+        phases = {name: 1 for name, plan in self._plans.items()
+                  if plan.cast_of is not None or plan.scale is not None}
+        for name, plan in self._plans.items():
+            if plan.absmax_of is not None:
+                phases[name] = phases.get(plan.absmax_of, 0) + 1
+        return phases
 
     def _keep_exact(self, record: TensorRecord, plan: _Plan, raw: np.ndarray, lo: int,
                     hi: int) -> None:
@@ -344,7 +433,9 @@ class StepEncoder:
             if record.name not in self._values:
                 self._values[record.name] = np.empty(self._numel[record.name], np.float32)
             values = self._values[record.name]
-        values[lo:hi] = float32_values(raw, record.dtype)
+        dequantized = self._dequantized.get(record.name)  # a bitsandbytes 8-bit moment's
+        values[lo:hi] = dequantized[lo:hi] if dequantized is not None else float32_values(
+            raw, record.dtype)
 
     def _count(self, plan: _Plan, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
                elements: int, *, exact: bool = False, stats: np.ndarray | None = None) -> None:

@@ -20,7 +20,7 @@ from deltackpt.dtypes import spec_named
 from deltackpt.errors import FormatError
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "1.5"
+FORMAT_VERSION = "1.6"
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")

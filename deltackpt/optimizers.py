@@ -13,28 +13,110 @@ hyperparameters) and says:
 
 State is recognized by its keys, as torch's optimizers name it (Adam,
 AdamW, NAdam, RAdam, AMSGrad, RMSprop, Adagrad, SGD); another optimizer that
-uses the same keys means the same by them.
+uses the same keys means the same by them. bitsandbytes' optimizers name
+their moments ``state1`` and ``state2`` (:func:`bnb_states`): ``state1`` is
+Adam's and Lion's ``exp_avg`` (SGD's ``momentum_buffer``, RMSprop's
+``square_avg``, Adagrad's ``sum``), ``state2`` Adam's ``exp_avg_sq``; their
+8-bit form (``uint8`` codes with ``absmax`` and ``qmap``) means its
+dequantized values (:mod:`deltackpt.codecs.bnb8`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
+from deltackpt.codecs.bnb8 import BLOCKSIZES, QMAP_SIZE, dequantize
 from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.distributed import local_values
 
 if TYPE_CHECKING:
-    import torch
-
     from deltackpt.state import CapturedState
 
 FIRST_MOMENTS = frozenset({"exp_avg", "momentum_buffer"})
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
 KNOWN_KEYS = FIRST_MOMENTS | SECOND_MOMENTS | set(MASTER_KEYS) | {"step"}
 SAMPLE_ELEMENTS = 8192  # elements sampled for a root mean square
+BNB_WRAPPER = "__bnb_optimizer_quant_state__"  # bitsandbytes' state_dict nests its states here
+
+
+@dataclass(frozen=True)
+class BnbState:
+    """A bitsandbytes optimizer moment (``state1``/``state2``) of parameter ``fqn`` and what it
+    means (``key``: the torch state key of that moment). An 8-bit one (``uint8`` codes) also
+    names its scales and code map (tensor names) and its block size; a float32 one none."""
+
+    fqn: str
+    key: str
+    absmax: str | None = None
+    qmap: str | None = None
+    blocksize: int = 0
+
+    @property
+    def is_8bit(self) -> bool:
+        return self.absmax is not None
+
+
+def _bnb_key(slot: str, optimizer_class: str) -> str:
+    """The torch state key a bitsandbytes ``state1``/``state2`` means in ``optimizer_class``."""
+    if slot == "state2":
+        return "exp_avg_sq"
+    for prefix, key in (("RMSprop", "square_avg"), ("Adagrad", "sum"), ("SGD", "momentum_buffer")):
+        if optimizer_class.startswith(prefix):
+            return key
+    return "exp_avg"  # Adam's family, Lion, LAMB
+
+
+def bnb_states(tensors: list[tuple[str, str | None, str, tuple[int, ...]]],
+               optimizer_class: str) -> dict[str, BnbState]:
+    """``name -> BnbState`` of the bitsandbytes moments among ``tensors`` (``(name, fqn,
+    dtype name, shape)`` of a capture or a step): ``.../state1`` and ``.../state2`` of a
+    parameter, directly in its state or under bitsandbytes' ``__bnb_optimizer_quant_state__``;
+    float32, or ``uint8`` with a float32 ``absmax1``/``absmax2`` of one value per block (a power
+    of two from 64 to 4096 elements) and a 256-entry ``qmap1``/``qmap2`` beside it."""
+    by_name = {name: (dtype, tuple(shape)) for name, _, dtype, shape in tensors}
+    out = {}
+    for name, fqn, dtype, shape in tensors:
+        prefix, _, slot = name.rpartition("/")
+        if fqn is None or slot not in ("state1", "state2") or not prefix.startswith("optimizer/state/"):
+            continue
+        key = _bnb_key(slot, optimizer_class)
+        if dtype == "float32":
+            out[name] = BnbState(fqn, key)
+            continue
+        absmax, qmap = f"{prefix}/absmax{slot[-1]}", f"{prefix}/qmap{slot[-1]}"
+        numel = math.prod(shape)
+        if dtype != "uint8" or by_name.get(qmap) != ("float32", (QMAP_SIZE,)) \
+                or by_name.get(absmax, ("",))[0] != "float32" or len(by_name[absmax][1]) != 1:
+            continue
+        blocks = [b for b in BLOCKSIZES if -(-numel // b) == by_name[absmax][1][0]]
+        if numel and blocks:
+            out[name] = BnbState(fqn, key, absmax, qmap, blocks[0])
+    return out
+
+
+def captured_bnb_states(captured: CapturedState) -> dict[str, BnbState]:
+    """:func:`bnb_states` of a capture (the state of its optimizer)."""
+    optimizer = captured.tree.get("optimizer")
+    if not optimizer:
+        return {}
+    return bnb_states([(t.name, t.fqn, str(t.tensor.dtype).removeprefix("torch."),
+                        tuple(t.tensor.shape)) for t in captured.tensors
+                       if t.role == "optimizer" and t.alias_of is None], optimizer["class"])
+
+
+def state_meanings(captured: CapturedState) -> dict[str, str]:
+    """``tensor name -> state key it means`` of the optimizer state tensors: a tensor stored
+    under its key means that key; a bitsandbytes moment the torch key of its moment."""
+    meanings = {t.name: t.state_key for t in captured.tensors
+                if t.role == "optimizer" and t.state_key is not None
+                and t.name.endswith("/" + t.state_key.replace("~", "~0").replace("/", "~1"))}
+    meanings.update((name, b.key) for name, b in captured_bnb_states(captured).items())
+    return meanings
 
 
 def group_hyperparameter(captured: CapturedState, key: str) -> dict[str, float]:
@@ -57,10 +139,27 @@ def group_hyperparameter(captured: CapturedState, key: str) -> dict[str, float]:
 
 def state_by_parameter(captured: CapturedState) -> dict[str, dict[str, torch.Tensor]]:
     """``fqn -> {state key: tensor}`` of the optimizer's per-parameter state (under
-    torch.distributed, the elements this rank holds)."""
+    torch.distributed, the elements this rank holds). bitsandbytes' moments appear under the
+    keys they mean; an 8-bit one dequantized at about SAMPLE_ELEMENTS evenly strided elements
+    (what every use here samples), its scales and code map not at all."""
     out: dict[str, dict[str, torch.Tensor]] = {}
+    bnb = captured_bnb_states(captured)
+    parts = {b.absmax for b in bnb.values()} | {b.qmap for b in bnb.values()}
+    by_name = captured.by_name()
     for t in captured.tensors:
-        if t.role == "optimizer" and t.state_key is not None and t.fqn is not None:
+        if t.role != "optimizer" or t.state_key is None or t.fqn is None or t.name in parts:
+            continue
+        if t.name in bnb:
+            b = bnb[t.name]
+            values = local_values(t.tensor)
+            if b.is_8bit:
+                stride = max(1, values.numel() // SAMPLE_ELEMENTS)
+                index = np.arange(0, values.numel(), stride)
+                codes = values.reshape(-1)[::stride].cpu().numpy()
+                absmax = by_name[b.absmax].reshape(-1).cpu().numpy()[index // b.blocksize]
+                values = torch.from_numpy(dequantize(codes, absmax, by_name[b.qmap].cpu().numpy(), 1))
+            out.setdefault(t.fqn, {})[b.key] = values
+        else:
             out.setdefault(t.fqn, {})[t.state_key] = local_values(t.tensor)
     return out
 
@@ -95,25 +194,33 @@ def _betas(captured: CapturedState) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _count(state: dict[str, torch.Tensor]) -> float | None:
-    """The number of steps the optimizer took (its ``step`` state), if it holds one."""
-    step = state.get("step")
-    if step is None or step.numel() != 1:
-        return None
-    t = float(step.item())
-    return t if math.isfinite(t) and t >= 1 else None
+def _counts(captured: CapturedState) -> dict[str, float]:
+    """``fqn -> the number of steps the optimizer took`` from its ``step`` state, a one-element
+    tensor or (as bitsandbytes keeps it) a number."""
+    optimizer = captured.tree.get("optimizer")
+    by_name = captured.by_name()
+    out = {}
+    for fqn, state in (optimizer or {}).get("state", {}).items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, dict) and "$tensor" in step:
+            tensor = by_name[step["$tensor"]]
+            step = float(local_values(tensor).item()) if tensor.numel() == 1 else None
+        if isinstance(step, (int, float)) and not isinstance(step, bool) \
+                and math.isfinite(step) and step >= 1:
+            out[fqn] = float(step)
+    return out
 
 
 def adam_bias_corrections(captured: CapturedState) -> dict[str, tuple[float, float]]:
     """``fqn -> (1 - beta1**t, sqrt(1 - beta2**t))`` for the parameters of an Adam-family
     optimizer after ``t`` steps: its update is ``lr * (exp_avg / c1) / (sqrt(exp_avg_sq) / c2 +
     eps)``. Parameters without ``betas`` or a step count get ``(1, 1)``."""
-    betas = _betas(captured)
+    betas, counts = _betas(captured), _counts(captured)
     out = {}
     for fqn, state in state_by_parameter(captured).items():
         if "exp_avg" not in state or "exp_avg_sq" not in state:
             continue
-        t, b = _count(state), betas.get(fqn)
+        t, b = counts.get(fqn), betas.get(fqn)
         out[fqn] = (1.0, 1.0) if t is None or b is None else (
             1 - b[0] ** t, math.sqrt(1 - b[1] ** t))
     return out
@@ -148,7 +255,9 @@ def movement_units(captured: CapturedState) -> dict[str, float]:
     * Adagrad (``sum``): ``lr / (1 + (t - 1) * lr_decay) / sqrt(t)`` after
       ``t`` steps, the update of a gradient as large as the typical one so far;
     * SGD with momentum (``momentum_buffer`` alone): ``lr`` times the
-      buffer's root mean square, since the update is ``lr * momentum_buffer``.
+      buffer's root mean square, since the update is ``lr * momentum_buffer``;
+    * Lion (an optimizer class named ``Lion...``, as bitsandbytes' ``Lion8bit``):
+      ``lr``, since its update is the sign of a momentum.
 
     Parameters whose optimizer says none of this (no optimizer, plain SGD, a
     learning rate of 0, no state yet) are left out.
@@ -156,18 +265,22 @@ def movement_units(captured: CapturedState) -> dict[str, float]:
     rates = group_hyperparameter(captured, "lr")
     decays = group_hyperparameter(captured, "lr_decay")
     epsilons = group_hyperparameter(captured, "eps")
-    corrections = adam_bias_corrections(captured)
+    corrections, counts = adam_bias_corrections(captured), _counts(captured)
+    optimizer = captured.tree.get("optimizer") or {}
+    lion = optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
     units = {}
     for fqn, state in state_by_parameter(captured).items():
         lr = rates.get(fqn)
         if lr is None:
             continue
-        if fqn in corrections:
+        if lion:
+            rms = 1.0
+        elif fqn in corrections:
             rms = _adam_update_rms(state, corrections[fqn], epsilons.get(fqn, 0.0))
         elif "square_avg" in state and "acc_delta" not in state:
             rms = sampled_rms(state["momentum_buffer"]) if "momentum_buffer" in state else 1.0
-        elif "sum" in state and _count(state) is not None:
-            t = _count(state)
+        elif "sum" in state and fqn in counts:
+            t = counts[fqn]
             rms = 1 / (1 + (t - 1) * decays.get(fqn, 0.0)) / math.sqrt(t)
         elif "momentum_buffer" in state:
             rms = sampled_rms(state["momentum_buffer"])

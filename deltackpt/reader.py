@@ -20,6 +20,7 @@ import xxhash
 import zstandard
 
 from deltackpt.codecs import decode_into
+from deltackpt.codecs.bnb8 import NAME as BNB8
 from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.dtypes import spec_named
@@ -277,7 +278,7 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
     """Problems found in a step's data: missing or truncated files, checksum mismatches.
 
     Checks stored bytes against their checksums; with ``deep`` also decodes
-    every chunk that decodes on its own (not the ``quant`` and ``cast`` chunks
+    every chunk that decodes on its own (not the ``quant``, ``cast`` and ``bnb8`` chunks
     of a delta, which need their chain: see ``CheckpointManager.verify``) and checks the
     result. Returns one message per damaged chunk.
     """
@@ -286,7 +287,7 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
 
     def check(task: _Task) -> None:
         try:
-            if deep and task.chunk.codec not in (QUANT, CAST):  # these decode only on a chain
+            if deep and task.chunk.codec not in (QUANT, CAST, BNB8):  # these decode only on a chain
                 source.decode(task.record, task.chunk, np.empty(task.chunk.raw_length, np.uint8))
             else:
                 source.stored(task.record, task.chunk)

@@ -33,7 +33,9 @@ base. A delta on a full rewrite stays as it is when it codes only float32
 tensors against it. The running values of ``bfloat16`` and ``float16``
 tensors are float32 while a full step stores the tensor rounded, so a
 delta coding such a tensor against a full rewrite is replaced, and such a
-rewrite is no base. A re-coded delta codes 16-bit tensors against its
+rewrite is no base; so are bitsandbytes' 8-bit moments restored from
+``bnb8`` chunks, whose running values are float32 while a full step stores
+them requantized (FORMAT.md 3.4). A re-coded delta codes 16-bit tensors against its
 base's float32 running values and holds new ones, so 16-bit models keep
 their deltas wherever a stable step is below them.
 
@@ -77,6 +79,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from deltackpt.chain import Reconstruction, layout_of, restore_chain
+from deltackpt.codecs.bnb8 import NAME as BNB8
+from deltackpt.codecs.bnb8 import self_contained
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.compression import ScaleController
 from deltackpt.delta import StepEncoder
@@ -272,15 +276,25 @@ def _tree_bytes(storage: Storage, rel: str) -> int:
     return total
 
 
-def _codes_16bit_against_base(meta: StepMetadata) -> bool:
-    """Whether a delta codes a tensor that is not float32 against its base's running values.
+def _codes_unstored_against_base(meta: StepMetadata) -> bool:
+    """Whether a delta codes a tensor that is not float32 against its base's running values
+    (a 16-bit tensor, or an 8-bit optimizer moment in a ``bnb8`` chunk).
 
     Those running values are float32 while the tensor is stored rounded to
-    its dtype, so they do not survive rewriting the base as a full step.
+    its dtype (or requantized), so they do not survive rewriting the base as
+    a full step.
     """
-    return any(chunk.codec == QUANT and chunk.params.get("pred") == "base"
+    return any((chunk.codec == QUANT and chunk.params.get("pred") == "base")
+               or (chunk.codec == BNB8 and not self_contained(chunk.params))
                for record in meta.tensors if record.dtype != "float32"
                for fragment in record.fragments for chunk in fragment.chunks)
+
+
+def _holds_unstored(meta: StepMetadata, layout: dict) -> bool:
+    """Whether a step's running values are not all its stored values (16-bit tensors, or
+    8-bit optimizer moments restored from ``bnb8`` chunks): a full rewrite changes them."""
+    return any(dtype in SIXTEEN_BIT for _, dtype, _ in layout.values()) or any(
+        BNB8 in record.codecs for record in meta.tensors)
 
 
 @dataclass
@@ -357,7 +371,7 @@ def _replacements(plan: _Plan, bases_allowed: bool, full_every: int,
             stable[s] = 0
         elif meta.base_step in stable:
             stable[s] = stable[meta.base_step] + 1
-        elif meta.base_step in full and not _codes_16bit_against_base(meta):
+        elif meta.base_step in full and not _codes_unstored_against_base(meta):
             stable[s] = 1
         else:
             layout = layout_of(meta)
@@ -367,7 +381,7 @@ def _replacements(plan: _Plan, bases_allowed: bool, full_every: int,
             replaced[s] = decide(s, max(bases, default=None))
             if replaced[s] is not None:
                 continue
-            if any(dtype in SIXTEEN_BIT for _, dtype, _ in layout.values()):
+            if _holds_unstored(meta, layout):
                 full.add(s)
             else:  # every running value is a stored value, the same before and after the rewrite
                 stable[s] = 0

@@ -13,7 +13,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -146,7 +146,7 @@ class WrittenData:
 def write_data(storage: Storage, step: int, save_id: str, captured: CapturedState, *,
                parts: dict[str, list[Part]] | None = None, rank: int = 0,
                encoder: ChunkEncoder = encode_exact,
-               coded_last: Collection[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               coded_last: Mapping[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                workers: int | None = None, progress: bool = False) -> WrittenData:
     """Encode and durably write this process's part of ``captured`` into step ``step``'s
     directory (which must exist), in data files named by ``save_id`` and the rank.
@@ -154,9 +154,9 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     ``parts`` (a multi-rank save, :func:`distributed.shard_parts`) gives
     the boxes of each tensor that ``rank`` writes (default: every tensor
     whole); records keep the global shape. ``encoder`` codes each chunk
-    (default: losslessly). The chunks of
-    the tensors named in ``coded_last`` are coded only once every other
-    chunk is (their coding reads what the others' left, e.g. a cast of a
+    (default: losslessly). ``coded_last`` maps tensors to a phase (other
+    tensors: 0); the chunks of a phase are coded only once those of every
+    earlier phase are (their coding reads what those left, e.g. a cast of a
     master copy). Nothing is visible until a commit lists the files; on an
     error this process's files are deleted.
     """
@@ -187,8 +187,9 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                 job.fragment.chunks.append(future.result())
                 bar.update(job.raw.size)
 
-            for last in (False, True):
-                for job in _chunk_jobs([s for s in stored if (s[0].name in coded_last) == last],
+            phases = coded_last or {}
+            for phase in sorted({0, *phases.values()}):
+                for job in _chunk_jobs([s for s in stored if phases.get(s[0].name, 0) == phase],
                                        chunk_bytes):
                     in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
                     if len(in_flight) >= 4 * workers:
@@ -265,8 +266,9 @@ def commit_step(storage: Storage, meta: StepMetadata) -> None:
 def write_step(storage: Storage, step: int, captured: CapturedState, *,
                kind: str = "full", base_step: int | None = None,
                encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
-               coded_last: Collection[str] = (), chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               workers: int | None = None, progress: bool = False) -> StepMetadata:
+               coded_last: Mapping[str, int] | None = None,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+               progress: bool = False) -> StepMetadata:
     """Write ``captured`` as step ``step`` from a single process and commit it; returns its
     metadata.
 
