@@ -175,7 +175,7 @@ def test_an_older_reader_fails_naming_the_codec() -> None:
 BALANCED = CompressionConfig.preset("balanced")
 SETTINGS = {
     "balanced": BALANCED,
-    "20x": replace(BALANCED, target_ratio=21, max_error=64),  # aimed above 20: met within 5%
+    "20x": replace(BALANCED, target_ratio=21, max_error=128),  # aimed above 20: met within 5%
     # weights within 32 steps' movement, second moments within a factor 16 (their square root 4)
     "coarse": replace(BALANCED, weights=Quantizer(step=1.0, move_step=64.0),
                       second_moment=Quantizer(step=8.0, domain="ordinal")),
