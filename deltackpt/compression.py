@@ -196,7 +196,7 @@ class CompressionConfig:
     """
 
     weights: Quantizer = Quantizer(step=1.0, move_step=32.0, rel_step=0.25)
-    first_moment: Quantizer = Quantizer(step=2.0, update_step=2.0, pred="zero")
+    first_moment: Quantizer = Quantizer(step=1.4, update_step=1.4, pred="zero")
     second_moment: Quantizer = Quantizer(step=2.0, domain="ordinal")
     buffers: Quantizer = EXACT
     overrides: Mapping[str, Quantizer] = field(default_factory=dict)
@@ -275,17 +275,20 @@ class CompressionConfig:
 # run. balanced restores a weight within 16 steps' worth of its movement and within 12% of its
 # tensor's root mean square (the second binds early in training, when weights are small
 # against a step's movement: without it, restores right after warm-up cost 2.6% of loss), the
-# update a first moment drives within one learning rate (noisy but unbiased, never zero), and
-# a second moment within one binade of its keys (its update within a factor sqrt(2)). aggressive
-# allows three times the weights' movement and twice their relative error. Coarser moments
-# cost more than they saved: a first moment within two learning rates lost 2-3% of loss in
-# early restores, a second moment within four binades 0.7-0.9%; within two, its median drifted
-# to 1.12 over five restores with beta2 = 0.999 (an error uniform in log has a mean above 1,
-# 1.35x for two binades and 1.08x for one, and the optimizer averages it linearly).
+# update a first moment drives within 0.7 of a learning rate (noisy but unbiased, never zero;
+# within one, an early restore cost 0.5-0.55% of loss over three seeds), and a second moment
+# within one binade of its keys (its update within a factor sqrt(2)). aggressive allows three
+# times the weights' movement, twice their relative error and a first moment within one
+# learning rate. Coarser moments cost more than they saved: a first moment within two learning
+# rates lost 2-3% of loss in early restores, a second moment within four binades 0.7-0.9%;
+# within two, its median drifted to 1.12 over five restores with beta2 = 0.999 (an error
+# uniform in log has a mean above 1, 1.35x for two binades and 1.08x for one, and the
+# optimizer averages it linearly).
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
     "aggressive": CompressionConfig(weights=Quantizer(step=2.0, move_step=96.0, rel_step=0.5),
+                                    first_moment=Quantizer(step=2.0, update_step=2.0, pred="zero"),
                                     name="aggressive"),
 }
 

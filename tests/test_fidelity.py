@@ -85,13 +85,13 @@ def test_checker_flags_bad_config(report: dict) -> None:
 def test_balanced_restores_moments_without_drift(report: dict) -> None:
     """Every moment and buffer's median restored/true within [0.9, 1.1], early in training (the
     ninth delta of a chain) and after five restores; first moments neither zeroed nor shrunk
-    (least-squares slope about 1)."""
+    (least-squares slope near 1: zeroed, it is 0)."""
     drift_only = {"balanced": fidelity.Targets({5: math.inf}, drift=(0.9, 1.1))}
     assert fidelity.check(report, drift_only) == []
-    for c in report["cells"]:
+    for c in report["cells"]:  # each element's noise is several times its value: a loose band
         for key, m in c["presets"]["balanced"]["moments"].items():
             if key in ("exp_avg", "momentum_buffer"):
-                assert 0.8 < m["slope"] < 1.25, (c["name"], key, m)
+                assert 0.7 < m["slope"] < 1.5, (c["name"], key, m)
 
 
 def test_checker_limits() -> None:
