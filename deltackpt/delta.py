@@ -55,6 +55,7 @@ from deltackpt.optimizers import (
     BnbState,
     adam_bias_corrections,
     captured_bnb_states,
+    finite_rms,
     group_hyperparameter,
     movement_units,
     state_meanings,
@@ -236,8 +237,7 @@ class StepEncoder:
                 stride = sample_stride(numel)
                 xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
                     tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
-                finite = xs[np.isfinite(xs)].astype(np.float64)
-                value_rms = float(np.sqrt(np.mean(finite * finite))) if finite.size else None
+                value_rms = finite_rms(xs)
                 ps = self._values[item.name][::stride] if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
                 if plan.scale is not None:  # in units of each element's step

@@ -172,12 +172,16 @@ def unknown_state_keys(captured: CapturedState) -> list[str]:
                    if key not in KNOWN_KEYS and tensor.is_floating_point() and tensor.numel() > 1})
 
 
+def finite_rms(values: np.ndarray) -> float | None:
+    """Root mean square of the finite elements of ``values`` (None if there are none)."""
+    xs = values[np.isfinite(values)].astype(np.float64)
+    return float(np.sqrt(np.mean(xs * xs))) if xs.size else None
+
+
 def sampled_rms(tensor: torch.Tensor) -> float:
     """Root mean square of about SAMPLE_ELEMENTS evenly strided elements (finite ones)."""
     flat = tensor.detach().reshape(-1)
-    xs = flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)].double().cpu().numpy()
-    xs = xs[np.isfinite(xs)]
-    return float(np.sqrt(np.mean(xs * xs))) if xs.size else 0.0
+    return finite_rms(flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)].double().cpu().numpy()) or 0.0
 
 
 def _betas(captured: CapturedState) -> dict[str, tuple[float, float]]:
@@ -215,9 +219,15 @@ def adam_bias_corrections(captured: CapturedState) -> dict[str, tuple[float, flo
     """``fqn -> (1 - beta1**t, sqrt(1 - beta2**t))`` for the parameters of an Adam-family
     optimizer after ``t`` steps: its update is ``lr * (exp_avg / c1) / (sqrt(exp_avg_sq) / c2 +
     eps)``. Parameters without ``betas`` or a step count get ``(1, 1)``."""
+    return _bias_corrections(captured, state_by_parameter(captured))
+
+
+def _bias_corrections(captured: CapturedState, states: dict[str, dict[str, torch.Tensor]],
+                      ) -> dict[str, tuple[float, float]]:
+    """:func:`adam_bias_corrections` from the state :func:`state_by_parameter` gave."""
     betas, counts = _betas(captured), _counts(captured)
     out = {}
-    for fqn, state in state_by_parameter(captured).items():
+    for fqn, state in states.items():
         if "exp_avg" not in state or "exp_avg_sq" not in state:
             continue
         t, b = counts.get(fqn), betas.get(fqn)
@@ -238,8 +248,8 @@ def _adam_update_rms(state: dict[str, torch.Tensor], corrections: tuple[float, f
     ms, vs = m[::stride].double().cpu().numpy(), v[::stride].double().cpu().numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
         u = (ms / c1) / (np.sqrt(np.maximum(vs, 0)) / c2 + eps)
-    u = u[np.isfinite(u)]
-    return float(np.sqrt(np.mean(u * u))) if u.size else math.nan
+    rms = finite_rms(u)
+    return math.nan if rms is None else rms
 
 
 def movement_units(captured: CapturedState) -> dict[str, float]:
@@ -265,11 +275,12 @@ def movement_units(captured: CapturedState) -> dict[str, float]:
     rates = group_hyperparameter(captured, "lr")
     decays = group_hyperparameter(captured, "lr_decay")
     epsilons = group_hyperparameter(captured, "eps")
-    corrections, counts = adam_bias_corrections(captured), _counts(captured)
+    states = state_by_parameter(captured)
+    corrections, counts = _bias_corrections(captured, states), _counts(captured)
     optimizer = captured.tree.get("optimizer") or {}
     lion = optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
     units = {}
-    for fqn, state in state_by_parameter(captured).items():
+    for fqn, state in states.items():
         lr = rates.get(fqn)
         if lr is None:
             continue
