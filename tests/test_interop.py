@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_same_value, assert_state_dicts_equal
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
@@ -440,6 +443,105 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
     with pytest.raises(ValueError, match="is inside the checkpoint directory"):
         convert(tmp_path / "d", tmp_path / "d" / "x")
     assert not (tmp_path / "d" / "x").exists()
+
+
+# -- sources that point outside themselves, or nest too deep ---------------------------------------
+
+
+def test_index_paths_outside_the_source_are_refused(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                                    tmp_path: Path) -> None:
+    """A DCP index, a safetensors index or DeepSpeed's latest_universal naming a file outside the
+    source directory (``..``, absolute, or through a symbolic link) is refused, naming the index and
+    the path; nothing outside is read and nothing is written."""
+    model, _ = trained
+    out = tmp_path / "out"
+    other = tmp_path / "other"  # a checkpoint beside the source: readable, but not the source's
+    dcp.save({"model": model.state_dict()}, checkpoint_id=other)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, other / "model.safetensors")
+
+    source = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=source)
+    index = source / ".metadata"
+    metadata = pickle.loads(index.read_bytes())  # the test's own file
+    for name in {info.relative_path for info in metadata.storage_data.values()}:
+        for outside in (f"../other/{name}", str(other / name)):
+            changed = copy.deepcopy(metadata)
+            changed.storage_data = {k: dataclasses.replace(v, relative_path=outside)
+                                    for k, v in changed.storage_data.items()}
+            index.write_bytes(pickle.dumps(changed))
+            with pytest.raises(ConversionError, match=f"{re.escape(str(index))} names .*other/{name}, "
+                                                      "which is outside the checkpoint directory"):
+                convert(source, out)
+            assert_nothing_written(out)
+        index.write_bytes(pickle.dumps(metadata))
+        (source / name).unlink()
+        (source / name).symlink_to(other / name)  # inside by name, outside once resolved
+        with pytest.raises(ConversionError, match=f"{re.escape(str(source / name))}, which is outside "
+                                                  f"the checkpoint directory .*it leads to "
+                                                  f"{re.escape(str(other / name))}"):
+            convert(source, out)
+        assert_nothing_written(out)
+
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    shard_index = shards / "model.safetensors.index.json"
+    weight_map = {k: "../other/model.safetensors" for k in model.state_dict()}
+    shard_index.write_text(json.dumps({"weight_map": weight_map}))
+    for source in (shards, shard_index):
+        with pytest.raises(ConversionError, match=f"{re.escape(str(shard_index))} names "
+                                                  ".*other/model.safetensors, which is outside"):
+            convert(source, out)
+    shard_index.unlink()
+    (shards / "model.safetensors").symlink_to(other / "model.safetensors")
+    with pytest.raises(ConversionError, match=r"model\.safetensors, which is outside the checkpoint "
+                                              r"directory"):
+        convert(shards, out)
+    assert_nothing_written(out)
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (tmp_path / "global_step2" / "zero").mkdir(parents=True)
+    (ds / "latest_universal").write_text("../global_step2")
+    with pytest.raises(ConversionError, match=r"latest_universal names .*global_step2, which is outside"):
+        convert(ds, out)
+    assert_nothing_written(out)
+
+
+def rewrite_metadata(file: Path, **entries: str) -> None:
+    """Replace entries of a safetensors file's metadata, keeping its tensors."""
+    with safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    save_file(load_file(file), file, metadata={**metadata, **entries})
+
+
+@pytest.mark.parametrize(("file", "entries", "message"), [
+    ("model.safetensors", {"aliases": "[" * 100_000 + "]" * 100_000}, "metadata 'aliases' nests more than"),
+    ("extra.safetensors", {"extra": '{"a":' * 200 + "1" + "}" * 200}, "metadata 'extra' nests more than"),
+    ("model.safetensors", {"aliases": '{"3.weight": ["0.weight"]}'}, "metadata 'aliases' is not a map"),
+    ("model.safetensors", {"aliases": '["3.weight"]'}, "metadata 'aliases' is not a map"),
+    ("model.safetensors", {"aliases": '{"3.weight": "1.weight"}'}, "'3.weight' is recorded as tied to "
+                                                                   "'1.weight', but the tensors differ"),
+    ("model.safetensors", {"buffers": '[["2.running_mean"]]'}, "metadata 'buffers' is not a list"),
+    ("optimizer.safetensors", {"optimizer": '{"$float": "x"}'}, "optimizer metadata is not a valid state "
+                                                                "tree .*invalid tagged value"),
+    ("optimizer.safetensors", {"optimizer": "[1, 2]"}, "not an optimizer state dict"),
+    ("optimizer.safetensors", {"optimizer": '{"class": 3, "param_groups": [], "state": {}}'},
+     "recorded class 3 is not a name"),
+    ("extra.safetensors", {"extra": '{"a": {"$bytes": "AAA"}}'}, "extra metadata is not a valid state tree"),
+    ("extra.safetensors", {"extra": '{"a": {"$npscalar": ["<nope", 1]}}'},
+     "extra metadata is not a valid state tree"),
+])
+def test_malformed_safetensors_metadata_names_the_file(restored: UniversalCheckpoint, tmp_path: Path,
+                                                       file: str, entries: dict[str, str],
+                                                       message: str) -> None:
+    """Metadata of a safetensors export that is nested too deeply, or whose aliases, buffers or
+    state trees are malformed, gives a ConversionError naming the file and what is wrong."""
+    export(restored.captured(), STEP, tmp_path / "st", "safetensors")
+    rewrite_metadata(tmp_path / "st" / file, **entries)
+    with pytest.raises(ConversionError, match=message) as info:
+        convert(tmp_path / "st", tmp_path / "out")
+    assert str(tmp_path / "st" / file) in str(info.value)
+    assert_nothing_written(tmp_path / "out")
 
 
 def test_failed_export_leaves_nothing(restored: UniversalCheckpoint, tmp_path: Path,

@@ -120,6 +120,8 @@ def fqn_optimizer(sd: Any, class_name: str | None, origin: str) -> dict[str, Any
             raise ConversionError(
                 f"{origin}: the optimizer's class is not recorded and its hyperparameters {keys} "
                 "match no single torch.optim class; name it (optimizer_class=, --optimizer-class)")
+    if not isinstance(class_name, str):
+        raise ConversionError(f"{origin}: the optimizer's recorded class {class_name!r} is not a name")
     return {"class": class_name, "param_groups": groups, "state": by_fqn}
 
 
