@@ -370,7 +370,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     sharding = ShardingSpec.load(args.spec) if args.spec else None
     report = convert(args.sources, args.out, source_format=args.source_format, out_format=args.to,
                      step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class,
-                     sharding=sharding)
+                     sharding=sharding, model_only=args.model_only)
     sources = ", ".join(args.sources)
     _print_written(args, f"converted {sources} ({report.source_format}) into {report.out} as "
                          f"{report.out_format}, step {report.step}",
@@ -705,9 +705,10 @@ def build_parser() -> argparse.ArgumentParser:
         "SRC (--from; detected from what SRC holds when not given):\n\n"
         "  torch        a torch.save file, loaded with weights_only=True: a state dict, or a\n"
         "               dict with 'model' (or 'state_dict') and 'optimizer' (or 'optim')\n"
-        "               entries; the optimizer state dict keyed by FQN, or by index with\n"
-        "               'param_names' in its groups. An integer 'step' is the step; other\n"
-        "               entries become extra.\n"
+        "               entries; the optimizer state dict keyed by FQN, or by index (with\n"
+        "               'param_names' in its groups, or else named after the model's\n"
+        "               parameters in order where the shapes of its state agree; the notes\n"
+        "               say so). An integer 'step' is the step; other entries become extra.\n"
         "  dcp          a torch.distributed.checkpoint directory, read by torch's DCP reader\n"
         "               (non-tensor entries with weights_only=True), interpreted like torch\n"
         "  safetensors  .safetensors files, or a directory of them (a sharded set with its\n"
@@ -751,6 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="step number to record (default: the one SRC records, else 0)")
     convert.add_argument("--optimizer-class", metavar="NAME",
                          help="the optimizer's class (e.g. AdamW) where SRC does not tell")
+    convert.add_argument("--model-only", action="store_true",
+                         help="convert only the model (parameters and buffers) and the step; leave "
+                              "the optimizer and other entries out, unread")
     convert.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     convert.add_argument("--json", action="store_true",
                          help="print one JSON document on stdout instead of text")

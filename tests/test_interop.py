@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
 
 from deltackpt import CheckpointManager, UniversalCheckpoint, load_universal
+from deltackpt.cli import main
 from deltackpt.errors import ConversionError
 from deltackpt.interop import convert, export, read_checkpoint
 
@@ -254,6 +255,147 @@ def test_torch_save_sources(trained: tuple[nn.Module, torch.optim.Optimizer], tm
     assert named_class.state.decoded("optimizer")["class"] == "MyOptimizer"
 
 
+class Net(nn.Module):
+    """A model whose state dict mixes parameters and buffers: a float buffer of its own before its
+    children's parameters, a frozen layer, batch norm statistics, a layer that never runs (no
+    gradient, so no optimizer state) and an output layer (tied to the embedding)."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8))
+        self.embed = nn.Embedding(16, 8)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.norm = nn.BatchNorm1d(8)
+        self.unused = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.frozen(self.embed(tokens))) * self.scale)
+
+
+def index_keyed(optimizer_class: type[torch.optim.Optimizer], tied: bool, **hyper: Any
+                ) -> tuple[Net, torch.optim.Optimizer]:
+    """A trained Net and its optimizer built from ``model.parameters()``: its state dict lists the
+    parameters by index, without names."""
+    torch.manual_seed(0)
+    model = Net(tied)
+    optimizer = optimizer_class(model.parameters(), **hyper)
+    for _ in range(2):
+        tokens = torch.randint(0, 16, (8,))
+        nn.functional.cross_entropy(model(tokens), torch.roll(tokens, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert "param_names" not in optimizer.state_dict()["param_groups"][0]
+    return model, optimizer
+
+
+@pytest.mark.parametrize(("optimizer_class", "hyper"), [(torch.optim.AdamW, {"lr": 1e-2}),
+                                                        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_index_keyed_optimizer_is_named_after_the_model(
+        tmp_path: Path, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
+        fmt: str) -> None:
+    """``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` with the optimizer
+    built from ``model.parameters()``: the indices are named after the model's parameters (buffers,
+    frozen and unused parameters, the tie all placed right), the report says so, and the result
+    loads into a fresh model and optimizer as the original state. (DCP stores a tied weight twice,
+    so the two could not be told apart there: untied.)"""
+    tied = fmt == "torch"
+    model, optimizer = index_keyed(optimizer_class, tied, **hyper)
+    document = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3}
+    source = tmp_path / "plain.pt"
+    if fmt == "torch":
+        torch.save(document, source)
+    else:
+        source = tmp_path / "plain"
+        dcp.save(document, checkpoint_id=source)
+    report = convert(source, tmp_path / "out")
+    assert report.notes == [
+        f"the optimizer lists its {7 if tied else 8} parameters by index, without names: named after "
+        "the model's "
+        "parameters in state dict order, which agree with the shapes of the optimizer state "
+        "(floating-point tensors taken to be buffers: scale, norm.running_mean, norm.running_var)"]
+    ckpt = load_universal(tmp_path / "out")
+    assert_model_equal(ckpt, model)
+    assert ckpt.optimizer["class"] == optimizer_class.__qualname__
+    expected = get_optimizer_state_dict(model, optimizer)
+    assert_same_value(ckpt.optimizer["state"], expected["state"], "optimizer state")
+    assert_same_value(ckpt.optimizer["param_groups"], expected["param_groups"], "param groups")
+    assert sorted(ckpt.optimizer["state"]) == ["embed.weight", *([] if tied else ["head.weight"]),
+                                               "norm.bias", "norm.weight"]
+    assert {r.fqn for r in ckpt.metadata.tensors if r.role == "buffer"} == {
+        "scale", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+    fresh = Net(tied)
+    fresh_optimizer = optimizer_class(fresh.parameters(), **hyper)
+    ckpt.load_into(fresh, fresh_optimizer, rng=False)
+    assert_state_dicts_equal(fresh.state_dict(), model.state_dict(), "loaded model")
+    assert_same_value(fresh_optimizer.state_dict(), optimizer.state_dict(), "loaded optimizer")
+
+
+def test_index_keyed_optimizer_that_does_not_fit_the_model_is_refused(
+        trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Indices whose optimizer state disagrees in shape with the model's parameters in order, or
+    that fit them in more than one way, are refused with an error saying where; --model-only
+    converts the model of such a file and leaves the rest out."""
+    model, _ = trained
+    # the groups list the parameters out of the model's order: index 3 is the embedding
+    swapped = torch.optim.AdamW([{"params": [model[1].bias, model[2].weight, model[2].bias]},
+                                 {"params": [model[0].weight, model[1].weight]}], lr=1e-2)
+    train(model, swapped, steps=1)
+    out = tmp_path / "out"
+    torch.save({"model": model.state_dict(), "optimizer": swapped.state_dict(), "epoch": 3},
+               tmp_path / "swapped.pt")
+    with pytest.raises(ConversionError, match=r"swapped\.pt: the optimizer lists its 5 parameters by "
+                                              r"index, without names, and the model's state dict does "
+                                              r"not match them in order: the state of parameter 3 has "
+                                              r"shape \[16, 8\], which no model tensor after '2\.bias' "
+                                              r"\(parameter 2\) has; .*--model-only"):
+        convert(tmp_path / "swapped.pt", out)
+    assert_nothing_written(out)
+
+    # no optimizer state yet: a float buffer and a parameter both fit the first index
+    torch.manual_seed(0)
+    scaled = nn.Sequential(nn.Linear(4, 4))
+    scaled.register_buffer("scale", torch.ones(4))
+    fresh = torch.optim.SGD(scaled.parameters(), lr=0.1)
+    torch.save({"model": scaled.state_dict(), "optimizer": fresh.state_dict()}, tmp_path / "fresh.pt")
+    with pytest.raises(ConversionError, match=r"fresh\.pt: .* matches them in more than one way: "
+                                              r"parameter 0 is '(scale|0\.weight)' or '(scale|0\.weight)'"):
+        convert(tmp_path / "fresh.pt", out)
+    assert_nothing_written(out)
+
+    assert main(["convert", str(tmp_path / "swapped.pt"), "--out", str(out), "--model-only",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == ["model only: left out 'optimizer', 'epoch'"]
+    ckpt = load_universal(out)
+    assert_model_equal(ckpt, model)
+    assert (ckpt.optimizer, ckpt.extra) == (None, None)
+
+
+def test_model_only_of_every_source(restored: UniversalCheckpoint,
+                                    trained: tuple[nn.Module, torch.optim.Optimizer],
+                                    tmp_path: Path) -> None:
+    """--model-only reads the model alone from safetensors, DCP and DeepSpeed sources too."""
+    model, optimizer = trained
+    export(restored.captured(), STEP, tmp_path / "st", "safetensors")
+    export(restored.captured(), STEP, tmp_path / "dcp", "dcp")
+    folder, ds_model = deepspeed_folder(tmp_path / "ds", model, optimizer)
+    sources = {tmp_path / "st": [f"model only: left out the {s} in {tmp_path / 'st' / s}.safetensors"
+                                 for s in ("extra", "optimizer")],
+               tmp_path / "dcp": ["model only: left out 'optimizer', 'optimizer_class', 'extra'"],
+               folder: ["model only: left out the optimizer state (exp_avg.pt, exp_avg_sq.pt, step.pt "
+                        "of the parameters)"]}
+    for i, (source, notes) in enumerate(sources.items()):
+        report = convert(source, tmp_path / f"out{i}", model_only=True)
+        assert report.notes == notes
+        ckpt = load_universal(tmp_path / f"out{i}")
+        assert_state_dicts_equal(ckpt.model, ds_model if source == folder else restored.model)
+        assert (ckpt.optimizer, ckpt.extra) == (None, None)
+
+
 # -- safetensors sources -----------------------------------------------------------------------
 
 
@@ -373,13 +515,6 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
     (folder / "zero" / "1.bias" / "fp32.pt").unlink()
     with pytest.raises(ConversionError, match=r"zero/1\.bias: DeepSpeed parameter folder without fp32\.pt"):
         convert(folder, out)
-    assert_nothing_written(out)
-
-    # an index-keyed optimizer state dict cannot name its parameters
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "plain.pt")
-    with pytest.raises(ConversionError, match=r"plain\.pt: optimizer param group 0 lists its parameters "
-                                              r"by index \(\[0, 1\]\) without 'param_names'"):
-        convert(tmp_path / "plain.pt", out)
     assert_nothing_written(out)
 
     # objects weights_only refuses are never unpickled, in a torch.save file or in a DCP entry

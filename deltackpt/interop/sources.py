@@ -17,7 +17,7 @@ The checkpoints of the ranks of a hand-sharded run (one per tensor-parallel
 rank, each in any of these formats) are read with a sharding spec
 (docs/PATTERNS.md) that merges them into whole tensors: :func:`read_sharded`.
 
-A new source is a function ``(paths, optimizer_class) -> Source`` added to
+A new source is a function ``(paths, optimizer_class, model_only) -> Source`` added to
 :data:`READERS` and, if it can be recognized, to :func:`detect_format`.
 Nothing is ever unpickled beyond what ``torch.load(weights_only=True)``
 accepts.
@@ -83,14 +83,15 @@ def _one(paths: list[Path], fmt: str) -> Path:
 # -- torch.save --------------------------------------------------------------------------------
 
 
-def read_torch(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_torch(paths: list[Path], optimizer_class_name: str | None = None,
+               model_only: bool = False) -> Source:
     """A ``torch.save`` file (or the directory of a torch export), loaded with
     ``weights_only=True`` on the CPU."""
     path = _one(paths, "torch")
     if path.is_dir():
         path = inside(path, path / TORCH_FILE)
-    parts = split_document(load_weights_only(path), str(path), optimizer_class_name)
-    return Source("torch", _captured(parts, str(path)), parts.step)
+    parts = split_document(load_weights_only(path), str(path), optimizer_class_name, model_only)
+    return Source("torch", _captured(parts, str(path)), parts.step, parts.notes)
 
 
 # -- DCP ---------------------------------------------------------------------------------------
@@ -207,13 +208,14 @@ def _load_dcp(path: Path) -> dict[str, Any]:
     return state
 
 
-def read_dcp(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_dcp(paths: list[Path], optimizer_class_name: str | None = None,
+             model_only: bool = False) -> Source:
     """A DCP checkpoint directory, interpreted like a ``torch.save`` dict."""
     path = _one(paths, "dcp")
     if not (path / ".metadata").is_file():
         raise ConversionError(f"{path}: not a DCP checkpoint directory (it has no .metadata file)")
-    parts = split_document(_load_dcp(path), str(path), optimizer_class_name)
-    return Source("dcp", _captured(parts, str(path)), parts.step)
+    parts = split_document(_load_dcp(path), str(path), optimizer_class_name, model_only)
+    return Source("dcp", _captured(parts, str(path)), parts.step, parts.notes)
 
 
 # -- safetensors -------------------------------------------------------------------------------
@@ -285,13 +287,21 @@ def _safetensors_files(paths: list[Path]) -> tuple[list[Path], dict[str, Path]]:
     return list(dict.fromkeys(f.resolve() for f in files)), {k: v.resolve() for k, v in indexed.items()}
 
 
-def _read_safetensors_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+SECTIONS = ("optimizer", "extra")  # what a safetensors export's other files hold, in their metadata
+
+
+def _read_safetensors_file(path: Path, model_only: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file; with ``model_only``, no tensors of a file
+    whose metadata says it holds one of :data:`SECTIONS`."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+            if model_only and any(s in metadata for s in SECTIONS):
+                return {}, metadata
             names = f.keys()
-            return {k: f.get_tensor(k) for k in names}, f.metadata() or {}
+            return {k: f.get_tensor(k) for k in names}, metadata
     except (SafetensorError, OSError) as exc:
         raise ConversionError(f"{path}: not a readable safetensors file ({exc})") from None
 
@@ -300,13 +310,15 @@ def _json_metadata(path: Path, metadata: dict[str, str], key: str, default: Any)
     return _load_json(metadata[key], f"{path}: metadata {key!r}") if key in metadata else default
 
 
-def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None,
+                     model_only: bool = False) -> Source:
     """Safetensors files: model tensors by FQN, plus a deltackpt export's optimizer and extra.
 
     A file whose metadata holds ``optimizer`` or ``extra`` (tagged JSON,
     docs/FORMAT.md 2.5, referring to the file's tensors) is that section;
     every other file holds model tensors. The metadata a deltackpt export
-    writes (``step``, ``buffers``, ``aliases``) is used when present.
+    writes (``step``, ``buffers``, ``aliases``) is used when present. With
+    ``model_only``, the optimizer and extra files are left out.
     """
     files, indexed = _safetensors_files(paths)
     if not files:
@@ -317,13 +329,17 @@ def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None)
     buffers: set[str] | None = None
     aliases: dict[str, tuple[str, Path]] = {}  # name -> (tensor it is tied to, file recording it)
     step = None
+    notes: list[str] = []
     for path in files:
-        tensors, metadata = _read_safetensors_file(path)
-        section = next((s for s in ("optimizer", "extra") if s in metadata), None)
+        tensors, metadata = _read_safetensors_file(path, model_only)
+        section = next((s for s in SECTIONS if s in metadata), None)
         if section is not None:
-            if section in sections:
+            if model_only:
+                notes.append(f"model only: left out the {section} in {path}")
+            elif section in sections:
                 raise ConversionError(f"both {sections[section][1]} and {path} hold the {section}")
-            sections[section] = (_decoded_section(path, section, metadata, tensors), path)
+            else:
+                sections[section] = (_decoded_section(path, section, metadata, tensors), path)
             continue
         for name, tensor in tensors.items():
             if name in model:
@@ -358,7 +374,7 @@ def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None)
         optimizer = fqn_optimizer(tree, optimizer_class_name or recorded, str(path))
     extra = sections["extra"][0] if "extra" in sections else None
     parts = Parts(model, optimizer, extra, step)
-    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step)
+    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step, notes)
 
 
 def _decoded_section(path: Path, section: str, metadata: dict[str, str],
@@ -417,7 +433,8 @@ def _param_file(path: Path) -> torch.Tensor:
     return value["param"]
 
 
-def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
+                   model_only: bool = False) -> Source:
     """A DeepSpeed universal checkpoint folder.
 
     ``zero/<name>/fp32.pt`` is parameter ``name`` (the fp32 master copy);
@@ -428,12 +445,14 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
     when they load with ``weights_only=True`` (files holding DeepSpeed
     objects, such as an fp16 loss scaler, do not; the notes say what is
     missing then). The class is recognized from the hyperparameters, else
-    taken to be AdamW (DeepSpeed's Adam runs in AdamW mode by default).
+    taken to be AdamW (DeepSpeed's Adam runs in AdamW mode by default). With
+    ``model_only``, the optimizer state is left out unread.
     """
     folder = _deepspeed_folder(_one(paths, "deepspeed"))
     notes: list[str] = []
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
+    left_out: set[str] = set()  # with model_only: the names of the state files not read
     for param_dir in sorted((p for p in (folder / "zero").iterdir() if p.is_dir()), key=_natural):
         files = {p.stem: inside(folder, p) for p in param_dir.glob("*.pt")}
         if "fp32" not in files:
@@ -441,6 +460,9 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
             raise ConversionError(f"{param_dir}: DeepSpeed parameter folder without fp32.pt (it has {has})")
         name = param_dir.name
         params[name] = _param_file(files.pop("fp32"))
+        if model_only:
+            left_out.update(p.name for p in files.values())
+            continue
         per_param: dict[str, Any] = {}
         if "step" in files:
             per_param["step"] = load_weights_only(files.pop("step"))
@@ -454,6 +476,9 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
             state[name] = per_param
     if not params:
         raise ConversionError(f"{folder / 'zero'}: no parameter folders")
+    if left_out:
+        notes.append(f"model only: left out the optimizer state ({', '.join(sorted(left_out))} "
+                     "of the parameters)")
 
     model_states = [inside(folder, p) for p in sorted(folder.glob("mp_rank_*_model_states.pt"))]
     states = _try_load(model_states[0], "model states", notes) if model_states else None
@@ -524,7 +549,7 @@ def _deepspeed_groups(folder: Path, names: list[str], param_shapes: Any,
     return [{"params": group} for group in layout]
 
 
-READERS: dict[str, Callable[[list[Path], str | None], Source]] = {
+READERS: dict[str, Callable[[list[Path], str | None, bool], Source]] = {
     "torch": read_torch,
     "dcp": read_dcp,
     "safetensors": read_safetensors,
@@ -566,7 +591,7 @@ def source_paths(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str
 
 
 def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str | None = None,
-                 optimizer_class_name: str | None = None) -> Source:
+                 optimizer_class_name: str | None = None, model_only: bool = False) -> Source:
     """The checkpoints of the tensor-parallel ranks of a hand-sharded run, one path per rank in
     rank order, merged into whole tensors by ``sharding`` (:func:`~deltackpt.patterns.merge_states`).
 
@@ -574,7 +599,8 @@ def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str |
     (``source_format`` None: detected per path). The step, RNG states,
     ``extra`` and optimizer param groups are rank 0's.
     """
-    ranks = [read_checkpoint(path, source_format, optimizer_class_name) for path in paths]
+    ranks = [read_checkpoint(path, source_format, optimizer_class_name, model_only=model_only)
+             for path in paths]
     try:
         state = merge_states([r.state for r in ranks], sharding)
     except (ValueError, DeltackptError) as exc:
@@ -586,23 +612,25 @@ def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str |
 
 def read_checkpoint(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                     source_format: str | None = None, optimizer_class_name: str | None = None,
-                    sharding: ShardingSpec | None = None) -> Source:
+                    sharding: ShardingSpec | None = None, model_only: bool = False) -> Source:
     """Read the checkpoint at ``source`` (``source_format`` None: detected) into a :class:`Source`.
 
     ``optimizer_class_name`` names the optimizer's class where the source
     does not record it and its hyperparameters do not tell. With
     ``sharding``, ``source`` lists the checkpoints of the ranks of a
-    hand-sharded run, merged by that spec (:func:`read_sharded`).
+    hand-sharded run, merged by that spec (:func:`read_sharded`). With
+    ``model_only``, only the model (parameters and buffers) and the step are
+    read; the notes say what was left out.
     """
     paths = source_paths(source)
     for path in paths:
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
     if sharding is not None:
-        return read_sharded(paths, sharding, source_format, optimizer_class_name)
+        return read_sharded(paths, sharding, source_format, optimizer_class_name, model_only)
     if source_format is None:
         source_format = detect_format(paths)
     elif source_format not in READERS:
         raise ValueError(f"unknown source format {source_format!r}; choose one of "
                          f"{', '.join(SOURCE_FORMATS)}")
-    return READERS[source_format](paths, optimizer_class_name)
+    return READERS[source_format](paths, optimizer_class_name, model_only)
