@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -640,6 +641,31 @@ def test_index_paths_outside_the_source_are_refused(trained: tuple[nn.Module, to
     with pytest.raises(ConversionError, match=r"latest_universal names .*global_step2, which is outside"):
         convert(ds, out)
     assert_nothing_written(out)
+
+
+def test_crafted_dcp_index_allocates_nothing_and_fails_clearly(
+        trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path) -> None:
+    """A DCP index stating a terabyte bytearray or a memo index of four billion, or holding a
+    storage record without its fields, gives a ConversionError, with nothing allocated for it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    model, _ = trained
+    source = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=source)
+    metadata = pickle.loads((source / ".metadata").read_bytes())  # the test's own file
+    bare = object.__new__(_StorageInfo)
+    bare.relative_path = "__0_0.distcp"
+    metadata.storage_data = dict.fromkeys(metadata.storage_data, bare)
+    payloads = {pickle.PROTO + b"\x05" + pickle.BYTEARRAY8 + struct.pack("<Q", 1 << 40) + pickle.STOP:
+                    "a DCP index holds no bytearray",
+                pickle.PROTO + b"\x05" + pickle.NONE + pickle.LONG_BINPUT + struct.pack("<I", 2**32 - 16)
+                + pickle.STOP: "holds a NoneType, not DCP metadata",
+                pickle.dumps(metadata): r"a storage record holds \['__0_0\.distcp', None, None\]"}
+    for payload, message in payloads.items():
+        (source / ".metadata").write_bytes(payload)
+        with pytest.raises(ConversionError, match=message):
+            convert(source, tmp_path / "out")
+        assert_nothing_written(tmp_path / "out")
 
 
 def rewrite_metadata(file: Path, **entries: str) -> None:

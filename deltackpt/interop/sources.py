@@ -25,14 +25,16 @@ accepts.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import struct
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -125,7 +127,15 @@ def _read_dcp_metadata(path: Path) -> Any:
 
     index = inside(path, path / ".metadata")
 
-    class IndexUnpickler(pickle.Unpickler):
+    def no_bytearray(unpickler: pickle.Unpickler) -> None:
+        raise pickle.UnpicklingError("a DCP index holds no bytearray")
+
+    # Python's own unpickler, not the C one: its memo is a dict, so a crafted memo index cannot
+    # make it allocate gigabytes; nor can a bytearray's length, the one size it allocates unread
+    class IndexUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+        dispatch: ClassVar[dict[int, Callable[..., None]]] = {
+            **pickle._Unpickler.dispatch, pickle.BYTEARRAY8[0]: no_bytearray}  # type: ignore[attr-defined]
+
         def find_class(self, module: str, name: str) -> Any:
             if not _dcp_global_allowed(module, name):
                 raise ConversionError(f"{index} refers to {module}.{name}, which no DCP index holds; "
@@ -133,9 +143,10 @@ def _read_dcp_metadata(path: Path) -> Any:
             return super().find_class(module, name)
 
     try:
-        with index.open("rb") as f:
-            metadata = IndexUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as exc:
+        # from memory: a length in the pickle is checked against the bytes there are
+        metadata = IndexUnpickler(io.BytesIO(index.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
+            TypeError, ValueError, OverflowError, RecursionError, struct.error) as exc:
         raise ConversionError(f"{index}: not a readable DCP index ({exc!r})") from None
     if not isinstance(metadata, Metadata):
         raise ConversionError(f"{index}: holds a {type(metadata).__qualname__}, not DCP metadata")
@@ -152,10 +163,11 @@ def _check_dcp_storage(path: Path, index: Path, storage_data: Any) -> None:
         raise ConversionError(f"{index}: not a readable DCP index (its storage data is a "
                               f"{type(storage_data).__qualname__}, not a dict)")
     for info in storage_data.values():
-        if not (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
-                and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length))):
-            raise ConversionError(f"{index}: not a readable DCP index (storage record {info!r} is not "
-                                  "a file path with an offset and a length)")
+        fields = [getattr(info, f, None) for f in ("relative_path", "offset", "length")]
+        if not (isinstance(info, _StorageInfo) and isinstance(fields[0], str)
+                and all(isinstance(n, int) and n >= 0 for n in fields[1:])):
+            raise ConversionError(f"{index}: not a readable DCP index (a storage record holds "
+                                  f"{fields}, not a file path with an offset and a length)")
         inside(path, path / info.relative_path, str(index))
 
 
