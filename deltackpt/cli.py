@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltackpt import __version__
 from deltackpt.errors import DeltackptError, WriterLockedError
@@ -33,7 +33,10 @@ from deltackpt.patterns import ShardingSpec
 from deltackpt.progress import human_bytes
 from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
-from deltackpt.verify import Damage, VerifyReport
+
+if TYPE_CHECKING:
+    from deltackpt.verify import Damage, VerifyReport
+
 
 # -- formatting ----------------------------------------------------------------------------
 
