@@ -301,5 +301,5 @@ def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata) -> 
     """Delete files in ``step_dir`` that its committed metadata does not reference."""
     keep = {METADATA_FILE} | {f.name for f in meta.files}
     for name in storage.listdir(step_dir):
-        if name not in keep:
+        if name not in keep and storage.kind(f"{step_dir}/{name}") != "dir":  # no save makes one
             storage.remove(f"{step_dir}/{name}")
