@@ -424,8 +424,11 @@ def _cmd_du(args: argparse.Namespace) -> int:
     roles = {role: {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0} for role in ROLES}
     for step in mgr.steps():
         step_dir = step_dir_name(step)
-        on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
-                   if not storage.is_dir(f"{step_dir}/{name}")}
+        try:
+            on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
+                       if not storage.is_dir(f"{step_dir}/{name}")}
+        except DeltackptError:  # not a directory (a link is not followed): the metadata error says so
+            on_disk = {}
         row: dict[str, Any] = {"step": step, "files": 0, "data_bytes": 0,
                                "metadata_bytes": on_disk.pop(METADATA_FILE, 0), "missing_files": [],
                                "error": None}

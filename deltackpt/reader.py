@@ -147,7 +147,7 @@ class ChunkSource:
         try:
             data = self._reader(chunk.file).read(chunk.offset, chunk.length)
         except CorruptionError as exc:  # it names the file
-            raise CorruptionError(f"step {self.meta.step}, tensor {record.name!r}: {exc}") from None
+            raise type(exc)(f"step {self.meta.step}, tensor {record.name!r}: {exc}") from None
         if xxhash.xxh3_64_hexdigest(data) != chunk.xxh3:
             raise CorruptionError(f"{self.where(record, chunk)}: checksum mismatch in bytes "
                                   f"{chunk.offset}.."

@@ -84,7 +84,7 @@ from deltackpt.codecs.bnb8 import self_contained
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.compression import ScaleController
 from deltackpt.delta import StepEncoder
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import DeltackptError, UnsafePathError
 from deltackpt.format import METADATA_FILE, StepMetadata, step_dir_name
 from deltackpt.progress import human_bytes
 from deltackpt.state import CapturedState
@@ -263,11 +263,12 @@ def _listing(steps: list[int], limit: int = 8) -> str:
 
 
 def _tree_bytes(storage: Storage, rel: str) -> int:
-    """Bytes of every file under ``rel`` (0 for what vanished meanwhile)."""
+    """Bytes of every file under ``rel`` (0 for what vanished meanwhile, and for a step directory
+    that is a link, which is never followed)."""
     total = 0
     try:
         names = storage.listdir(rel)
-    except FileNotFoundError:
+    except (FileNotFoundError, UnsafePathError):
         return 0
     for name in names:
         child = f"{rel}/{name}"
