@@ -472,6 +472,9 @@ class CheckpointManager:
         next save against is replaced, the next save is coded against its
         new version, and full steps still come every ``full_every`` saves.
         ``dry_run`` only reports what would be removed, replaced and freed.
+        On a full disk it deletes what no kept step needs first, and where
+        the replacements still do not fit it keeps the steps they need and
+        reports (and logs) the bytes they need (``GCReport.needed_bytes``).
         """
         policy = RetentionPolicy.parse(keep) if keep is not None else self.keep
         if policy is None:
@@ -481,6 +484,8 @@ class CheckpointManager:
         recon = self._recon
         report, replaced = collect_garbage(self, policy, dry_run=dry_run,
                                            follow=recon.step if recon is not None else None)
+        if report.needed_bytes:
+            log.warning("%s: gc %s", self.path, report.describe())
         if recon is not None and replaced is not None:
             # the saves since the last full one are this manager's count, not the new chain's;
             # the error against the training state is the old one plus the re-coding's
