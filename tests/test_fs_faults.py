@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import stat
 import threading
@@ -25,8 +27,9 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from helpers import step_dir
+from test_retention import build, restored
 
-from deltackpt import CheckpointManager, UnsafePathError, WriterLockedError
+from deltackpt import CheckpointManager, UnsafePathError, WriteFailedError, WriterLockedError
 from deltackpt.cli import main
 
 T = TypeVar("T")
@@ -260,3 +263,204 @@ def test_opening_managers_in_a_loop_never_blocks_a_writer(tmp_path: Path) -> Non
         thread.join(DEADLINE)
     assert opened[0] > 20
     assert failures == 0, f"{failures} of 20 first saves failed with WriterLockedError"
+
+
+# -- a full disk ------------------------------------------------------------------------------------
+
+
+class _Disk:
+    """The free space of a file system under one manager's storage, as its writes see it: bytes
+    written beyond it fail with ``error`` (ENOSPC: the part that fits is written first, as
+    write(2) does), and so does the close of a file whose write failed (as on NFS); deleting
+    files gives their bytes back when ``reclaim``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, mgr: CheckpointManager, free: int, *,
+                 reclaim: bool = True, error: int = errno.ENOSPC) -> None:
+        self.free, self.error, self.failures = free, error, 0
+        storage, root = mgr.storage, Path(mgr.path)
+        create, remove, remove_tree = storage.create, storage.remove, storage.remove_tree
+
+        def removing(real: Callable[[str], None], rel: str) -> None:
+            path = root / rel
+            size = sum(p.lstat().st_size for p in [path, *path.rglob("*")]
+                       if p.exists() and p.is_file()) if path.exists() else 0
+            real(rel)
+            if reclaim:
+                self.free += size
+
+        monkeypatch.setattr(storage, "create", lambda rel: _DiskFile(create(rel), self))
+        monkeypatch.setattr(storage, "remove", lambda rel: removing(remove, rel))
+        monkeypatch.setattr(storage, "remove_tree", lambda rel: removing(remove_tree, rel))
+
+    def fail(self) -> OSError:
+        self.failures += 1
+        return OSError(self.error, os.strerror(self.error))
+
+
+class _DiskFile:
+    def __init__(self, handle: Any, disk: _Disk) -> None:
+        self.handle, self.disk, self.failed = handle, disk, False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes > self.disk.free:
+            self.failed = True
+            if self.disk.error == errno.ENOSPC:
+                self.handle.write(view[: self.disk.free])
+                self.disk.free = 0
+            raise self.disk.fail()
+        self.disk.free -= view.nbytes
+        return self.handle.write(view)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def fileno(self) -> int:
+        return self.handle.fileno()
+
+    def close(self) -> None:
+        self.handle.close()
+        if self.failed:
+            raise self.disk.fail()
+
+
+def _random_content(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {"step": step, "values": torch.randn(20000, generator=gen),
+            "ints": torch.randint(0, 1000, (5000,), generator=gen)}
+
+
+def _check_restores(mgr: CheckpointManager, steps: list[int]) -> None:
+    assert mgr.steps() == steps
+    for step in steps:
+        extra, expected = mgr.restore(step).extra, _random_content(step)
+        assert extra["step"] == step
+        assert torch.equal(extra["values"], expected["values"])
+        assert torch.equal(extra["ints"], expected["ints"])
+    assert all(problems == [] for problems in mgr.verify().values())
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("free", ["none", "half", "data"])
+def test_a_save_on_a_full_disk_fails_cleanly_and_a_retry_works(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: str, overwrite: bool) -> None:
+    """A save that runs out of space (no byte free, half its data, all its data but not its
+    metadata): WriteFailedError naming the step and the file with errno ENOSPC, every file it
+    wrote removed even though closing them fails too, the earlier steps intact; once there is
+    space again the same save succeeds."""
+    root, scratch = tmp_path / "ckpt", tmp_path / "scratch"
+    settings = {"full_every": 1, "chunk_bytes": 4096, "workers": 2}
+    with CheckpointManager(scratch, **settings) as mgr:
+        mgr.save(3, extra=_random_content(3), rng=False)
+    data = sum(p.stat().st_size for p in step_dir(scratch, 3).glob("*.bin"))
+    step = 2 if overwrite else 3
+    with CheckpointManager(root, **settings) as mgr:
+        for s in (1, 2):
+            mgr.save(s, extra=_random_content(s), rng=False)
+        before = _tree(root)
+        disk = _Disk(monkeypatch, mgr, {"none": 0, "half": data // 2, "data": data + 10}[free])
+        with pytest.raises(WriteFailedError) as failure:
+            mgr.save(step, extra=_random_content(3), rng=False, overwrite=overwrite)
+        assert failure.value.errno == errno.ENOSPC and isinstance(failure.value, OSError)
+        file = r"metadata\.json" if free == "data" else r"d-[0-9a-f]+-r00000-00[01]\.bin"
+        assert re.fullmatch(rf"writing step {step} failed: {re.escape(str(step_dir(root, step)))}/"
+                            rf"{file}: No space left on device; .*", str(failure.value))
+        assert disk.failures >= 1
+        assert _tree(root) == before  # no partial file, no new directory
+        _check_restores(mgr, [1, 2])
+
+        monkeypatch.undo()  # space again
+        mgr.save(step, extra=_random_content(step), rng=False, overwrite=overwrite)
+        mgr.save(3 if overwrite else 4, extra=_random_content(3 if overwrite else 4), rng=False)
+    _check_restores(CheckpointManager(root, read_only=True), [1, 2, 3] if overwrite else [1, 2, 3, 4])
+
+
+@pytest.fixture(scope="module")
+def training_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 1..10 of a short training run, full every 5: gc every=3 keeps 3, 6, 9, 10, rewrites
+    3 as a full step and re-codes 9 and 10 on 6."""
+    return build(tmp_path_factory.mktemp("run") / "ckpt", 5)
+
+
+def _gc_on_disk(path: Path, monkeypatch: pytest.MonkeyPatch, free: int,
+                **disk: Any) -> tuple[CheckpointManager, _Disk]:
+    """A writer of ``path`` (holding the lock) whose storage has ``free`` bytes left."""
+    mgr = CheckpointManager(path, full_every=5)
+    mgr.acquire()
+    return mgr, _Disk(monkeypatch, mgr, free, **disk)
+
+
+def _assert_only_committed_files(root: Path, mgr: CheckpointManager) -> None:
+    for step in mgr.steps():
+        names = {"metadata.json"} | {f.name for f in mgr.metadata(step).files}
+        assert {p.name for p in step_dir(root, step).iterdir()} == names, step
+
+
+def test_gc_on_a_full_disk_deletes_first_then_replaces(training_run: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gc whose replacements do not fit in the free space, but do once the steps no kept step
+    needs (4 and 5) are deleted, does all its work: the same steps as on a roomy disk."""
+    roomy = shutil.copytree(training_run, tmp_path / "roomy")
+    with CheckpointManager(roomy, full_every=5) as mgr:
+        expected = mgr.gc("every=3")
+    freed_first = sum(p.stat().st_size for s in (4, 5) for p in step_dir(training_run, s).iterdir())
+    assert expected.added_bytes > freed_first > 0
+    path = shutil.copytree(training_run, tmp_path / "full")
+    values = {s: restored(CheckpointManager(path, read_only=True), s) for s in (3, 6)}
+    mgr, disk = _gc_on_disk(path, monkeypatch, expected.added_bytes - freed_first // 2)
+    report = mgr.gc("every=3")
+    assert disk.failures >= 1  # the first try ran out of space
+    assert (report.removed, report.rewritten, report.recoded, report.held, report.needed_bytes) \
+        == ([1, 2, 4, 5, 7, 8], [3], [9, 10], [], 0)
+    assert mgr.steps() == [3, 6, 9, 10]
+    assert {s: restored(mgr, s) for s in (3, 6)} == values
+    assert all(problems == [] for problems in mgr.verify(deep=True).values())
+    _assert_only_committed_files(path, mgr)
+    mgr.close()
+
+
+def test_gc_on_a_full_disk_holds_the_chains_and_says_what_it_needs(
+        training_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """No byte free, and deleting frees none: gc deletes only what no kept step needs, keeps the
+    steps the kept ones need, reports the bytes the replacements need (what a dry run
+    estimates), and finishes once there is space."""
+    path = shutil.copytree(training_run, tmp_path / "ckpt")
+    reader = CheckpointManager(path, read_only=True)
+    dry = reader.gc("every=3", dry_run=True)
+    values = {s: restored(reader, s) for s in reader.steps()}
+    mgr, disk = _gc_on_disk(path, monkeypatch, 0, reclaim=False)
+    report = mgr.gc("every=3")
+    assert disk.failures >= 2  # before and after deleting 4 and 5
+    assert (report.removed, report.held, report.rewritten, report.recoded) == \
+        ([4, 5], [1, 2, 7, 8], [], [])
+    assert report.needed_bytes == dry.added_bytes > 0
+    assert "the disk has no space to replace the steps that need them" in report.describe()
+    assert mgr.steps() == [1, 2, 3, 6, 7, 8, 9, 10]
+    assert {s: restored(mgr, s) for s in mgr.steps()} == {s: values[s] for s in mgr.steps()}
+    _assert_only_committed_files(path, mgr)
+    mgr.close()
+
+    monkeypatch.undo()
+    code, err = _cli(capsys, "gc", path, "--keep", "every=3")
+    assert code == 0, err
+    assert reader.steps() == [3, 6, 9, 10]
+    assert restored(reader, 3) == values[3]
+
+
+@pytest.mark.parametrize("free", [0, 0.5, 0.99])
+def test_a_failed_gc_leaves_every_file_as_it_was(training_run: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch, free: float) -> None:
+    """An I/O error while gc writes its replacements (at the first byte, halfway, at the last
+    metadata): WriteFailedError naming the step, and every file byte for byte as before."""
+    roomy = shutil.copytree(training_run, tmp_path / "roomy")
+    with CheckpointManager(roomy, full_every=5) as mgr:
+        added = mgr.gc("every=3").added_bytes
+    path = shutil.copytree(training_run, tmp_path / "ckpt")
+    mgr, _ = _gc_on_disk(path, monkeypatch, int(added * free), error=errno.EIO)
+    before = _tree(path)
+    with pytest.raises(WriteFailedError, match=rf"writing step (3|9|10) failed: {re.escape(str(path))}/"
+                                               r"step-0+(3|9|10)/.*: Input/output error"):
+        mgr.gc("every=3")
+    assert _tree(path) == before
+    mgr.close()
