@@ -53,13 +53,21 @@ chains need are kept as well (*held*); the gc then only deletes.
 restorable to the values it had (a re-coded step, once committed, to its
 re-coded values): the plan is made from the metadata alone; every
 replacement is then encoded and written in ascending order, uncommitted,
-restoring its old values and its base through the untouched directory; a
-failure there deletes what was written and changes nothing. Then, from the
-highest step down, each replacement is committed and each removed step
-deleted: a committed replacement's chain is its stable base's, which
-nothing touches; a step not yet reached has a chain of lower steps that
-are still as they were (or, for a full rewrite, restore to the same values
-for the deltas that stay on it).
+its ``metadata.json`` included (beside the committed one), restoring its
+old values and its base through the untouched directory; a failure there
+deletes what was written and changes nothing. Then, from the highest step
+down, each replacement is committed (a rename: it writes nothing, so it
+cannot fail for want of space) and each removed step deleted: a committed
+replacement's chain is its stable base's, which nothing touches; a step
+not yet reached has a chain of lower steps that are still as they were
+(or, for a full rewrite, restore to the same values for the deltas that
+stay on it).
+
+**A full disk.** When writing the replacements fails for want of space,
+the gc deletes first the steps that no kept step's chain needs (which
+changes no kept step) and writes the replacements again; when they still
+do not fit, it keeps the chains (as for size) and reports the bytes the
+replacements need, so that a gc with that much free space completes.
 
 **full_every.** The manager that runs the gc (``keep=`` after every save)
 codes its next save against the reconstruction of its last one. When that
