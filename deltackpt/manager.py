@@ -455,7 +455,7 @@ class CheckpointManager:
         except Exception as exc:  # every rank raises it: no rank may be left waiting
             for written, _, _ in everyone:  # the failed ranks deleted their own files
                 for f in written.files if written else ():
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError, DeltackptError):
                         self.storage.remove(f"{step_dir_name(step)}/{f.name}")
             return str(exc)
 

@@ -311,7 +311,8 @@ class LocalStorage:
             mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
             if not stat.S_ISDIR(mode):
                 raise self._unsafe(rel, mode, "a directory")
-            shutil.rmtree(name, ignore_errors=True, dir_fd=fd)  # descriptor-based: no link followed
+            # rmtree refuses a link at the top and removes links inside themselves
+            shutil.rmtree(self._path(rel), ignore_errors=True)
             _fsync_dir(fd)
 
     def try_lock(self) -> contextlib.AbstractContextManager[None] | None:

@@ -117,11 +117,11 @@ class _DataFiles:
 
     def finish(self, pool: ThreadPoolExecutor) -> None:
         """Flush, fsync and close every file, in parallel."""
-        def finish(index: int) -> None:
+        def finish_one(index: int) -> None:
             with writing(self.storage, self.step, f"{self.step_dir}/{self.names[index]}"):
                 self.storage.finish(self.handles[index])
 
-        list(pool.map(finish, range(len(self.handles))))
+        list(pool.map(finish_one, range(len(self.handles))))
 
     def records(self) -> list[DataFile]:
         """The files written, as metadata."""
@@ -320,8 +320,7 @@ def writing(storage: Storage, step: int, rel: str) -> Iterator[None]:
         raise
     except OSError as exc:
         error = WriteFailedError(f"writing step {step} failed: {storage.url}/{rel}: "
-                                 f"{exc.strerror or exc}; what it wrote is removed, committed "
-                                 "steps are intact")
+                                 f"{exc.strerror or exc}; committed steps are intact")
         error.errno = exc.errno
         raise error from exc
 
