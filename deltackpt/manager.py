@@ -10,6 +10,7 @@ import operator
 import os
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
+from deltackpt.objectstore import LEASE_OBJECT
 from deltackpt.reader import (
     list_steps,
     read_metadata,
@@ -136,7 +138,8 @@ class CheckpointManager:
     save continues the chain of the loaded step.
 
     Args:
-        path: directory of the checkpoints (created if missing), or ``file://`` URL.
+        path: directory of the checkpoints (created if missing), a ``file://`` URL, or an
+            fsspec URL of a prefix on an object store (``s3://bucket/run1``).
         full_every: a full checkpoint every this many saves, deltas in between
             (1: every save is full).
         compression: ``"balanced"`` (default), ``"aggressive"``,
@@ -147,18 +150,24 @@ class CheckpointManager:
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
         workers: threads used to encode and decode (default: usable CPUs).
         read_only: never create, clean up or write anything.
+        storage_options: options of the object store of an fsspec ``path`` (``s3://``,
+            ``gs://``, ``az://``, ``memory://``, ...): endpoint, credentials and the like,
+            passed to its fsspec file system; without them its client's environment
+            variables and configuration files apply. They are never written anywhere nor
+            shown in errors.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
                  compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
-        self.storage: Storage = open_storage(path)
+        self.storage: Storage = open_storage(path, storage_options)
         self.path = self.storage.url
         self.full_every = full_every
         self.compression = as_config(compression)
@@ -207,7 +216,8 @@ class CheckpointManager:
             state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
             raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
                                       f"(it {state})")
-        elif storage.exists("") and any(n not in (LOCK_FILE, ROOT_MARKER) and not n.endswith(".tmp")
+        elif storage.exists("") and any(n not in (LOCK_FILE, LEASE_OBJECT, ROOT_MARKER)
+                                        and not n.endswith(".tmp")
                                         for n in storage.listdir()):
             raise NotACheckpointError(
                 f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "
