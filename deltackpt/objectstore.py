@@ -135,13 +135,23 @@ class ObjectStorage:
         import fsspec
 
         options = dict(storage_options or {})
-        self._secrets = _secrets_of(options) + [p for p in (urlsplit(url).password,) if p]
+        self._secrets = _secrets_of(options)
         self.url = redact_url(url).rstrip("/")
+        if self.url != url.rstrip("/"):
+            raise StorageError(f"{self.url}: credentials in the URL are not accepted (they would "
+                               "reach logs); pass them in storage_options or the environment")
         scheme = urlsplit(url).scheme
+        s3 = scheme in ("s3", "s3a")
+        if s3:  # retries are ours (with_retries): one attempt per client call, on our own client
+            options["config_kwargs"] = {"retries": {"max_attempts": 1},
+                                        **options.get("config_kwargs", {})}
+            options.setdefault("skip_instance_cache", True)
         try:
             self.fs = fsspec.filesystem(scheme, use_listings_cache=False, **options)
         except Exception as exc:
             raise self._error(f"cannot open {self.url}", exc) from None
+        if s3:
+            self.fs.retries = 1
         self.root = self.fs._strip_protocol(url).rstrip("/")
         self._s3 = hasattr(self.fs, "call_s3")
         self._staged: dict[str, tuple[str, bytes]] = {}
