@@ -348,6 +348,13 @@ def _fsync_dir(fd: int) -> None:
     os.fsync(fd)
 
 
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is an object store URL (``s3://...``), not a local path or
+    ``file://`` URL."""
+    scheme = urlparse(os.fspath(location)).scheme
+    return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
+
+
 def open_storage(url: str | os.PathLike[str],
                  storage_options: Mapping[str, Any] | None = None) -> Storage:
     """The storage for a checkpoint URL: a local path or ``file://`` URL gives
@@ -364,7 +371,7 @@ def open_storage(url: str | os.PathLike[str],
     parsed = urlparse(text)
     if parsed.scheme == "file":
         text = parsed.path
-    elif parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive
+    elif is_url(text):
         _check_scheme(parsed.scheme, text)
         from deltackpt.objectstore import ObjectStorage
 

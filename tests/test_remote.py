@@ -147,8 +147,8 @@ def test_save_restore_chain_gc_verify(remote: tuple[str, dict | None], tmp_path:
 
 def test_cli_takes_urls(endpoint: str, monkeypatch: pytest.MonkeyPatch,
                         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """ls, info, verify, du, gc and restore take an s3:// URL; the endpoint and credentials come
-    from the standard environment variables."""
+    """ls, info, verify, du, gc and restore take an s3:// URL, and convert writes to one; the
+    endpoint and credentials come from the standard environment variables."""
     url = f"s3://{new_bucket(endpoint)}/run"
     model, optimizer = model_and_optimizer()
     with CheckpointManager(url, full_every=2, storage_options=options(endpoint)) as mgr:
@@ -167,7 +167,17 @@ def test_cli_takes_urls(endpoint: str, monkeypatch: pytest.MonkeyPatch,
     assert CheckpointManager(tmp_path / "out", read_only=True).steps() == [30]
     assert cli_main(["gc", url, "--keep", "last=1"]) == 0
     assert CheckpointManager(url, read_only=True).steps() == [30]
-    assert SECRET not in capsys.readouterr().out
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    converted = url + "-converted"
+    assert cli_main(["convert", str(tmp_path / "model.pt"), "--out", converted, "--step", "7"]) == 0
+    restored = CheckpointManager(converted, read_only=True).restore(7).model
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(restored[name], value, name)
+    assert cli_main(["convert", str(tmp_path / "model.pt"), "--out", url + "-st", "--to",
+                     "safetensors"]) == 2
+    printed = capsys.readouterr()
+    assert "only deltackpt output can be written to a URL" in printed.err
+    assert SECRET not in printed.out + printed.err
 
 
 def test_missing_bucket_and_credentials_fail_at_open(endpoint: str) -> None:
