@@ -303,7 +303,7 @@ KILLED_WRITER = textwrap.dedent('''
     from deltackpt.objectstore import ObjectStorage
 
     url, opts = sys.argv[1], json.loads(sys.argv[2])
-    ObjectStorage.lease_seconds = 2.0
+    ObjectStorage.lease_seconds = 5.0
     mgr = CheckpointManager(url, storage_options=opts, chunk_bytes=1 << 16, workers=2)
     gen = torch.Generator().manual_seed(0)
     mgr.save(0, extra={"w": torch.randn(300_000, generator=gen)}, rng=False)
@@ -323,7 +323,7 @@ KILLED_WRITER = textwrap.dedent('''
 def test_killed_writer_leaves_no_step_and_its_lease_expires(endpoint: str, tmp_path: Path) -> None:
     """A writer SIGKILLed after uploading a step's data but before its metadata leaves no visible
     step; its lease refuses a second writer until it expires, then the next writer takes it
-    over and deletes the dead writer's objects."""
+    over, deletes the dead writer's objects and aborts its unfinished uploads."""
     url = f"s3://{new_bucket(endpoint)}/run"
     opts = options(endpoint)
     script = tmp_path / "writer.py"
@@ -337,13 +337,16 @@ def test_killed_writer_leaves_no_step_and_its_lease_expires(endpoint: str, tmp_p
     assert leftovers  # the data objects are there, without metadata
     reader = CheckpointManager(url, storage_options=opts, read_only=True)
     assert reader.steps() == [0]
+    bucket = url[5:].split("/")[0]
+    fs = fsspec.filesystem("s3", **opts)  # a multipart upload the writer left unfinished
+    fs.call_s3("create_multipart_upload", Bucket=bucket, Key="run/step-000000000001/d-0-r00000-009.bin")
     monkey = ObjectStorage.lease_seconds
     try:
         ObjectStorage.lease_seconds = 2.0
         mgr = CheckpointManager(url, storage_options=opts)
         with pytest.raises(WriterLockedError):
             mgr.acquire()
-        deadline = time.time() + 10
+        deadline = time.time() + 15
         while True:
             try:
                 mgr.acquire()
@@ -352,6 +355,7 @@ def test_killed_writer_leaves_no_step_and_its_lease_expires(endpoint: str, tmp_p
                 assert time.time() < deadline, "the dead writer's lease never expired"
                 time.sleep(0.3)
         assert not [rel for rel in every_object(url, opts) if rel.startswith("step-000000000001/")]
+        assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
         assert mgr.restore(0).extra["w"].shape == (300_000,)
         mgr.close()
     finally:
@@ -426,14 +430,23 @@ def test_partial_load_fetches_only_its_chunks(endpoint: str, proxy: FaultProxy) 
 
 def test_large_data_objects_upload_in_parts(endpoint: str, proxy: FaultProxy) -> None:
     """A data object larger than a part goes up as a multipart upload of several parts, restored
-    exactly."""
+    exactly; when a part keeps failing, the save fails and the upload is aborted."""
     url = f"s3://{new_bucket(endpoint)}/run"
     values = torch.randint(0, 2**31 - 1, (5_000_000,), dtype=torch.int32)  # 20 MB, incompressible
     with CheckpointManager(url, storage_options=options(proxy.url), workers=1) as mgr:
         mgr.save(0, extra={"v": values}, rng=False)
         assert mgr.restore(0).extra["v"].equal(values)
-    assert len([path for path in proxy.sent if "/d-" in path]) == 1  # one data object,
-    assert proxy.part_puts >= 3  # sent in three parts of 8 MiB
+        assert len([path for path in proxy.sent if "/d-" in path]) == 1  # one data object,
+        assert proxy.part_puts >= 3  # sent in three parts of 8 MiB
+        proxy.set_faults(error_rate=1.0, only=r"partNumber=2\b")
+        with pytest.raises(WriteFailedError, match="writing step 1 failed"):
+            mgr.save(1, extra={"v": values + 1}, rng=False)
+        proxy.set_faults()
+        assert mgr.steps() == [0]
+    bucket = url[5:].split("/")[0]
+    fs = fsspec.filesystem("s3", **options(endpoint))
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []  # aborted
+    assert not fs.find(f"{bucket}/run/step-000000000001")
 
 
 def test_is_transient() -> None:
