@@ -29,6 +29,7 @@ from deltackpt.distributed import (
     sharded_targets,
 )
 from deltackpt.errors import (
+    CorruptionError,
     DeltackptError,
     DistributedError,
     NotACheckpointError,
@@ -58,6 +59,7 @@ from deltackpt.reader import (
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
+from deltackpt.tiering import UploadCache
 from deltackpt.universal import UniversalCheckpoint
 from deltackpt.verify import VerifyReport, verify_steps
 from deltackpt.writer import (
@@ -155,6 +157,11 @@ class CheckpointManager:
             passed to its fsspec file system; without them its client's environment
             variables and configuration files apply. They are never written anywhere nor
             shown in errors.
+        cache: a local directory each step is saved to first; it is then uploaded to ``path``
+            in the background while training goes on (:mod:`deltackpt.tiering`), and
+            restores read it where it holds the same steps.
+        cache_keep: uploaded steps the cache keeps (the newest), besides the steps their
+            chains need; a step leaves the cache only once its upload is committed.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
@@ -162,7 +169,8 @@ class CheckpointManager:
                  keep: str | RetentionPolicy | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
                  read_only: bool = False,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 cache: str | os.PathLike[str] | None = None, cache_keep: int = 1) -> None:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         if chunk_bytes < 1024:
@@ -183,6 +191,8 @@ class CheckpointManager:
             if target is not None else None
         self._warned_target = False
         self._open_directory()
+        self._cache = UploadCache(cache, self.storage, cache_keep) \
+            if cache is not None and not read_only else None
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.path!r}, full_every={self.full_every})"
@@ -194,7 +204,15 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Release the writer lock, if this manager holds it."""
+        """Wait for the upload of the last step saved through a cache (raising its failure), and
+        release the writer lock, if this manager holds it."""
+        try:
+            if self._cache is not None:
+                self._cache.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
@@ -284,7 +302,14 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
+        self._settle()
         return list_steps(self.storage)
+
+    def _settle(self) -> None:
+        """Wait for the step uploading from the cache, if any: every operation but a save's
+        return sees the remote with it (or raises its upload's failure)."""
+        if self._cache is not None:
+            self._cache.wait()
 
     def latest_step(self) -> int | None:
         """The highest committed step, or ``None`` if there is none."""
@@ -293,6 +318,7 @@ class CheckpointManager:
 
     def metadata(self, step: int) -> StepMetadata:
         """The validated metadata of ``step``."""
+        self._settle()
         return read_metadata(self.storage, _check_step(step))
 
     def info(self, step: int) -> SaveInfo:
@@ -339,17 +365,26 @@ class CheckpointManager:
         step = _check_step(step)
         group = Group.current()
         if group is not None:
+            if self._cache is not None:
+                raise ValueError(f"{self.path}: cache= serves single-process saves; under "
+                                 "torch.distributed every rank writes to the checkpoint itself")
             return self._save_distributed(step, captured, group, overwrite, progress)
+        self._settle()
         self._prepare_save(step, overwrite)
+        if self._cache is not None:
+            self._cache.open()
         base = self._delta_base(step, captured)
         encoder = StepEncoder(captured, self.compression, base, self._controller,
                               keep=self.compression.deltas and self.full_every > 1)
         self._recon = None  # a failed save leaves it half updated; the next save is then full
-        meta = write_step(self.storage, step, captured, kind="delta" if base else "full",
+        meta = write_step(self.storage if self._cache is None else self._cache.storage, step,
+                          captured, kind="delta" if base else "full",
                           base_step=base.step if base else None, encoder=encoder,
                           summary=encoder.summary, coded_last=encoder.coded_last,
                           chunk_bytes=self.chunk_bytes,
                           workers=self.workers, progress=progress)
+        if self._cache is not None:
+            self._cache.upload(meta)
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
         info = SaveInfo.of(meta)
@@ -490,9 +525,12 @@ class CheckpointManager:
             raise ValueError("gc needs a retention policy: pass keep= here or to the manager")
         if not dry_run:
             self.acquire()
+        self._settle()
         recon = self._recon
         report, replaced = collect_garbage(self, policy, dry_run=dry_run,
                                            follow=recon.step if recon is not None else None)
+        if self._cache is not None and not dry_run:
+            self._cache.forget_missing(report.kept)
         if report.needed_bytes:
             log.warning("%s: gc %s", self.path, report.describe())
         if recon is not None and replaced is not None:
@@ -539,6 +577,7 @@ class CheckpointManager:
 
         Raises :class:`StepNotFoundError` listing the committed steps otherwise.
         """
+        self._settle()
         if step is None:
             latest = self.latest_step()
             if latest is None:
@@ -560,8 +599,20 @@ class CheckpointManager:
 
     def _restore(self, meta: StepMetadata,
                  progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
-        tensors, recon = restore_chain(self.storage, meta, workers=self.workers, progress=progress)
+        tensors, recon = self._restore_chain(meta, workers=self.workers, progress=progress)
         return UniversalCheckpoint(meta.step, tensors, meta), recon
+
+    def _restore_chain(self, meta: StepMetadata, **kwargs: Any
+                       ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
+        """:func:`restore_chain` of ``meta``, from the cache where it holds the same chain (and
+        from the checkpoint if a cached chunk fails its checksum)."""
+        if self._cache is not None and self._cache.holds(chain_of(self.storage, meta)):
+            try:
+                return restore_chain(self._cache.storage, meta, **kwargs)
+            except CorruptionError as exc:
+                log.warning("%s: the cached copy of step %d is damaged (%s); reading %s",
+                            self._cache.storage.url, meta.step, exc, self.path)
+        return restore_chain(self.storage, meta, **kwargs)
 
     def load(self, step: int | None = None, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
@@ -617,8 +668,8 @@ class CheckpointManager:
         tensors, recon, error = {}, None, None
         threads = self._threads(group)
         try:
-            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=threads,
-                                           progress=progress)
+            tensors, recon = self._restore_chain(meta, boxes=boxes, workers=threads,
+                                                 progress=progress)
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise

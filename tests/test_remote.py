@@ -475,3 +475,57 @@ def test_local_paths_take_no_storage_options(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="storage_options"):
         CheckpointManager(tmp_path / "c", storage_options={"key": "x"})
     assert isinstance(CheckpointManager(tmp_path / "c").storage, LocalStorage)
+
+
+def test_cache_tier(remote: tuple[str, dict | None], tmp_path: Path,
+                    caplog: pytest.LogCaptureFixture) -> None:
+    """With cache=, a save commits in the local cache and uploads in the background; the next
+    operation sees it on the remote. Restores read the cache where it holds the same chain,
+    the remote otherwise (a damaged cached chunk included). The cache keeps cache_keep steps and
+    their chains, gc removes steps from both."""
+    url, opts = remote
+    cache = tmp_path / "cache"
+    model, optimizer = model_and_optimizer()
+    with CheckpointManager(url, full_every=3, storage_options=opts, cache=cache,
+                           cache_keep=1) as mgr:
+        for step in range(5):
+            train(model, optimizer)
+            mgr.save(step, model, optimizer)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        assert mgr.steps() == [0, 1, 2, 3, 4]
+        cached = CheckpointManager(cache, read_only=True)
+        assert cached.steps() == [3, 4]  # the newest and its chain
+        remote_only = CheckpointManager(url, storage_options=opts, read_only=True)
+        restored = remote_only.restore(4).model
+        from_cache = mgr.restore(4).model
+        for name in expected:
+            assert_bitwise_equal(from_cache[name], restored[name], name)
+        data = next(p for p in (cache / "step-000000000004").iterdir() if p.name.startswith("d-"))
+        damaged = bytearray(data.read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF
+        data.write_bytes(bytes(damaged))
+        for name, value in mgr.restore(4).model.items():  # from the remote
+            assert_bitwise_equal(value, restored[name], name)
+        assert "the cached copy of step 4 is damaged" in caplog.text  # it was read first
+        mgr.gc("last=1")
+        assert mgr.steps() == [4]
+    assert CheckpointManager(url, storage_options=opts, read_only=True).steps() == [4]
+
+
+def test_cache_tier_upload_failure_is_raised_and_retried(endpoint: str, proxy: FaultProxy,
+                                                          tmp_path: Path) -> None:
+    """A failed upload is raised by the next operation, naming the step; the step stays in the
+    cache and is uploaded once the remote works again."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    with CheckpointManager(url, storage_options=options(proxy.url), cache=tmp_path / "cache",
+                           cache_keep=0) as mgr:
+        mgr.save(0, extra={"w": torch.arange(1000.0)}, rng=False)
+        proxy.set_faults(error_rate=1.0, only=r"PUT .*/step-000000000001/")
+        mgr.save(1, extra={"w": torch.arange(1000.0) + 1}, rng=False)  # returns: uploads later
+        with pytest.raises(WriteFailedError, match=r"uploading step 1 .* failed"):
+            mgr.steps()
+        assert CheckpointManager(tmp_path / "cache", read_only=True).steps() == [1]
+        proxy.set_faults()
+        assert mgr.steps() == [0, 1]
+        assert torch.equal(mgr.restore(1).extra["w"], torch.arange(1000.0) + 1)
+    assert CheckpointManager(tmp_path / "cache", read_only=True).steps() == []
