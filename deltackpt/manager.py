@@ -530,7 +530,8 @@ class CheckpointManager:
         report, replaced = collect_garbage(self, policy, dry_run=dry_run,
                                            follow=recon.step if recon is not None else None)
         if self._cache is not None and not dry_run:
-            self._cache.forget_missing(report.kept)
+            for step in report.removed + report.recoded + report.rewritten:
+                self._cache.drop(step)  # gone from the remote, or replaced there
         if report.needed_bytes:
             log.warning("%s: gc %s", self.path, report.describe())
         if recon is not None and replaced is not None:

@@ -46,7 +46,8 @@ class UploadCache:
         path: the cache directory (created if missing).
         remote: the storage steps are uploaded to.
         keep: uploaded steps kept in the cache (the newest), besides the steps
-            their chains need and steps not uploaded yet.
+            their chains need and steps not on the remote: a step whose upload
+            failed, or whose process died before it, is never deleted here.
     """
 
     def __init__(self, path: str | os.PathLike[str], remote: Storage, keep: int = 1) -> None:
@@ -130,11 +131,18 @@ class UploadCache:
         finally:
             reader.close()
 
+    def _uploaded(self, step: int) -> bool:
+        """Whether cached ``step`` is on the remote as the same version (its metadata equal)."""
+        rel = f"{step_dir_name(step)}/{METADATA_FILE}"
+        try:
+            return self.storage.read_bytes(rel) == self.remote.read_bytes(rel)
+        except (OSError, DeltackptError):
+            return False
+
     def _trim(self) -> None:
-        """Delete uploaded steps beyond the ``keep`` newest and the chains those need."""
-        cached = list_steps(self.storage)
-        failed = self._failed.step if self._failed is not None else None
-        uploaded = [s for s in cached if s != failed]
+        """Delete uploaded steps beyond the ``keep`` newest and the chains those need. A step that
+        is not on the remote (its upload failed, or its process died before it) stays."""
+        uploaded = [s for s in list_steps(self.storage) if self._uploaded(s)]
         needed: set[int] = set()
         for step in uploaded[len(uploaded) - self.keep:] if self.keep else []:
             while step is not None and step not in needed:
@@ -154,24 +162,9 @@ class UploadCache:
             self.storage.remove(f"{step_dir}/{METADATA_FILE}")
             self.storage.remove_tree(step_dir)
 
-    def forget_missing(self, remote_steps: list[int]) -> None:
-        """Delete cached steps the remote no longer has (gc removed them), except one whose upload
-        is still to be retried."""
-        failed = self._failed.step if self._failed is not None else None
-        for step in list_steps(self.storage):
-            if step not in remote_steps and step != failed:
-                self.drop(step)
-
     def holds(self, chain: list[StepMetadata]) -> bool:
         """Whether every step of ``chain`` (read from the remote) is cached as the same version."""
-        for meta in chain:
-            rel = f"{step_dir_name(meta.step)}/{METADATA_FILE}"
-            try:
-                if self.storage.read_bytes(rel) != self.remote.read_bytes(rel):
-                    return False
-            except (OSError, DeltackptError):
-                return False
-        return True
+        return all(self._uploaded(meta.step) for meta in chain)
 
     def close(self) -> None:
         """Wait for the upload in flight (raising its failure), then release the cache."""
