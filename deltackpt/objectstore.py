@@ -61,6 +61,8 @@ _TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable",
                               "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
                               "500", "502", "503", "504"})
 
+_WITHOUT_BUCKETS = frozenset({"memory"})  # stores whose first path component is no bucket
+
 T = TypeVar("T")
 
 
@@ -141,6 +143,7 @@ class ObjectStorage:
             raise StorageError(f"{self.url}: credentials in the URL are not accepted (they would "
                                "reach logs); pass them in storage_options or the environment")
         scheme = urlsplit(url).scheme
+        self.scheme = scheme
         s3 = scheme in ("s3", "s3a")
         if s3:  # retries are ours (with_retries): one attempt per client call, on our own client
             options["config_kwargs"] = {"retries": {"max_attempts": 1},
@@ -194,11 +197,11 @@ class ObjectStorage:
         except Exception as exc:
             raise self._error(f"cannot reach {self.url} (check the credentials and endpoint)",
                               exc) from None
+        if self.scheme in _WITHOUT_BUCKETS:
+            return  # the prefix appears with its first object
         bucket = self.root.strip("/").split("/")[0]
-        if not self._s3 or bucket == self.root.strip("/"):
-            if self._s3:
-                raise StorageError(f"{self.url}: bucket {bucket!r} does not exist")
-            return  # no bucket to miss (memory://): the prefix appears with its first object
+        if bucket == self.root.strip("/"):
+            raise StorageError(f"{self.url}: bucket {bucket!r} does not exist")
         try:
             with_retries(lambda: self.fs.info(bucket), self.url)
         except FileNotFoundError:
