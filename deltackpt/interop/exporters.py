@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deltackpt.format import ROOT_MARKER, step_dir_name, tensor_name
+from deltackpt.interop import OUT_FORMATS
 from deltackpt.interop.files import publish_directory
 from deltackpt.interop.layouts import OPTIMIZER_CLASS_KEY, TORCH_FILE, native_optimizer, weights_only_loadable
 from deltackpt.state import CapturedState
@@ -29,8 +30,6 @@ from deltackpt.storage import LOCK_FILE, open_storage
 
 if TYPE_CHECKING:
     from deltackpt.manager import SaveInfo
-
-OUT_FORMATS = ("deltackpt", "safetensors", "dcp", "torch")
 
 
 @dataclass

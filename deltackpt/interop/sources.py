@@ -38,6 +38,7 @@ import torch
 
 from deltackpt.errors import ConversionError, DeltackptError
 from deltackpt.format import ROOT_MARKER
+from deltackpt.interop import SOURCE_FORMATS
 from deltackpt.interop.files import load_weights_only
 from deltackpt.interop.layouts import TORCH_FILE, Parts, guess_buffers, optimizer_class, split_document
 from deltackpt.patterns import ShardingSpec, merge_states
@@ -449,8 +450,7 @@ READERS: dict[str, Callable[[list[Path], str | None], Source]] = {
     "dcp": read_dcp,
     "safetensors": read_safetensors,
     "deepspeed": read_deepspeed,
-}
-SOURCE_FORMATS = tuple(READERS)
+}  # by the names of SOURCE_FORMATS, in its order
 
 
 def detect_format(paths: list[Path]) -> str:
