@@ -21,6 +21,8 @@ from deltackpt.errors import (
     StateMismatchError,
     StepExistsError,
     StepNotFoundError,
+    UnsafePathError,
+    WriteFailedError,
     WriterLockedError,
 )
 from deltackpt.lazy import lazy_attributes
@@ -66,6 +68,8 @@ __all__ = [
     "StepExistsError",
     "StepNotFoundError",
     "UniversalCheckpoint",
+    "UnsafePathError",
+    "WriteFailedError",
     "WriterLockedError",
     "__version__",
     "load_universal",

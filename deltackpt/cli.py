@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltackpt import __version__
 from deltackpt.directory import CheckpointDirectory
@@ -33,6 +34,10 @@ from deltackpt.format import METADATA_FILE, ROLES, StepMetadata, step_dir_name
 from deltackpt.interop import OUT_FORMATS, SOURCE_FORMATS
 from deltackpt.progress import human_bytes
 from deltackpt.storage import Storage
+
+if TYPE_CHECKING:
+    from deltackpt.verify import Damage, VerifyReport
+
 
 # -- formatting ----------------------------------------------------------------------------
 
@@ -376,7 +381,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     sharding = ShardingSpec.load(args.spec) if args.spec else None
     report = convert(args.sources, args.out, source_format=args.source_format, out_format=args.to,
                      step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class,
-                     sharding=sharding)
+                     sharding=sharding, model_only=args.model_only)
     sources = ", ".join(args.sources)
     _print_written(args, f"converted {sources} ({report.source_format}) into {report.out} as "
                          f"{report.out_format}, step {report.step}",
@@ -390,23 +395,46 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 # -- verify ----------------------------------------------------------------------------------
 
 
+def _verify_lines(report: VerifyReport) -> list[str]:
+    """``verify``'s text report: per step OK or DAMAGED; a damaged step's problems once, under the
+    file they are in, then the steps that depend on it (which name it instead of repeating them)."""
+    own: dict[int, list[Damage]] = {}
+    for damage in report.damage:
+        own.setdefault(damage.step, []).append(damage)
+    lines = []
+    for step in sorted(set(report) | set(own)):
+        bases = [b for b, damages in own.items() if step in damages[0].dependents]
+        if step not in own and not bases:
+            lines.append(f"step {step}: OK")
+            continue
+        found = sum(len(d.problems) for d in own.get(step, []))
+        what = ([f"{found} problem{'s' if found > 1 else ''}"] if found else []) + (
+            [f"depends on damaged step{'s' if len(bases) > 1 else ''} {', '.join(map(str, bases))}"]
+            if bases else [])
+        lines.append(f"step {step}: DAMAGED ({'; '.join(what)})")
+        for damage in own.get(step, []):
+            if damage.file is None:
+                lines += [f"  {p}" for p in damage.problems]
+            else:
+                lines += [f"  in {damage.file}:", *(f"    {p}" for p in damage.problems)]
+        if step in own and own[step][0].dependents:
+            lines.append(f"  steps that depend on it: {', '.join(map(str, own[step][0].dependents))}")
+    return lines
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
     report = mgr.verify(args.step, deep=args.deep, progress=_show_progress(args))
     damaged = [s for s, problems in report.items() if problems]
     if args.json:
         _print_json({"path": mgr.path, "deep": args.deep, "ok": not damaged,
-                     "steps": [{"step": s, "ok": not p, "problems": p} for s, p in report.items()]})
+                     "steps": [{"step": s, "ok": not p, "problems": p} for s, p in report.items()],
+                     "damage": [dataclasses.asdict(d) for d in report.damage]})
         return 1 if damaged else 0
     if not report:
         print(f"no committed steps in {mgr.path}")
         return 0
-    for s, problems in report.items():
-        if not problems:
-            print(f"step {s}: OK")
-            continue
-        print(f"step {s}: DAMAGED ({len(problems)} problem{'s' if len(problems) > 1 else ''})")
-        _print_lines([f"  {p}" for p in problems])
+    _print_lines(_verify_lines(report))
     checked = f"{len(report)} step{'s' if len(report) > 1 else ''} checked"
     print(f"{checked}{' (deep)' if args.deep else ''}: "
           f"{f'{len(damaged)} damaged' if damaged else 'all intact'}")
@@ -432,8 +460,11 @@ def _cmd_du(args: argparse.Namespace) -> int:
     roles = {role: {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0} for role in ROLES}
     for step in mgr.steps():
         step_dir = step_dir_name(step)
-        on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
-                   if not storage.is_dir(f"{step_dir}/{name}")}
+        try:
+            on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
+                       if not storage.is_dir(f"{step_dir}/{name}")}
+        except DeltackptError:  # not a directory (a link is not followed): the metadata error says so
+            on_disk = {}
         row: dict[str, Any] = {"step": step, "files": 0, "data_bytes": 0,
                                "metadata_bytes": on_disk.pop(METADATA_FILE, 0), "missing_files": [],
                                "error": None}
@@ -514,7 +545,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             path = mgr.path
     if args.json:
         _print_json({"path": path, "policy": str(policy), **report.as_dict()})
-        return 0
+        return 1 if report.needed_bytes else 0
 
     def steps(items: list[int]) -> str:
         return ", ".join(map(str, items)) if items else "-"
@@ -529,8 +560,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
              + ("  (delta steps made full: no kept step to code them on, or full is smaller)"
                 if report.rewritten else "")]
     if report.held:
+        why = ("the disk has no space to replace the steps that need them" if report.needed_bytes
+               else "replacing the steps that need them would grow PATH")
         lines.append(f"  held       {len(report.held):>5}  {steps(report.held)}  (not kept by "
-                     "--keep, but replacing the steps that need them would grow PATH)")
+                     f"--keep, but {why})")
     if report.skipped:
         lines.append(f"  left alone {len(report.skipped):>5}  {steps(report.skipped)}  "
                      "(unreadable metadata or broken chain; run deltackpt verify)")
@@ -540,8 +573,12 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                  f"{before}, about {after} after" if report.dry_run
                  else f"freed {freed}; the replacements wrote {added}; steps took {before}, "
                  f"{after} now")
+    if report.needed_bytes:
+        lines.append(f"the disk is full: replacing the kept steps needs about "
+                     f"{human_bytes(report.needed_bytes)} of free space; free that much and run "
+                     "gc again to remove the held steps")
     _print_lines(lines)
-    return 0
+    return 1 if report.needed_bytes else 0
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -625,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
                "  deltackpt convert model.pt --out runs/ckpt\n"
                "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
-               "exit codes: 0 success, 1 damage found (verify, ls), 2 error",
+               "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), 2 error",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -684,9 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
         "SRC (--from; detected from what SRC holds when not given):\n\n"
         "  torch        a torch.save file, loaded with weights_only=True: a state dict, or a\n"
         "               dict with 'model' (or 'state_dict') and 'optimizer' (or 'optim')\n"
-        "               entries; the optimizer state dict keyed by FQN, or by index with\n"
-        "               'param_names' in its groups. An integer 'step' is the step; other\n"
-        "               entries become extra.\n"
+        "               entries; the optimizer state dict keyed by FQN, or by index (with\n"
+        "               'param_names' in its groups, or else named after the model's\n"
+        "               parameters in order where the shapes of its state agree; the notes\n"
+        "               say so). An integer 'step' is the step; other entries become extra.\n"
         "  dcp          a torch.distributed.checkpoint directory, read by torch's DCP reader\n"
         "               (non-tensor entries with weights_only=True), interpreted like torch\n"
         "  safetensors  .safetensors files, or a directory of them (a sharded set with its\n"
@@ -730,14 +768,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="step number to record (default: the one SRC records, else 0)")
     convert.add_argument("--optimizer-class", metavar="NAME",
                          help="the optimizer's class (e.g. AdamW) where SRC does not tell")
+    convert.add_argument("--model-only", action="store_true",
+                         help="convert only the model (parameters and buffers) and the step; leave "
+                              "the optimizer and other entries out, unread")
     convert.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     convert.add_argument("--json", action="store_true",
                          help="print one JSON document on stdout instead of text")
     verify = _add_command(
         sub, "verify", "check stored bytes against their checksums",
         "Check every chunk of one step (or of all steps) against its xxh3 checksum and report the "
-        "damaged ones by step, tensor and file. --deep also decodes every chunk and checks the "
-        "result. Exits 0 if everything is intact, 1 if anything is damaged.",
+        "damaged ones by step, tensor and file: each damaged file once, followed by the steps that "
+        "depend on its step (the deltas coded on it), which name it instead of repeating its "
+        "problems. --deep also decodes every chunk and checks the result. Exits 0 if everything "
+        "is intact, 1 if anything is damaged.",
         "  deltackpt verify runs/ckpt\n  deltackpt verify runs/ckpt --step 100 --deep",
         _cmd_verify, [path, progress])
     verify.add_argument("--step", type=_step_arg, metavar="N", help="step to check (default: all)")
@@ -756,7 +799,9 @@ def build_parser() -> argparse.ArgumentParser:
         "restored to), or rewritten as a full step holding exactly those values where that is\n"
         "smaller or no kept step is below it; so every kept step stays restorable. If that would\n"
         "make PATH larger, the steps the kept ones need are held instead. Nothing is changed\n"
-        "unless every new version was written.\n"
+        "unless every new version was written. On a full disk the steps no kept step needs are\n"
+        "deleted first; if the new versions still do not fit, the steps they need are held and\n"
+        "gc says how many bytes the new versions need (exit code 1).\n"
         "Steps whose metadata cannot be read are left alone.\n\n"
         "--keep SPEC is a comma-separated list of rules; a step is kept if any rule keeps it:\n\n"
         "  last=K         the K highest steps\n"

@@ -11,14 +11,12 @@ adds saving, restoring, loading and retention to it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import operator
 import os
-from collections.abc import Callable
 from typing import Any
 
-from deltackpt.errors import CorruptionError, DeltackptError, NotACheckpointError, StepNotFoundError
+from deltackpt.errors import DeltackptError, NotACheckpointError, StepNotFoundError
 from deltackpt.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -28,8 +26,9 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
-from deltackpt.reader import list_steps, read_metadata, step_not_found, verify_step
+from deltackpt.reader import list_steps, read_metadata, step_not_found
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
+from deltackpt.verify import VerifyReport, verify_steps
 
 
 class CheckpointDirectory:
@@ -124,72 +123,18 @@ class CheckpointDirectory:
         return out
 
     def verify(self, step: int | None = None, *, deep: bool = False,
-               progress: bool = False) -> dict[int, list[str]]:
+               progress: bool = False) -> VerifyReport:
         """Check one step (or all) against their checksums, with their delta chains.
 
         Returns ``{step: [problem, ...]}`` for every checked step; an empty
-        list means the step can be restored. A delta step also lists the
-        damage of every step of its chain, and a missing base. ``deep``
+        list means the step can be restored. A delta step also lists, once
+        each, the damaged steps of its chain, and a missing base; the
+        report's ``damage`` gives every damaged file once, with the steps that
+        depend on it (:class:`~deltackpt.verify.VerifyReport`). ``deep``
         also decodes every chunk (a delta step by restoring its chain).
         """
         steps = [self.resolve_step(step)] if step is not None else self.steps()
-        own: dict[int, list[str]] = {}
-        metas = functools.cache(self.metadata)  # each step's metadata is parsed once
-
-        def problems_of(meta: StepMetadata) -> list[str]:
-            if meta.step not in own:
-                own[meta.step] = verify_step(self.storage, meta, deep=deep, workers=self.workers,
-                                             progress=progress)
-            return own[meta.step]
-
-        report = {}
-        for s in steps:
-            try:
-                meta = metas(s)
-                chain = chain_of(self.storage, meta, metas)
-            except DeltackptError as exc:  # unreadable metadata or a broken link is damage
-                report[s] = [str(exc)]
-                continue
-            report[s] = list(problems_of(meta))
-            for link in chain[:-1]:
-                report[s] += [f"depends on step {link.step}, which is damaged: {p}"
-                              for p in problems_of(link)]
-            if deep and not report[s] and meta.kind == "delta":
-                from deltackpt.chain import restore_chain  # decoding a chain needs torch
-
-                try:
-                    restore_chain(self.storage, meta, workers=self.workers, progress=progress)
-                except DeltackptError as exc:
-                    report[s].append(str(exc))
-        return report
-
-
-def chain_of(storage: Storage, meta: StepMetadata,
-             read: Callable[[int], StepMetadata] | None = None) -> list[StepMetadata]:
-    """Metadata of the full step under ``meta`` and every delta up to it, in order.
-
-    ``read`` reads a step's metadata (default: from ``storage``; a caller
-    walking many chains passes a cached reader). Raises
-    :class:`CorruptionError` naming the step whose base is missing or
-    unreadable, so the caller can tell which link is broken.
-    """
-    read = read or (lambda step: read_metadata(storage, step))
-    chain = [meta]
-    while chain[-1].kind == "delta":
-        top = chain[-1]
-        if top.base_step >= top.step:
-            raise CorruptionError(f"step {top.step} names base step {top.base_step}, which is "
-                                  "not an earlier step")
-        try:
-            chain.append(read(top.base_step))
-        except StepNotFoundError:
-            raise CorruptionError(
-                f"step {meta.step} cannot be restored: step {top.step} is a delta on step "
-                f"{top.base_step}, which is missing from {storage.url}") from None
-        except DeltackptError as exc:
-            raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
-                                  f"base step {top.base_step} cannot be read ({exc})") from None
-    return chain[::-1]
+        return verify_steps(self.storage, steps, deep=deep, workers=self.workers, progress=progress)
 
 
 def check_step(step: Any) -> int:

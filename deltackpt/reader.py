@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,13 +47,18 @@ if TYPE_CHECKING:
 
 
 def list_steps(storage: Storage) -> list[int]:
-    """Committed steps, ascending."""
+    """Committed steps, ascending.
+
+    A step directory that is not a directory (a link, a FIFO) is listed
+    too, so that reading it reports what it is instead of the step
+    vanishing from view.
+    """
     if not storage.is_dir(""):
         return []
     steps = []
     for name in storage.listdir():
         match = STEP_DIR_PATTERN.fullmatch(name)
-        if match and storage.exists(f"{name}/{METADATA_FILE}"):
+        if match and (storage.kind(name) != "dir" or storage.exists(f"{name}/{METADATA_FILE}")):
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -83,6 +88,34 @@ def read_metadata(storage: Storage, step: int) -> StepMetadata:
     if meta.step != step:
         raise CorruptionError(f"{where}: records step {meta.step}, not {step}")
     return meta
+
+
+def chain_of(storage: Storage, meta: StepMetadata,
+             read: Callable[[int], StepMetadata] | None = None) -> list[StepMetadata]:
+    """Metadata of the full step under ``meta`` and every delta up to it, in order.
+
+    ``read`` reads a step's metadata (default: from ``storage``; a caller
+    walking many chains passes a cached reader). Raises
+    :class:`CorruptionError` naming the step whose base is missing or
+    unreadable, so the caller can tell which link is broken.
+    """
+    read = read or (lambda step: read_metadata(storage, step))
+    chain = [meta]
+    while chain[-1].kind == "delta":
+        top = chain[-1]
+        if top.base_step >= top.step:
+            raise CorruptionError(f"step {top.step} names base step {top.base_step}, which is "
+                                  "not an earlier step")
+        try:
+            chain.append(read(top.base_step))
+        except StepNotFoundError:
+            raise CorruptionError(
+                f"step {meta.step} cannot be restored: step {top.step} is a delta on step "
+                f"{top.base_step}, which is missing from {storage.url}") from None
+        except DeltackptError as exc:
+            raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
+                                  f"base step {top.base_step} cannot be read ({exc})") from None
+    return chain[::-1]
 
 
 def read_save_id(storage: Storage, step: int) -> str | None:
@@ -145,7 +178,7 @@ class ChunkSource:
         try:
             data = self._reader(chunk.file).read(chunk.offset, chunk.length)
         except CorruptionError as exc:  # it names the file
-            raise CorruptionError(f"step {self.meta.step}, tensor {record.name!r}: {exc}") from None
+            raise type(exc)(f"step {self.meta.step}, tensor {record.name!r}: {exc}") from None
         if xxhash.xxh3_64_hexdigest(data) != chunk.xxh3:
             raise CorruptionError(f"{self.where(record, chunk)}: checksum mismatch in bytes "
                                   f"{chunk.offset}.."
@@ -283,15 +316,16 @@ def run_chunk_tasks(tasks: list, fn, workers: int | None, description: str,
 
 
 def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
-                workers: int | None = None, progress: bool = False) -> list[str]:
-    """Problems found in a step's data: missing or truncated files, checksum mismatches.
+                workers: int | None = None, progress: bool = False) -> dict[str, list[str]]:
+    """Problems found in a step's data, by the URL of the data file they are in: missing or
+    truncated files, checksum mismatches.
 
     Checks stored bytes against their checksums; with ``deep`` also decodes
     every chunk that decodes on its own (not the ``quant``, ``cast`` and ``bnb8`` chunks
     of a delta, which need their chain: see ``CheckpointManager.verify``) and checks the
-    result. Returns one message per damaged chunk.
+    result. Returns one message per damaged chunk, in the order of the step's chunks.
     """
-    problems: list[str] = []
+    problems: dict[int, str] = {}  # by id of the task, filled from the pool's threads
     source = ChunkSource(storage, meta)
     chain_only = _chain_only_codecs() if deep else ()
 
@@ -302,14 +336,18 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
             else:
                 source.stored(task.record, task.chunk)
         except DeltackptError as exc:
-            problems.append(str(exc))
+            problems[id(task)] = str(exc)
 
     tasks = [_Task(r, c, np.empty(0, np.uint8)) for r, c in _all_chunks(meta)]
     try:
         run_chunk_tasks(tasks, check, workers, f"verify step {meta.step}", progress)
     finally:
         source.close()
-    return problems
+    by_file: dict[str, list[str]] = {}
+    for task in tasks:
+        if id(task) in problems:
+            by_file.setdefault(source.path(task.chunk), []).append(problems[id(task)])
+    return by_file
 
 
 def _chain_only_codecs() -> tuple[str, ...]:
