@@ -635,7 +635,7 @@ def _add_demo(sub: Any) -> None:
     the demo parses them itself when it runs (``deltackpt demo --help`` lists them), so that
     building this parser imports nothing more."""
     parser = sub.add_parser("demo", add_help=False,
-                            help="train, checkpoint and resume a small GPT (about a minute)")
+                            help="train, checkpoint and resume a small GPT (under a minute)")
     parser.set_defaults(func=_cmd_demo, forwards_arguments=True)
 
 

@@ -1,6 +1,6 @@
 """``deltackpt demo``: train a small GPT on real text, checkpoint it, resume from a checkpoint.
 
-The main job of the README, about a minute on two cores by default. It shows
+The main job of the README, well under a minute on two cores by default. It shows
 the promises on a real run: checkpoints are much smaller than ``torch.save``'s
 (a full lossless step, then delta steps), any saved step restores into freshly
 built objects, training resumed from the full step continues bit for bit as the
@@ -36,8 +36,8 @@ from deltackpt.training import (
 
 DESCRIPTION = ("Train a small GPT on Python's own sources, checkpoint it with deltackpt beside "
                "torch.save, then resume from a full and from a delta step in freshly built objects. "
-               "About a minute on two cores with the defaults; --steps, --size and --batch make it "
-               "longer.")
+               "Well under a minute on two cores with the defaults; --steps, --size and --batch make "
+               "it longer.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what delta steps keep [%(default)s]")
     parser.add_argument("--steps", type=int, default=40, help="training steps [%(default)s]")
     parser.add_argument("--every", type=int, default=5, help="save every N steps [%(default)s]")
-    parser.add_argument("--size", choices=sorted(SIZES), default="medium",
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model size: tiny (~0.1M params), small (~1.9M), medium (~4.8M), large (~25M), "
                              "xl (~50M) [%(default)s]")
     parser.add_argument("--batch", type=int, default=16, help="sequences per batch [%(default)s]")
