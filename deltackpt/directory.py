@@ -1,5 +1,5 @@
-"""A checkpoint directory as a reader sees it: its committed steps, their metadata and delta
-chains, and a check of their stored bytes.
+"""A checkpoint directory as a reader sees it: its committed steps, their metadata, and a check
+of their stored bytes and delta chains.
 
 None of this needs torch or the Numba kernels, and this module imports neither (a deep
 :meth:`~CheckpointDirectory.verify`, which decodes, imports them when it runs): the
