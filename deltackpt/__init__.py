@@ -9,7 +9,8 @@ The on-disk format is specified in docs/FORMAT.md.
 
 __version__ = "0.1.0"
 
-from deltackpt.compression import EXACT, CompressionConfig, Quantizer
+from typing import TYPE_CHECKING
+
 from deltackpt.errors import (
     ConfigError,
     CorruptionError,
@@ -25,10 +26,29 @@ from deltackpt.errors import (
     WriteFailedError,
     WriterLockedError,
 )
-from deltackpt.loading import LoadReport
-from deltackpt.manager import CheckpointManager, SaveInfo
-from deltackpt.retention import GCReport, RetentionPolicy
-from deltackpt.universal import UniversalCheckpoint, load_universal
+from deltackpt.lazy import lazy_attributes
+
+# Imported when first used: these import torch and the Numba kernels, which the commands that
+# only read metadata (deltackpt ls, info, du, verify) do without.
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "EXACT": "deltackpt.compression",
+    "CompressionConfig": "deltackpt.compression",
+    "Quantizer": "deltackpt.compression",
+    "LoadReport": "deltackpt.loading",
+    "CheckpointManager": "deltackpt.manager",
+    "SaveInfo": "deltackpt.manager",
+    "GCReport": "deltackpt.retention",
+    "RetentionPolicy": "deltackpt.retention",
+    "UniversalCheckpoint": "deltackpt.universal",
+    "load_universal": "deltackpt.universal",
+})
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from deltackpt.compression import EXACT, CompressionConfig, Quantizer
+    from deltackpt.loading import LoadReport
+    from deltackpt.manager import CheckpointManager, SaveInfo
+    from deltackpt.retention import GCReport, RetentionPolicy
+    from deltackpt.universal import UniversalCheckpoint, load_universal
 
 __all__ = [
     "EXACT",

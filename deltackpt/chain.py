@@ -48,10 +48,10 @@ from deltackpt.codecs.quant import (
 )
 from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
-from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
+from deltackpt.errors import CorruptionError, DeltackptError
 from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
 from deltackpt.optimizers import bnb_states
-from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
+from deltackpt.reader import ChunkSource, chain_of, read_tensors, run_chunk_tasks
 from deltackpt.storage import Storage
 
 Layout = dict[str, tuple[str, str, tuple[int, ...]]]
@@ -88,34 +88,6 @@ class Reconstruction:
     chain: list[int] = field(default_factory=list)
     resumed: bool = False
     scaled: frozenset[str] = frozenset()
-
-
-def chain_of(storage: Storage, meta: StepMetadata,
-             read: Callable[[int], StepMetadata] | None = None) -> list[StepMetadata]:
-    """Metadata of the full step under ``meta`` and every delta up to it, in order.
-
-    ``read`` reads a step's metadata (default: from ``storage``; a caller
-    walking many chains passes a cached reader). Raises
-    :class:`CorruptionError` naming the step whose base is missing or
-    unreadable, so the caller can tell which link is broken.
-    """
-    read = read or (lambda step: read_metadata(storage, step))
-    chain = [meta]
-    while chain[-1].kind == "delta":
-        top = chain[-1]
-        if top.base_step >= top.step:
-            raise CorruptionError(f"step {top.step} names base step {top.base_step}, which is "
-                                  "not an earlier step")
-        try:
-            chain.append(read(top.base_step))
-        except StepNotFoundError:
-            raise CorruptionError(
-                f"step {meta.step} cannot be restored: step {top.step} is a delta on step "
-                f"{top.base_step}, which is missing from {storage.url}") from None
-        except DeltackptError as exc:
-            raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
-                                  f"base step {top.base_step} cannot be read ({exc})") from None
-    return chain[::-1]
 
 
 def _self_contained(chunk: Chunk) -> bool:

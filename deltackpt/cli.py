@@ -2,9 +2,13 @@
 and convert checkpoints of other formats.
 
 Every command that takes a checkpoint PATH, except ``gc`` without
-``--dry-run``, opens it with ``CheckpointManager(path, read_only=True)``, so
-it never creates, locks or cleans up anything there and is safe to run while
-a training job writes to the same directory. ``gc`` deletes steps: it takes
+``--dry-run``, only reads it (:class:`~deltackpt.directory.CheckpointDirectory`,
+or ``CheckpointManager(path, read_only=True)`` to restore), so it never
+creates, locks or cleans up anything there and is safe to run while a
+training job writes to the same directory. The commands that only read
+metadata (``ls``, ``info``, ``du``, ``verify`` without ``--deep``) and
+``--help`` and ``--version`` import neither torch nor the Numba kernels:
+the others import what they need when they run. ``gc`` deletes steps: it takes
 the writer lock and refuses to run while another writer holds it.
 ``--json`` prints one JSON document on stdout instead of tables, for
 scripts. Errors go to stderr as ``deltackpt: error: ...`` with exit code 2;
@@ -24,14 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltackpt import __version__
+from deltackpt.directory import CheckpointDirectory
 from deltackpt.errors import DeltackptError, WriterLockedError
 from deltackpt.format import METADATA_FILE, ROLES, StepMetadata, step_dir_name
-from deltackpt.interop import OUT_FORMATS, SOURCE_FORMATS, convert, export
-from deltackpt.interop.files import prepare_out
-from deltackpt.manager import CheckpointManager
-from deltackpt.patterns import ShardingSpec
+from deltackpt.interop import OUT_FORMATS, SOURCE_FORMATS
 from deltackpt.progress import human_bytes
-from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
 
 if TYPE_CHECKING:
@@ -118,9 +119,9 @@ def _summary(value: Any) -> str:
 # -- shared helpers ------------------------------------------------------------------------
 
 
-def _open(path: str) -> CheckpointManager:
-    """A manager that reads ``path`` and never writes to it."""
-    return CheckpointManager(path, read_only=True)
+def _open(path: str) -> CheckpointDirectory:
+    """The checkpoint directory at ``path``, read without torch and never written to."""
+    return CheckpointDirectory(path)
 
 
 def _show_progress(args: argparse.Namespace) -> bool:
@@ -354,7 +355,11 @@ def _print_written(args: argparse.Namespace, headline: str, document: dict[str, 
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
-    mgr = _open(args.path)
+    from deltackpt.interop import export
+    from deltackpt.interop.files import prepare_out
+    from deltackpt.manager import CheckpointManager
+
+    mgr = CheckpointManager(args.path, read_only=True)
     step = mgr.resolve_step(args.step)
     out = prepare_out(Path(args.out), [Path(mgr.path)], args.force)
     ckpt = mgr.restore(step, progress=_show_progress(args))
@@ -370,6 +375,9 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from deltackpt.interop import convert
+    from deltackpt.patterns import ShardingSpec
+
     sharding = ShardingSpec.load(args.spec) if args.spec else None
     report = convert(args.sources, args.out, source_format=args.source_format, out_format=args.to,
                      step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class,
@@ -515,11 +523,14 @@ def _cmd_du(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    from deltackpt.manager import CheckpointManager
+    from deltackpt.retention import RetentionPolicy
+
     try:
         policy = RetentionPolicy.parse(args.keep)
     except ValueError as exc:
         raise ValueError(f"--keep: {exc}") from None
-    reader = _open(args.path)  # refuses what is not a checkpoint directory, creates nothing
+    reader = CheckpointManager(args.path, read_only=True)  # refuses what is not a checkpoint directory
     if args.dry_run:
         report = reader.gc(policy, dry_run=True)
         path = reader.path
@@ -620,29 +631,22 @@ def _add_command(sub: Any, name: str, help_text: str, description: str, examples
 
 
 def _add_demo(sub: Any) -> None:
-    """The ``demo`` command of :mod:`deltackpt.demo`; registered even if that module fails to import."""
-    description = ("Train a small GPT on real text, checkpoint it with deltackpt, compare with torch.save "
-                   "and resume from a saved step.")
+    """The ``demo`` command. Its options are those of :mod:`deltackpt.demo`, which imports torch:
+    the demo parses them itself when it runs (``deltackpt demo --help`` lists them), so that
+    building this parser imports nothing more."""
+    parser = sub.add_parser("demo", add_help=False,
+                            help="train, checkpoint and resume a small GPT (under a minute)")
+    parser.set_defaults(func=_cmd_demo, forwards_arguments=True)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from deltackpt import demo
     except Exception as exc:  # the demo must never break the other commands
-        error = exc  # `exc` is unbound once the except block ends
-        parser = sub.add_parser("demo", help="train, checkpoint and resume a small GPT (unavailable)",
-                                description=description + f" Unavailable here: {error!r}.")
-
-        def unavailable(args: argparse.Namespace) -> int:
-            print(f"deltackpt: error: the demo is unavailable: cannot import deltackpt.demo ({error!r})",
-                  file=sys.stderr)
-            return 2
-
-        parser.set_defaults(func=unavailable, accepts_any_arguments=True)
-        return
-    parser = sub.add_parser("demo", help="train, checkpoint and resume a small GPT",
-                            description=description,
-                            epilog="examples:\n  deltackpt demo\n  deltackpt demo --size tiny --steps 20",
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_arguments(parser)
-    parser.set_defaults(func=demo.run)
+        print(f"deltackpt: error: the demo is unavailable: cannot import deltackpt.demo ({exc!r})",
+              file=sys.stderr)
+        return 2
+    return demo.main(args.arguments)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -822,7 +826,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``deltackpt`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "accepts_any_arguments", False):
+    if getattr(args, "forwards_arguments", False):  # the demo parses its own options
+        args.arguments = unknown
+    elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import operator
 import os
 import time
 import warnings
@@ -17,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltackpt.chain import Reconstruction, chain_of, layout_of, restore_chain
+from deltackpt.chain import Reconstruction, layout_of, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import StepEncoder, captured_layout
+from deltackpt.directory import CheckpointDirectory, check_step
 from deltackpt.distributed import (
     Group,
     check_same_state,
@@ -32,36 +31,22 @@ from deltackpt.errors import (
     CorruptionError,
     DeltackptError,
     DistributedError,
-    NotACheckpointError,
     StepExistsError,
-    StepNotFoundError,
     WriterLockedError,
 )
 from deltackpt.format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     METADATA_FILE,
-    ROOT_MARKER,
     STEP_DIR_PATTERN,
     Box,
     StepMetadata,
     box_index,
-    check_format_version,
     step_dir_name,
 )
-from deltackpt.objectstore import LEASE_OBJECT
-from deltackpt.reader import (
-    list_steps,
-    read_metadata,
-    read_save_id,
-    step_not_found,
-)
+from deltackpt.reader import chain_of, read_metadata, read_save_id
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
-from deltackpt.storage import LOCK_FILE, Storage, open_storage
 from deltackpt.tiering import UploadCache
 from deltackpt.universal import UniversalCheckpoint
-from deltackpt.verify import VerifyReport, verify_steps
 from deltackpt.writer import (
     DEFAULT_CHUNK_BYTES,
     WrittenData,
@@ -117,7 +102,7 @@ class SaveInfo:
                    compression.get("at_max_error") is True)
 
 
-class CheckpointManager:
+class CheckpointManager(CheckpointDirectory):
     """Saves training state as numbered steps in one directory and restores any of them.
 
     >>> mgr = CheckpointManager("runs/ckpt", full_every=10)
@@ -175,13 +160,10 @@ class CheckpointManager:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
-        self.storage: Storage = open_storage(path, storage_options)
-        self.path = self.storage.url
         self.full_every = full_every
         self.compression = as_config(compression)
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None
         self.chunk_bytes = chunk_bytes
-        self.workers = workers
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
@@ -190,9 +172,11 @@ class CheckpointManager:
         self._controller = ScaleController(target, self.compression.max_scale) \
             if target is not None else None
         self._warned_target = False
-        self._open_directory()
-        self._cache = UploadCache(cache, self.storage, cache_keep) \
-            if cache is not None and not read_only else None
+        self._cache: UploadCache | None = None
+        super().__init__(path, workers=workers, create=not read_only,
+                         storage_options=storage_options)
+        if cache is not None and not read_only:
+            self._cache = UploadCache(cache, self.storage, cache_keep)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.path!r}, full_every={self.full_every})"
@@ -218,36 +202,6 @@ class CheckpointManager:
             self._lock = None
 
     # -- directory ---------------------------------------------------------------------
-
-    def _open_directory(self) -> None:
-        storage = self.storage
-        if storage.exists(ROOT_MARKER):
-            where = f"{self.path}/{ROOT_MARKER}"
-            try:
-                marker = json.loads(storage.read_bytes(ROOT_MARKER))
-            except json.JSONDecodeError as exc:
-                raise NotACheckpointError(f"{where}: not valid JSON ({exc})") from None
-            if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
-                raise NotACheckpointError(f"{where}: not a deltackpt marker")
-            check_format_version(marker.get("format_version"), where)
-        elif self.read_only:
-            state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
-            raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
-                                      f"(it {state})")
-        elif storage.exists("") and any(n not in (LOCK_FILE, LEASE_OBJECT, ROOT_MARKER)
-                                        and not n.endswith(".tmp")
-                                        for n in storage.listdir()):
-            raise NotACheckpointError(
-                f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "
-                f"(no {ROOT_MARKER}); refusing to write into it")
-        else:
-            storage.makedirs()
-            try:
-                storage.commit_file(ROOT_MARKER, json.dumps(
-                    {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
-            except FileNotFoundError:  # another process (a rank) created it at the same time,
-                if not storage.exists(ROOT_MARKER):  # and its clean-up took our temporary file
-                    raise
 
     def _remove_leftovers(self) -> None:
         """Delete what interrupted saves left behind (caller holds the writer lock): only what a
@@ -300,26 +254,23 @@ class CheckpointManager:
 
     # -- queries -----------------------------------------------------------------------
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        self._settle()
-        return list_steps(self.storage)
-
     def _settle(self) -> None:
         """Wait for the step uploading from the cache, if any: every operation but a save's
         return sees the remote with it (or raises its upload's failure)."""
         if self._cache is not None:
             self._cache.wait()
 
-    def latest_step(self) -> int | None:
-        """The highest committed step, or ``None`` if there is none."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+    def steps(self) -> list[int]:
+        self._settle()
+        return super().steps()
 
     def metadata(self, step: int) -> StepMetadata:
-        """The validated metadata of ``step``."""
         self._settle()
-        return read_metadata(self.storage, _check_step(step))
+        return super().metadata(step)
+
+    def resolve_step(self, step: int | None = None) -> int:
+        self._settle()
+        return super().resolve_step(step)
 
     def info(self, step: int) -> SaveInfo:
         """Kind, sizes and timing recorded for ``step``."""
@@ -362,7 +313,7 @@ class CheckpointManager:
                       progress: bool = False) -> SaveInfo:
         """Write already captured state as ``step`` (used by :meth:`save` and
         :meth:`UniversalCheckpoint.save_universal`)."""
-        step = _check_step(step)
+        step = check_step(step)
         group = Group.current()
         if group is not None:
             if self._cache is not None:
@@ -561,33 +512,7 @@ class CheckpointManager:
             return None
         return recon
 
-    def dependents(self, step: int) -> list[int]:
-        """Committed delta steps coded directly against ``step``."""
-        out = []
-        for s in self.steps():
-            if s > step:
-                with contextlib.suppress(DeltackptError):
-                    if self.metadata(s).base_step == step:
-                        out.append(s)
-        return out
-
     # -- restore -----------------------------------------------------------------------
-
-    def resolve_step(self, step: int | None = None) -> int:
-        """``step`` if it is committed, the latest step if ``step`` is None.
-
-        Raises :class:`StepNotFoundError` listing the committed steps otherwise.
-        """
-        self._settle()
-        if step is None:
-            latest = self.latest_step()
-            if latest is None:
-                raise StepNotFoundError(f"{self.path} has no committed steps")
-            return latest
-        step = _check_step(step)
-        if not self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
-            raise step_not_found(self.storage, step)
-        return step
 
     def restore(self, step: int | None = None, *, progress: bool = False) -> UniversalCheckpoint:
         """Rebuild ``step`` (default: the latest) as a :class:`UniversalCheckpoint`.
@@ -681,20 +606,6 @@ class CheckpointManager:
             tensors[name] = shard_like(target, tensors[name])
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
-    def verify(self, step: int | None = None, *, deep: bool = False,
-               progress: bool = False) -> VerifyReport:
-        """Check one step (or all) against their checksums, with their delta chains.
-
-        Returns ``{step: [problem, ...]}`` for every checked step; an empty
-        list means the step can be restored. A delta step also lists, once
-        each, the damaged steps of its chain, and a missing base; the
-        report's ``damage`` gives every damaged file once, with the steps that
-        depend on it (:class:`~deltackpt.verify.VerifyReport`). ``deep``
-        also decodes every chunk (a delta step by restoring its chain).
-        """
-        steps = [self.resolve_step(step)] if step is not None else self.steps()
-        return verify_steps(self.storage, steps, deep=deep, workers=self.workers, progress=progress)
-
 
 def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], group: Group | None,
              model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
@@ -721,14 +632,3 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
     local = {name: part.values for name, part in parts.items()}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
-
-
-def _check_step(step: Any) -> int:
-    """``step`` as an int; any integer type (numpy, 0-d integer tensors) is accepted."""
-    try:
-        value = operator.index(step)
-    except TypeError:
-        value = None
-    if isinstance(step, bool) or value is None or value < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return value

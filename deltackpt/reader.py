@@ -3,6 +3,10 @@
 Each chunk's stored bytes are checked against their xxh3 before decoding
 and the decoded bytes against ``raw_xxh3`` after, so corruption is reported
 with the step, tensor and file it hit instead of surfacing as wrong numbers.
+
+Reading metadata and checking checksums needs neither torch nor the Numba
+kernels, so this module imports them only where it decodes (``deltackpt ls``,
+``info`` and ``verify`` start without them).
 """
 
 from __future__ import annotations
@@ -10,19 +14,15 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 import zstandard
 
-from deltackpt.codecs import decode_into
-from deltackpt.codecs.bnb8 import NAME as BNB8
-from deltackpt.codecs.cast import NAME as CAST
-from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.dtypes import spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, FormatError, StepNotFoundError
 from deltackpt.format import (
@@ -38,9 +38,12 @@ from deltackpt.format import (
     parse_step_metadata,
     step_dir_name,
 )
+from deltackpt.pool import default_workers
 from deltackpt.progress import progress_bar
 from deltackpt.storage import RangeReader, Storage
-from deltackpt.writer import default_workers
+
+if TYPE_CHECKING:
+    import torch
 
 
 def list_steps(storage: Storage) -> list[int]:
@@ -85,6 +88,34 @@ def read_metadata(storage: Storage, step: int) -> StepMetadata:
     if meta.step != step:
         raise CorruptionError(f"{where}: records step {meta.step}, not {step}")
     return meta
+
+
+def chain_of(storage: Storage, meta: StepMetadata,
+             read: Callable[[int], StepMetadata] | None = None) -> list[StepMetadata]:
+    """Metadata of the full step under ``meta`` and every delta up to it, in order.
+
+    ``read`` reads a step's metadata (default: from ``storage``; a caller
+    walking many chains passes a cached reader). Raises
+    :class:`CorruptionError` naming the step whose base is missing or
+    unreadable, so the caller can tell which link is broken.
+    """
+    read = read or (lambda step: read_metadata(storage, step))
+    chain = [meta]
+    while chain[-1].kind == "delta":
+        top = chain[-1]
+        if top.base_step >= top.step:
+            raise CorruptionError(f"step {top.step} names base step {top.base_step}, which is "
+                                  "not an earlier step")
+        try:
+            chain.append(read(top.base_step))
+        except StepNotFoundError:
+            raise CorruptionError(
+                f"step {meta.step} cannot be restored: step {top.step} is a delta on step "
+                f"{top.base_step}, which is missing from {storage.url}") from None
+        except DeltackptError as exc:
+            raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
+                                  f"base step {top.base_step} cannot be read ({exc})") from None
+    return chain[::-1]
 
 
 def read_save_id(storage: Storage, step: int) -> str | None:
@@ -156,6 +187,8 @@ class ChunkSource:
 
     def decode(self, record: TensorRecord, chunk: Chunk, out: np.ndarray) -> None:
         """Decode the chunk into ``out`` (its raw bytes) and check the result."""
+        from deltackpt.codecs import decode_into
+
         stored = self.stored(record, chunk)
         try:
             decode_into(chunk.codec, chunk.params, stored, out)
@@ -204,6 +237,8 @@ class _Placement:
 
 
 def _flat_bytes(tensor: torch.Tensor) -> np.ndarray:
+    import torch
+
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -217,6 +252,8 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
     and decoded, so a rank loading its shard of a tensor saved under
     another layout reads little more than that shard.
     """
+    import torch
+
     wanted = {r.name for r in meta.tensors} if names is None else set(names)
     records = {r.name: r for r in meta.tensors}
     unknown = sorted(wanted - records.keys())
@@ -290,10 +327,11 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
     """
     problems: dict[int, str] = {}  # by id of the task, filled from the pool's threads
     source = ChunkSource(storage, meta)
+    chain_only = _chain_only_codecs() if deep else ()
 
     def check(task: _Task) -> None:
         try:
-            if deep and task.chunk.codec not in (QUANT, CAST, BNB8):  # these decode only on a chain
+            if deep and task.chunk.codec not in chain_only:
                 source.decode(task.record, task.chunk, np.empty(task.chunk.raw_length, np.uint8))
             else:
                 source.stored(task.record, task.chunk)
@@ -310,6 +348,16 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
         if id(task) in problems:
             by_file.setdefault(source.path(task.chunk), []).append(problems[id(task)])
     return by_file
+
+
+def _chain_only_codecs() -> tuple[str, ...]:
+    """The codecs whose chunks decode only on their chain (their modules import torch and the
+    kernels: imported by a deep check only)."""
+    from deltackpt.codecs.bnb8 import NAME as BNB8
+    from deltackpt.codecs.cast import NAME as CAST
+    from deltackpt.codecs.quant import NAME as QUANT
+
+    return QUANT, CAST, BNB8
 
 
 def _all_chunks(meta: StepMetadata) -> Iterator[tuple[TensorRecord, Chunk]]:

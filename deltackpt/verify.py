@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltackpt.chain import chain_of, restore_chain
 from deltackpt.errors import DeltackptError, StepNotFoundError
 from deltackpt.format import METADATA_FILE, StepMetadata, step_dir_name
-from deltackpt.reader import read_metadata, verify_step
+from deltackpt.reader import chain_of, read_metadata, verify_step
 from deltackpt.storage import Storage
 
 
@@ -111,6 +110,8 @@ def verify_steps(storage: Storage, steps: list[int], *, deep: bool = False, work
             f"depends on step {b}, which is damaged "
             f"({_count(sum(map(len, found[b].values())), 'problem')})" for b in damaged]
         if deep and not report[step] and meta.kind == "delta":
+            from deltackpt.chain import restore_chain  # decoding a chain needs torch and the kernels
+
             try:
                 restore_chain(storage, meta, workers=workers, progress=progress)
             except DeltackptError as exc:

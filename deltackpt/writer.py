@@ -9,7 +9,6 @@ whatever the model size, and collects their metadata in order.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import threading
 import time
@@ -41,6 +40,7 @@ from deltackpt.format import (
     data_file_name,
     step_dir_name,
 )
+from deltackpt.pool import default_workers
 from deltackpt.progress import progress_bar
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
@@ -55,11 +55,6 @@ def encode_exact(record: TensorRecord, spec: DTypeSpec, raw_offset: int,
                  raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
     """The chunk encoder of full steps: lossless."""
     return encode_lossless(raw, spec), raw
-
-
-def default_workers() -> int:
-    """Threads for encoding and decoding: one per CPU this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass

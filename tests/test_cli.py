@@ -269,6 +269,7 @@ def test_restore_universal_is_bit_exact(ckpt: Checkpoint, runs: Runs) -> None:
     source = CheckpointManager(ckpt.path, read_only=True).restore(2)
     out = runs.work / "u"
     assert CheckpointManager(out, read_only=True).steps() == [2]
+    assert not (out / ".writer.lock").exists()  # a standalone directory that nothing writes to
     copied = load_universal(out)
     assert copied.tensors.keys() == source.tensors.keys()
     for name, tensor in source.tensors.items():

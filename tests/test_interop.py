@@ -714,3 +714,24 @@ def test_failed_export_leaves_nothing(restored: UniversalCheckpoint, tmp_path: P
     with pytest.raises(OSError, match="disk full"):
         export(restored.captured(), STEP, tmp_path / "out", "torch")
     assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o007])
+def test_outputs_get_the_umask_and_no_lock(restored: UniversalCheckpoint, tmp_path: Path, umask: int) -> None:
+    """Every exported file has the mode a new file gets under the user's umask, as ``open`` gives
+    it (safetensors writes through a private temporary file, 0600), and a standalone deltackpt
+    export holds no writer lock file."""
+    previous = os.umask(umask)
+    try:
+        outs = {fmt: export(restored.captured(), STEP, tmp_path / fmt, fmt)
+                for fmt in ("deltackpt", "safetensors", "torch", "dcp")}
+        restored.save_universal(tmp_path / "universal")
+    finally:
+        os.umask(previous)
+    assert load_universal(tmp_path / "universal").step == STEP
+    for out in [*map(tmp_path.joinpath, outs), tmp_path / "universal"]:
+        assert not (out / ".writer.lock").exists(), out
+        modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in out.rglob("*")}
+        expected = {name: oct((0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask) for name in modes}
+        assert modes == expected
+    assert [p.name for p in outs["deltackpt"].files[:1]] == ["deltackpt.json"]

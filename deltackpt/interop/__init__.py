@@ -9,9 +9,31 @@ source as a :class:`~deltackpt.state.CapturedState`, and :func:`export`
 --format`` does for a restored step.
 """
 
-from deltackpt.interop.convert import ConvertReport, convert
-from deltackpt.interop.exporters import OUT_FORMATS, Export, export
-from deltackpt.interop.sources import SOURCE_FORMATS, Source, detect_format, read_checkpoint
+from typing import TYPE_CHECKING
+
+from deltackpt.lazy import lazy_attributes
+
+OUT_FORMATS = ("deltackpt", "safetensors", "dcp", "torch")
+"""What :func:`convert` and :func:`export` write."""
+SOURCE_FORMATS = ("torch", "dcp", "safetensors", "deepspeed")
+"""What :func:`convert` and :func:`read_checkpoint` read."""
+
+# Imported when first used (they import torch): the command line builds its options from the
+# format names above without them.
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "ConvertReport": "deltackpt.interop.convert",
+    "convert": "deltackpt.interop.convert",
+    "Export": "deltackpt.interop.exporters",
+    "export": "deltackpt.interop.exporters",
+    "Source": "deltackpt.interop.sources",
+    "detect_format": "deltackpt.interop.sources",
+    "read_checkpoint": "deltackpt.interop.sources",
+})
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from deltackpt.interop.convert import ConvertReport, convert
+    from deltackpt.interop.exporters import Export, export
+    from deltackpt.interop.sources import Source, detect_format, read_checkpoint
 
 __all__ = ["OUT_FORMATS", "SOURCE_FORMATS", "ConvertReport", "Export", "Source", "convert",
            "detect_format", "export", "read_checkpoint"]

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deltackpt.format import ROOT_MARKER, step_dir_name, tensor_name
+from deltackpt.interop import OUT_FORMATS
 from deltackpt.interop.files import publish_directory
 from deltackpt.interop.layouts import OPTIMIZER_CLASS_KEY, TORCH_FILE, native_optimizer, weights_only_loadable
 from deltackpt.state import CapturedState
+from deltackpt.storage import LOCK_FILE, open_storage
 
 if TYPE_CHECKING:
     from deltackpt.manager import SaveInfo
-
-OUT_FORMATS = ("deltackpt", "safetensors", "dcp", "torch")
 
 
 @dataclass
@@ -61,11 +61,29 @@ def export(captured: CapturedState, step: int, out: Path, out_format: str, *,
 
 def save_standalone(captured: CapturedState, step: int, path: str | os.PathLike[str], *,
                     overwrite: bool = False) -> SaveInfo:
-    """Write ``captured`` losslessly as step ``step`` of the deltackpt directory at ``path``."""
+    """Write ``captured`` losslessly as step ``step`` of the deltackpt directory at ``path``.
+
+    A new or empty ``path`` appears whole, in one rename of a private temporary directory, and
+    holds no writer lock file (nothing writes to it). Into an existing checkpoint directory the
+    step is saved as any step is (``overwrite`` replaces it).
+    """
     from deltackpt.manager import CheckpointManager
 
-    with CheckpointManager(path, compression="lossless") as mgr:
-        return mgr.save_captured(step, captured, overwrite=overwrite)
+    def save(directory: str | os.PathLike[str]) -> SaveInfo:
+        with CheckpointManager(directory, compression="lossless") as mgr:
+            return mgr.save_captured(step, captured, overwrite=overwrite)
+
+    out = Path(open_storage(path).url)
+    if out.exists() and any(out.iterdir()):
+        return save(out)
+    saved = []
+
+    def write(tmp: Path) -> None:
+        saved.append(save(tmp))
+        (tmp / LOCK_FILE).unlink()  # the directory is private: no other writer can hold the lock
+
+    publish_directory(out, write)
+    return saved[0]
 
 
 def _export_deltackpt(captured: CapturedState, step: int, out: Path, overwrite: bool) -> list[Path]:

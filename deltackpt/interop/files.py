@@ -7,6 +7,7 @@ import os
 import pickle
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -62,13 +63,16 @@ def publish_directory(out: Path, write: Callable[[Path], None], commit_file: str
     ``commit_file`` (the file that makes the directory a checkpoint, as
     DCP's ``.metadata``) is removed first and moved last, so an interrupted
     move never leaves a checkpoint whose index names the wrong data.
-    Returns the paths of the files written, sorted.
+    Every file gets the permissions the user's umask gives a new file,
+    whatever its writer created it with. Returns the paths of the files
+    written, sorted.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         write(tmp)
+        _apply_umask(tmp)
         names = sorted(p.name for p in tmp.iterdir())
         if not out.exists() or not any(out.iterdir()):
             os.replace(tmp, out)  # rename(2) replaces an empty directory
@@ -80,6 +84,20 @@ def publish_directory(out: Path, write: Callable[[Path], None], commit_file: str
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / name for name in names]
+
+
+def _apply_umask(root: Path) -> None:
+    """Give every file under ``root`` the mode the umask gives a new file (``0o666`` less the
+    umask), as ``open`` would: writers that go through a private temporary file, as safetensors
+    does, leave it ``0o600``. The umask is read off ``root``, made with ``mkdir``'s default mode
+    (``0o777`` less the umask), since reading it with ``os.umask`` changes it for a moment for
+    every thread of the process."""
+    mode = stat.S_IMODE(root.stat().st_mode) & 0o666
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = Path(folder, name)
+            if not path.is_symlink():
+                path.chmod(mode)
 
 
 def load_weights_only(source: Path | IO[bytes], what: str | None = None) -> Any:

@@ -40,6 +40,7 @@ import torch
 
 from deltackpt.errors import ConversionError, DeltackptError
 from deltackpt.format import ROOT_MARKER
+from deltackpt.interop import SOURCE_FORMATS
 from deltackpt.interop.files import inside, load_weights_only
 from deltackpt.interop.layouts import (
     TORCH_FILE,
@@ -566,8 +567,7 @@ READERS: dict[str, Callable[[list[Path], str | None, bool], Source]] = {
     "dcp": read_dcp,
     "safetensors": read_safetensors,
     "deepspeed": read_deepspeed,
-}
-SOURCE_FORMATS = tuple(READERS)
+}  # by the names of SOURCE_FORMATS, in its order
 
 
 def detect_format(paths: list[Path]) -> str:
