@@ -51,7 +51,13 @@ from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
 from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
 from deltackpt.optimizers import bnb_states
-from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
+from deltackpt.reader import (
+    ChunkSource,
+    check_data_files,
+    read_metadata,
+    read_tensors,
+    run_chunk_tasks,
+)
 from deltackpt.storage import Storage
 
 Layout = dict[str, tuple[str, str, tuple[int, ...]]]
@@ -96,8 +102,9 @@ def chain_of(storage: Storage, meta: StepMetadata,
 
     ``read`` reads a step's metadata (default: from ``storage``; a caller
     walking many chains passes a cached reader). Raises
-    :class:`CorruptionError` naming the step whose base is missing or
-    unreadable, so the caller can tell which link is broken.
+    :class:`CorruptionError` naming the step whose base is missing,
+    unreadable or holds other tensors, so the caller can tell which link is
+    broken.
     """
     read = read or (lambda step: read_metadata(storage, step))
     chain = [meta]
@@ -115,6 +122,9 @@ def chain_of(storage: Storage, meta: StepMetadata,
         except DeltackptError as exc:
             raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
                                   f"base step {top.base_step} cannot be read ({exc})") from None
+        if layout_of(chain[-1]) != layout_of(top):  # no delta's tensor outgrows its full step's
+            raise CorruptionError(f"step {top.step} is a delta on step {top.base_step}, which "
+                                  "holds other tensors (names, roles, dtypes or shapes; FORMAT.md 5)")
     return chain[::-1]
 
 
@@ -464,6 +474,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     the chunks that hold the box's first to last element.
     """
     chain = chain_of(storage, meta)
+    for step in chain:
+        check_data_files(storage, step)
     full_step = chain[0]
     boxes = boxes or {}
     values: dict[str, np.ndarray] = {}

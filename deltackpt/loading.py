@@ -137,10 +137,20 @@ def load_into(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, 
     if strict and not report.ok:
         raise StateMismatchError("checkpoint does not match (nothing was loaded; pass "
                                  "strict=False to load what matches):\n" + report.describe())
+    # The optimizer first: its own load_state_dict may still refuse values the checkpoint holds.
+    if opt_sd is not None:
+        try:
+            optimizer.load_state_dict(opt_sd)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise StateMismatchError(f"the checkpoint's optimizer state does not load into "
+                                     f"{type(optimizer).__qualname__}: {type(exc).__name__}: "
+                                     f"{exc}") from None
     if model is not None:
         model.load_state_dict(loadable, strict=False)
-    if opt_sd is not None:
-        optimizer.load_state_dict(opt_sd)
     if rng and saved_rng is not None:
-        set_rng_state(saved_rng)
+        try:
+            set_rng_state(saved_rng)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise StateMismatchError(f"the checkpoint's RNG states cannot be restored: "
+                                     f"{type(exc).__name__}: {exc}") from None
     return report

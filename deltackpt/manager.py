@@ -39,13 +39,14 @@ from deltackpt.errors import (
 from deltackpt.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_ROOT_MARKER_BYTES,
     METADATA_FILE,
     ROOT_MARKER,
     STEP_DIR_PATTERN,
     Box,
     StepMetadata,
     box_index,
-    check_format_version,
+    check_root_marker,
     step_dir_name,
 )
 from deltackpt.reader import (
@@ -195,13 +196,9 @@ class CheckpointManager:
         storage = self.storage
         if storage.exists(ROOT_MARKER):
             where = f"{self.path}/{ROOT_MARKER}"
-            try:
-                marker = json.loads(storage.read_bytes(ROOT_MARKER))
-            except json.JSONDecodeError as exc:
-                raise NotACheckpointError(f"{where}: not valid JSON ({exc})") from None
-            if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
-                raise NotACheckpointError(f"{where}: not a deltackpt marker")
-            check_format_version(marker.get("format_version"), where)
+            if storage.size(ROOT_MARKER) > MAX_ROOT_MARKER_BYTES:
+                raise NotACheckpointError(f"{where}: too large for a deltackpt marker")
+            check_root_marker(storage.read_bytes(ROOT_MARKER), where)
         elif self.read_only:
             state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
             raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
