@@ -299,15 +299,16 @@ def check_plain(value: Any, depth: int, what: str) -> None:
     and objects and its integers are int64: what the informative stats and codec params may
     hold (their readers format and convert them)."""
     cls = value.__class__
-    if cls is int:
-        if not -MAX_INT - 1 <= value <= MAX_INT:
+    if cls is not dict and cls is not list:
+        if cls is int and not -MAX_INT - 1 <= value <= MAX_INT:
             raise FormatError(f"{what}: integer {shown(value)} is out of the int64 range")
-    elif cls is dict or cls is list:
-        if depth == 0:
-            raise FormatError(f"{what}: nested too deep")
-        for item in value.values() if cls is dict else value:
-            if item.__class__ in (dict, list, int):
-                check_plain(item, depth - 1, what)
+        return
+    if depth == 0:
+        raise FormatError(f"{what}: nested too deep")
+    for item in value.values() if cls is dict else value:
+        cls = item.__class__
+        if cls is dict or cls is list or (cls is int and not -MAX_INT - 1 <= item <= MAX_INT):
+            check_plain(item, depth - 1, what)
 
 
 def _located(parse: Callable[..., Any], items: list, what: str, *args: Any) -> list:
@@ -347,7 +348,8 @@ def _parse_chunk(obj: Any, files: list[DataFile], kind: str) -> Chunk:
                           f"{chunk.raw_length}")
     if kind == "full" and chunk.codec in DELTA_CODECS:
         raise FormatError(f"codec {chunk.codec!r} belongs to delta steps")
-    check_plain(chunk.params, 3, "params")
+    if chunk.params:
+        check_plain(chunk.params, 3, "params")
     return chunk
 
 

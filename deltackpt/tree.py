@@ -158,7 +158,8 @@ def check_tree(obj: Any, dtypes: Mapping[str, str], where: str, depth: int = MAX
     try:
         _check(obj, dtypes, depth)
     except _TreeError as exc:
-        at = "".join(f"[{p!r}]" for p in reversed(exc.path))
+        at = "".join(f"[{reprlib.repr(p)}]" for p in reversed(exc.path))
+        at = at if len(at) <= 80 else f"{at[:60]}...{at[-17:]}"
         raise FormatError(f"{where}{at}: {exc.message}") from None
 
 

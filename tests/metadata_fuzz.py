@@ -298,6 +298,78 @@ class Mutator:
         stream = zstandard.ZstdCompressor(write_content_size=False).compress(text)
         return Case("sealed:zstd-no-size", step, stream, sealed=True)
 
+    def _sealed(self, step: int, kind: str, edit: Callable[[dict], None], text: str = "") -> Case:
+        """Step ``step``'s metadata as ``edit`` changes it, re-sealed (compressed as the step's
+        was); ``text`` replaces a ``_PLACEHOLDER`` value that ``edit`` left."""
+        obj = json.loads(self.texts[step])
+        obj.pop(CHECKSUM_KEY, None)
+        edit(obj)
+        body = json.dumps(obj, separators=(",", ":")).replace(json.dumps(_PLACEHOLDER), text)
+        data = seal_json(body).encode()
+        if self.originals[step][:4] == ZSTD_MAGIC:
+            data = zstandard.ZstdCompressor().compress(data)
+        return Case(f"sealed:{kind}", step, data, sealed=True)
+
+    def targeted(self) -> list[Case]:
+        """The audit's cases of exhaustion and crashes, re-sealed, in a full and a delta step:
+        a chunk of 10**12 bytes (also within a data file said to be that large), a tensor of
+        10**9 elements (also with a chunk and file large enough to hold it), integers beyond
+        int64, nesting a hundred thousand levels deep and just over the bound, and zstd frames
+        that inflate far beyond the metadata or the bound."""
+        def chunked(obj: dict) -> dict:
+            """A float32 tensor with chunks that no other tensor aliases."""
+            aliased = {t.get("alias_of") for t in obj["tensors"]}
+            return next(t for t in obj["tensors"] if t["dtype"] == "float32" and t["fragments"]
+                        and t["fragments"][0]["chunks"] and t["name"] not in aliased)
+
+        def beyond(obj: dict, chunk: dict, length: int) -> None:
+            """Move ``chunk`` past the end of its data file and say the file holds it."""
+            file = obj["files"][chunk["file"]]
+            chunk.update(offset=file["size"], length=length)
+            file["size"] += length
+
+        def long_chunk(file_too: bool) -> Callable[[dict], None]:
+            def edit(obj: dict) -> None:
+                chunk = chunked(obj)["fragments"][0]["chunks"][0]
+                if file_too:
+                    chunk.update(codec="zstd", params={})
+                    beyond(obj, chunk, 10**12)
+                else:
+                    chunk["length"] = 10**12
+            return edit
+
+        def big_tensor(consistent: bool) -> Callable[[dict], None]:
+            def edit(obj: dict) -> None:
+                record, n = chunked(obj), 10**9
+                record["shape"], fragment = [n], record["fragments"][0]
+                fragment.update(offsets=[0], sizes=[n], chunks=fragment["chunks"][:1])
+                chunk = fragment["chunks"][0]
+                chunk["raw_length"] = 4 * n
+                if consistent:  # a chunk and a data file that could hold it, as far as sizes go
+                    chunk.update(codec="zstd", params={})
+                    beyond(obj, chunk, 4 * n // 2**15 + 1)
+            return edit
+
+        def extra(value: Any) -> Callable[[dict], None]:
+            return lambda obj: obj["state"].update(extra=value)
+
+        cases = []
+        for step in (1, 2):
+            cases += [self._sealed(step, "chunk-length-1e12", long_chunk(False)),
+                      self._sealed(step, "chunk-length-1e12-file-too", long_chunk(True)),
+                      self._sealed(step, "shape-1e9", big_tensor(False)),
+                      self._sealed(step, "shape-1e9-chunk-and-file-too", big_tensor(True)),
+                      self._sealed(step, "shape-huge-int",
+                                   lambda obj: chunked(obj).update(shape=[10**30])),
+                      self._sealed(step, "nesting-100000", extra(_PLACEHOLDER), _deep(100_000)),
+                      self._sealed(step, "nesting-70", extra(_PLACEHOLDER), _deep(70)),
+                      self._sealed(step, "int-5000-digits", extra(_PLACEHOLDER), "9" * 5000),
+                      self._sealed(step, "nan-seconds",
+                                   lambda obj: obj["stats"].update(seconds=_PLACEHOLDER), "NaN")]
+        whitespace = zstandard.ZstdCompressor().compress(b" " * (1 << 20))
+        return [*cases, Case("sealed:zstd-bomb", 2, zstd_bomb(), sealed=True),
+                Case("sealed:zstd-inflates-1MiB", 2, whitespace, sealed=True)]
+
     def cases(self, n: int) -> Iterator[Case]:
         """``n`` cases: a third byte damage, a sixth JSON-aware damage, the rest re-sealed JSON
         mutations and an occasional zstd bomb."""
