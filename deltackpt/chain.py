@@ -53,7 +53,7 @@ from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, 
 from deltackpt.optimizers import bnb_states
 from deltackpt.reader import (
     ChunkSource,
-    check_data_files,
+    check_chunks_readable,
     read_metadata,
     read_tensors,
     run_chunk_tasks,
@@ -475,7 +475,7 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     """
     chain = chain_of(storage, meta)
     for step in chain:
-        check_data_files(storage, step)
+        check_chunks_readable(storage, step)
     full_step = chain[0]
     boxes = boxes or {}
     values: dict[str, np.ndarray] = {}

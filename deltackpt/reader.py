@@ -19,6 +19,7 @@ import xxhash
 import zstandard
 
 from deltackpt.codecs import decode_into
+from deltackpt.codecs.base import codec_named
 from deltackpt.codecs.bnb8 import NAME as BNB8
 from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
@@ -227,7 +228,7 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
     unknown = sorted(wanted - records.keys())
     if unknown:
         raise KeyError(f"step {meta.step} has no tensor(s) {unknown}")
-    check_data_files(storage, meta)
+    check_chunks_readable(storage, meta)
     boxes = boxes or {}
     targets = {records[n].alias_of or n for n in wanted}
     tensors: dict[str, torch.Tensor] = {}
@@ -273,24 +274,30 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
     return {n: tensors[n] for n in (r.name for r in meta.tensors) if n in wanted}
 
 
-def check_data_files(storage: Storage, meta: StepMetadata) -> None:
-    """Raise, as reading it would, for the first chunk that lies beyond the end of its data file
-    or in a missing one: a restore checks this before it allocates anything on the word of the
-    metadata (whose chunk ranges are checked against the files' recorded sizes)."""
-    for index, file in enumerate(meta.files):
-        try:
-            size = storage.size(f"{step_dir_name(meta.step)}/{file.name}")
-        except FileNotFoundError:
-            size = -1
-        if size >= file.size:
-            continue
+def check_chunks_readable(storage: Storage, meta: StepMetadata) -> None:
+    """Raise, as reading it would, for the first chunk of a step that cannot be read: of a codec
+    this deltackpt does not know, beyond the end of its data file, or in a missing one. A
+    restore checks this before it allocates anything on the word of the metadata (whose chunk
+    ranges are checked against the files' recorded sizes, not their sizes on disk)."""
+    source = ChunkSource(storage, meta)
+    try:
         for record, chunk in _all_chunks(meta):
-            if chunk.file == index and (size < 0 or chunk.offset + chunk.length > size):
-                source = ChunkSource(storage, meta)
+            if chunk.codec not in (QUANT, CAST, BNB8):  # those decode through the chain
                 try:
-                    source.stored(record, chunk)
-                finally:
-                    source.close()
+                    codec_named(chunk.codec)
+                except FormatError as exc:
+                    raise FormatError(f"{source.where(record, chunk)}: {exc}") from None
+        for index, file in enumerate(meta.files):
+            try:
+                size = storage.size(f"{step_dir_name(meta.step)}/{file.name}")
+            except FileNotFoundError:
+                size = -1
+            if size < file.size:
+                for record, chunk in _all_chunks(meta):
+                    if chunk.file == index and (size < 0 or chunk.offset + chunk.length > size):
+                        source.stored(record, chunk)  # raises, naming step, tensor and file
+    finally:
+        source.close()
 
 
 def run_chunk_tasks(tasks: list, fn, workers: int | None, description: str,

@@ -313,7 +313,8 @@ class Mutator:
     def targeted(self) -> list[Case]:
         """The audit's cases of exhaustion and crashes, re-sealed, in a full and a delta step:
         a chunk of 10**12 bytes (also within a data file said to be that large), a tensor of
-        10**9 elements (also with a chunk and file large enough to hold it), integers beyond
+        10**9 elements (also with a chunk and file large enough to hold it, or in a chunk of an
+        unknown codec), integers beyond
         int64, nesting a hundred thousand levels deep and just over the bound, and zstd frames
         that inflate far beyond the metadata or the bound."""
         def chunked(obj: dict) -> dict:
@@ -338,16 +339,18 @@ class Mutator:
                     chunk["length"] = 10**12
             return edit
 
-        def big_tensor(consistent: bool) -> Callable[[dict], None]:
+        def big_tensor(how: str) -> Callable[[dict], None]:
             def edit(obj: dict) -> None:
                 record, n = chunked(obj), 10**9
                 record["shape"], fragment = [n], record["fragments"][0]
                 fragment.update(offsets=[0], sizes=[n], chunks=fragment["chunks"][:1])
                 chunk = fragment["chunks"][0]
                 chunk["raw_length"] = 4 * n
-                if consistent:  # a chunk and a data file that could hold it, as far as sizes go
+                if how == "consistent":  # a chunk and a data file that could hold it, by sizes
                     chunk.update(codec="zstd", params={})
                     beyond(obj, chunk, 4 * n // 2**15 + 1)
+                elif how == "unknown codec":  # whose expansion no reader can bound
+                    chunk.update(codec="hyperzip", params={})
             return edit
 
         def extra(value: Any) -> Callable[[dict], None]:
@@ -357,8 +360,9 @@ class Mutator:
         for step in (1, 2):
             cases += [self._sealed(step, "chunk-length-1e12", long_chunk(False)),
                       self._sealed(step, "chunk-length-1e12-file-too", long_chunk(True)),
-                      self._sealed(step, "shape-1e9", big_tensor(False)),
-                      self._sealed(step, "shape-1e9-chunk-and-file-too", big_tensor(True)),
+                      self._sealed(step, "shape-1e9", big_tensor("")),
+                      self._sealed(step, "shape-1e9-chunk-and-file-too", big_tensor("consistent")),
+                      self._sealed(step, "shape-1e9-unknown-codec", big_tensor("unknown codec")),
                       self._sealed(step, "shape-huge-int",
                                    lambda obj: chunked(obj).update(shape=[10**30])),
                       self._sealed(step, "nesting-100000", extra(_PLACEHOLDER), _deep(100_000)),
