@@ -312,17 +312,26 @@ def _no_read(*args: Any) -> bytes:
     raise AssertionError("the metadata file was read")
 
 
-def test_optimizer_state_torch_refuses_is_a_state_mismatch(ckpt: Path) -> None:
+@pytest.mark.parametrize("step", [None, 10**400])
+def test_optimizer_state_torch_refuses_is_a_state_mismatch(ckpt: Path, step: int | None) -> None:
     """Optimizer state that passes validation but that torch's AdamW refuses (a parameter's state
-    without ``step``) raises StateMismatchError from load; restore still gives it."""
-    def drop_step(m: dict[str, Any]) -> None:
-        del m["state"]["optimizer"]["state"]["1.weight"]["step"]
+    without ``step``, or with a step of 401 digits) raises StateMismatchError from load, before
+    the model changes; restore still gives it."""
+    def edit(m: dict[str, Any]) -> None:
+        state = m["state"]["optimizer"]["state"]["1.weight"]
+        if step is None:
+            del state["step"]
+        else:
+            state["step"] = step
 
-    edit_metadata(_path(ckpt, FULL), drop_step)
+    edit_metadata(_path(ckpt, FULL), edit)
     mgr = CheckpointManager(ckpt, read_only=True)
-    assert "step" not in mgr.restore(FULL).optimizer["state"]["1.weight"]
+    assert mgr.restore(FULL).optimizer["state"]["1.weight"].get("step") == step
+    model, optimizer = _live()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(StateMismatchError, match="optimizer state does not load into AdamW"):
-        mgr.load(FULL, *_live())
+        mgr.load(FULL, model, optimizer)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_rng_state_torch_refuses_is_a_state_mismatch(ckpt: Path) -> None:
