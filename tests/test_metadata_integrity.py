@@ -180,14 +180,19 @@ def test_checksum_member_itself_is_checked(ckpt: Path) -> None:
     assert restored.keys() == expected.keys() and restored["pair"] == expected["pair"]
 
 
-@pytest.mark.parametrize("marker", [b"\xff\xfe{}", b'{"format": "deltackpt", "format_version": "1.'
-                                    + b"9" * 5000 + b'"}', b" " * 5000 + b'{"format": "deltackpt"}',
-                                    b"[" * 100_000])
-def test_damaged_root_marker_names_the_file(ckpt: Path, marker: bytes) -> None:
+MARKERS = {"not UTF-8": b'{"format": "deltackpt\xff", "format_version": "1.2"}',
+           "version of 5000 digits": b'{"format": "deltackpt", "format_version": "1.'
+           + b"9" * 5000 + b'"}',
+           "larger than 4 KiB": b" " * 5000 + b'{"format": "deltackpt", "format_version": "1.2"}',
+           "nested 100000 deep": b"[" * 100_000}
+
+
+@pytest.mark.parametrize("marker", list(MARKERS))
+def test_damaged_root_marker_names_the_file(ckpt: Path, marker: str) -> None:
     """A deltackpt.json that is not UTF-8, holds an absurd version, is larger than a marker can be
     or nests absurdly deep makes the directory no checkpoint (or an unreadable one), naming the
     file, for readers and writers alike; nothing in the directory changes."""
-    (ckpt / "deltackpt.json").write_bytes(marker)
+    (ckpt / "deltackpt.json").write_bytes(MARKERS[marker])
     before = files_under(ckpt)
     for read_only in (True, False):
         with pytest.raises((NotACheckpointError, FormatError), match=r"deltackpt\.json"):
@@ -312,7 +317,7 @@ def _no_read(*args: Any) -> bytes:
     raise AssertionError("the metadata file was read")
 
 
-@pytest.mark.parametrize("step", [None, 10**400])
+@pytest.mark.parametrize("step", [None, 10**400], ids=["missing", "401 digits"])
 def test_optimizer_state_torch_refuses_is_a_state_mismatch(ckpt: Path, step: int | None) -> None:
     """Optimizer state that passes validation but that torch's AdamW refuses (a parameter's state
     without ``step``, or with a step of 401 digits) raises StateMismatchError from load, before
