@@ -639,8 +639,9 @@ def _restore_derived(step: ChunkSource, task: _DerivedTask) -> None:
     if chunk.codec == CAST:
         task.out[:] = dtype_bytes(task.source, record.dtype)
     elif chunk.codec == QUANT:
+        stored = step.stored(record, chunk)  # its errors name step, tensor and file already
         try:
-            decode_quant(step.stored(record, chunk), chunk.params, None,
+            decode_quant(stored, chunk.params, None,
                          task.out.view(np.float32), task.first, task.source)
         except DeltackptError as exc:
             raise type(exc)(f"{step.where(record, chunk)}: {exc}") from None
@@ -752,13 +753,14 @@ def _restore_bnb8(storage: Storage, chain: list[StepMetadata],
             source = sources[depth]
             codec, inner, *_ = bnb8.state_params(chunk.params)
             out = running[chunk.raw_offset : chunk.raw_offset + chunk.raw_length]
+            stored = source.stored(step_record, chunk)  # its errors name step, tensor and file already
             try:
                 if codec == QUANT:
-                    decode_quant(source.stored(step_record, chunk), inner, out, out,
+                    decode_quant(stored, inner, out, out,
                                  chunk.raw_offset, None if scale is None else
                                  values[scale][chunk.raw_offset : chunk.raw_offset + out.size])
                 else:
-                    decode_into(codec, inner, source.stored(step_record, chunk), out.view(np.uint8))
+                    decode_into(codec, inner, stored, out.view(np.uint8))
             except DeltackptError as exc:
                 raise type(exc)(f"{source.where(step_record, chunk)}: {exc}") from None
             source.check_raw(step_record, chunk, out.view(np.uint8))

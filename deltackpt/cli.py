@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltackpt import __version__
 from deltackpt.errors import DeltackptError, WriterLockedError
@@ -32,6 +33,10 @@ from deltackpt.patterns import ShardingSpec
 from deltackpt.progress import human_bytes
 from deltackpt.retention import RetentionPolicy
 from deltackpt.storage import Storage
+
+if TYPE_CHECKING:
+    from deltackpt.verify import Damage, VerifyReport
+
 
 # -- formatting ----------------------------------------------------------------------------
 
@@ -368,7 +373,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     sharding = ShardingSpec.load(args.spec) if args.spec else None
     report = convert(args.sources, args.out, source_format=args.source_format, out_format=args.to,
                      step=args.step, overwrite=args.force, optimizer_class=args.optimizer_class,
-                     sharding=sharding)
+                     sharding=sharding, model_only=args.model_only)
     sources = ", ".join(args.sources)
     _print_written(args, f"converted {sources} ({report.source_format}) into {report.out} as "
                          f"{report.out_format}, step {report.step}",
@@ -382,23 +387,46 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 # -- verify ----------------------------------------------------------------------------------
 
 
+def _verify_lines(report: VerifyReport) -> list[str]:
+    """``verify``'s text report: per step OK or DAMAGED; a damaged step's problems once, under the
+    file they are in, then the steps that depend on it (which name it instead of repeating them)."""
+    own: dict[int, list[Damage]] = {}
+    for damage in report.damage:
+        own.setdefault(damage.step, []).append(damage)
+    lines = []
+    for step in sorted(set(report) | set(own)):
+        bases = [b for b, damages in own.items() if step in damages[0].dependents]
+        if step not in own and not bases:
+            lines.append(f"step {step}: OK")
+            continue
+        found = sum(len(d.problems) for d in own.get(step, []))
+        what = ([f"{found} problem{'s' if found > 1 else ''}"] if found else []) + (
+            [f"depends on damaged step{'s' if len(bases) > 1 else ''} {', '.join(map(str, bases))}"]
+            if bases else [])
+        lines.append(f"step {step}: DAMAGED ({'; '.join(what)})")
+        for damage in own.get(step, []):
+            if damage.file is None:
+                lines += [f"  {p}" for p in damage.problems]
+            else:
+                lines += [f"  in {damage.file}:", *(f"    {p}" for p in damage.problems)]
+        if step in own and own[step][0].dependents:
+            lines.append(f"  steps that depend on it: {', '.join(map(str, own[step][0].dependents))}")
+    return lines
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
     report = mgr.verify(args.step, deep=args.deep, progress=_show_progress(args))
     damaged = [s for s, problems in report.items() if problems]
     if args.json:
         _print_json({"path": mgr.path, "deep": args.deep, "ok": not damaged,
-                     "steps": [{"step": s, "ok": not p, "problems": p} for s, p in report.items()]})
+                     "steps": [{"step": s, "ok": not p, "problems": p} for s, p in report.items()],
+                     "damage": [dataclasses.asdict(d) for d in report.damage]})
         return 1 if damaged else 0
     if not report:
         print(f"no committed steps in {mgr.path}")
         return 0
-    for s, problems in report.items():
-        if not problems:
-            print(f"step {s}: OK")
-            continue
-        print(f"step {s}: DAMAGED ({len(problems)} problem{'s' if len(problems) > 1 else ''})")
-        _print_lines([f"  {p}" for p in problems])
+    _print_lines(_verify_lines(report))
     checked = f"{len(report)} step{'s' if len(report) > 1 else ''} checked"
     print(f"{checked}{' (deep)' if args.deep else ''}: "
           f"{f'{len(damaged)} damaged' if damaged else 'all intact'}")
@@ -680,9 +708,10 @@ def build_parser() -> argparse.ArgumentParser:
         "SRC (--from; detected from what SRC holds when not given):\n\n"
         "  torch        a torch.save file, loaded with weights_only=True: a state dict, or a\n"
         "               dict with 'model' (or 'state_dict') and 'optimizer' (or 'optim')\n"
-        "               entries; the optimizer state dict keyed by FQN, or by index with\n"
-        "               'param_names' in its groups. An integer 'step' is the step; other\n"
-        "               entries become extra.\n"
+        "               entries; the optimizer state dict keyed by FQN, or by index (with\n"
+        "               'param_names' in its groups, or else named after the model's\n"
+        "               parameters in order where the shapes of its state agree; the notes\n"
+        "               say so). An integer 'step' is the step; other entries become extra.\n"
         "  dcp          a torch.distributed.checkpoint directory, read by torch's DCP reader\n"
         "               (non-tensor entries with weights_only=True), interpreted like torch\n"
         "  safetensors  .safetensors files, or a directory of them (a sharded set with its\n"
@@ -726,14 +755,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="step number to record (default: the one SRC records, else 0)")
     convert.add_argument("--optimizer-class", metavar="NAME",
                          help="the optimizer's class (e.g. AdamW) where SRC does not tell")
+    convert.add_argument("--model-only", action="store_true",
+                         help="convert only the model (parameters and buffers) and the step; leave "
+                              "the optimizer and other entries out, unread")
     convert.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     convert.add_argument("--json", action="store_true",
                          help="print one JSON document on stdout instead of text")
     verify = _add_command(
         sub, "verify", "check stored bytes against their checksums",
         "Check every chunk of one step (or of all steps) against its xxh3 checksum and report the "
-        "damaged ones by step, tensor and file. --deep also decodes every chunk and checks the "
-        "result. Exits 0 if everything is intact, 1 if anything is damaged.",
+        "damaged ones by step, tensor and file: each damaged file once, followed by the steps that "
+        "depend on its step (the deltas coded on it), which name it instead of repeating its "
+        "problems. --deep also decodes every chunk and checks the result. Exits 0 if everything "
+        "is intact, 1 if anything is damaged.",
         "  deltackpt verify runs/ckpt\n  deltackpt verify runs/ckpt --step 100 --deep",
         _cmd_verify, [path, progress])
     verify.add_argument("--step", type=_step_arg, metavar="N", help="step to check (default: all)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import operator
@@ -54,12 +53,12 @@ from deltackpt.reader import (
     read_metadata,
     read_save_id,
     step_not_found,
-    verify_step,
 )
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
 from deltackpt.universal import UniversalCheckpoint
+from deltackpt.verify import VerifyReport, verify_steps
 from deltackpt.writer import (
     DEFAULT_CHUNK_BYTES,
     WrittenData,
@@ -604,42 +603,18 @@ class CheckpointManager:
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
     def verify(self, step: int | None = None, *, deep: bool = False,
-               progress: bool = False) -> dict[int, list[str]]:
+               progress: bool = False) -> VerifyReport:
         """Check one step (or all) against their checksums, with their delta chains.
 
         Returns ``{step: [problem, ...]}`` for every checked step; an empty
-        list means the step can be restored. A delta step also lists the
-        damage of every step of its chain, and a missing base. ``deep``
+        list means the step can be restored. A delta step also lists, once
+        each, the damaged steps of its chain, and a missing base; the
+        report's ``damage`` gives every damaged file once, with the steps that
+        depend on it (:class:`~deltackpt.verify.VerifyReport`). ``deep``
         also decodes every chunk (a delta step by restoring its chain).
         """
         steps = [self.resolve_step(step)] if step is not None else self.steps()
-        own: dict[int, list[str]] = {}
-        metas = functools.cache(self.metadata)  # each step's metadata is parsed once
-
-        def problems_of(meta: StepMetadata) -> list[str]:
-            if meta.step not in own:
-                own[meta.step] = verify_step(self.storage, meta, deep=deep, workers=self.workers,
-                                             progress=progress)
-            return own[meta.step]
-
-        report = {}
-        for s in steps:
-            try:
-                meta = metas(s)
-                chain = chain_of(self.storage, meta, metas)
-            except DeltackptError as exc:  # unreadable metadata or a broken link is damage
-                report[s] = [str(exc)]
-                continue
-            report[s] = list(problems_of(meta))
-            for link in chain[:-1]:
-                report[s] += [f"depends on step {link.step}, which is damaged: {p}"
-                              for p in problems_of(link)]
-            if deep and not report[s] and meta.kind == "delta":
-                try:
-                    restore_chain(self.storage, meta, workers=self.workers, progress=progress)
-                except DeltackptError as exc:
-                    report[s].append(str(exc))
-        return report
+        return verify_steps(self.storage, steps, deep=deep, workers=self.workers, progress=progress)
 
 
 def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], group: Group | None,

@@ -312,15 +312,16 @@ def run_chunk_tasks(tasks: list, fn, workers: int | None, description: str,
 
 
 def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
-                workers: int | None = None, progress: bool = False) -> list[str]:
-    """Problems found in a step's data: missing or truncated files, checksum mismatches.
+                workers: int | None = None, progress: bool = False) -> dict[str, list[str]]:
+    """Problems found in a step's data, by the URL of the data file they are in: missing or
+    truncated files, checksum mismatches.
 
     Checks stored bytes against their checksums; with ``deep`` also decodes
     every chunk that decodes on its own (not the ``quant``, ``cast`` and ``bnb8`` chunks
     of a delta, which need their chain: see ``CheckpointManager.verify``) and checks the
-    result. Returns one message per damaged chunk.
+    result. Returns one message per damaged chunk, in the order of the step's chunks.
     """
-    problems: list[str] = []
+    problems: dict[int, str] = {}  # by id of the task, filled from the pool's threads
     source = ChunkSource(storage, meta)
 
     def check(task: _Task) -> None:
@@ -330,14 +331,18 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
             else:
                 source.stored(task.record, task.chunk)
         except DeltackptError as exc:
-            problems.append(str(exc))
+            problems[id(task)] = str(exc)
 
     tasks = [_Task(r, c, np.empty(0, np.uint8)) for r, c in _all_chunks(meta)]
     try:
         run_chunk_tasks(tasks, check, workers, f"verify step {meta.step}", progress)
     finally:
         source.close()
-    return problems
+    by_file: dict[str, list[str]] = {}
+    for task in tasks:
+        if id(task) in problems:
+            by_file.setdefault(source.path(task.chunk), []).append(problems[id(task)])
+    return by_file
 
 
 def _all_chunks(meta: StepMetadata) -> Iterator[tuple[TensorRecord, Chunk]]:

@@ -402,14 +402,18 @@ def test_verify(runs: Runs) -> None:
     meta = CheckpointManager(runs.work / "damaged", read_only=True).metadata(2)
     chunk = meta.tensor("optimizer/state/0.weight/exp_avg").fragments[0].chunks[0]
     data_file = runs.work / "damaged" / step_dir_name(2) / meta.files[chunk.file].name
-    assert lines[2].startswith(f"  step 2, tensor 'optimizer/state/0.weight/exp_avg', file {data_file}: "
+    assert lines[2] == f"  in {data_file}:"
+    assert lines[3].startswith(f"    step 2, tensor 'optimizer/state/0.weight/exp_avg', file {data_file}: "
                                "checksum mismatch")
-    assert lines[3] == "2 steps checked: 1 damaged"
+    assert lines[4] == "2 steps checked: 1 damaged"
 
     report = runs["verify damaged json"]
     assert report.code == 1
     assert report.json()["ok"] is False
     assert [(s["step"], s["ok"], len(s["problems"])) for s in report.json()["steps"]] == [(2, False, 1)]
+    assert report.json()["damage"] == [{"step": 2, "file": str(data_file),
+                                        "problems": report.json()["steps"][0]["problems"],
+                                        "dependents": []}]
 
 
 def test_du(ckpt: Checkpoint, runs: Runs) -> None:

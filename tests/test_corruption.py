@@ -12,7 +12,9 @@ from helpers import assert_bitwise_equal, assert_state_dicts_equal, edit_metadat
 from torch import nn
 
 from deltackpt import CheckpointManager, CorruptionError, FormatError
+from deltackpt.cli import main
 from deltackpt.format import Chunk, StepMetadata
+from deltackpt.verify import Damage
 
 STEPS = (0, 1, 2)
 DAMAGED = 1
@@ -219,7 +221,8 @@ def test_damage_reaches_the_deltas_coded_against_it(tmp_path: Path) -> None:
         assert report[0] == []
         (problem,) = report[DAMAGED]
         _assert_names_step_tensor_file(problem, DAMAGED, "model/weight", path)
-        assert report[2] == [f"depends on step {DAMAGED}, which is damaged: {problem}"]
+        assert report[2] == [f"depends on step {DAMAGED}, which is damaged (1 problem)"]
+        assert report.damage == [Damage(DAMAGED, str(path), [problem], [2])]
         assert mgr.verify(2, deep=deep) == {2: report[2]}
     assert_bitwise_equal(mgr.restore(0).model["weight"], step0)
 
@@ -231,3 +234,82 @@ def test_undamaged_checkpoint_verifies_clean(mgr: CheckpointManager) -> None:
     _assert_intact(mgr, STEPS)
     ckpt = mgr.restore(2)
     assert_bitwise_equal(ckpt.tensors["extra/small"], _content(2)["small"])
+
+
+def _adamw_chain(root: Path, steps: tuple[int, ...]) -> CheckpointManager:
+    """A full step and deltas on it (``steps``) of a small model trained with AdamW, opened to read."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(root, full_every=len(steps), chunk_bytes=4096) as writer:
+        for step in steps:
+            model(torch.randn(4, 64)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            writer.save(step, model=model, optimizer=optimizer)
+    return CheckpointManager(root, read_only=True)
+
+
+def test_damaged_base_is_reported_once_with_its_dependents(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A truncated data file of the full step under three deltas: verify reports its damaged chunks
+    once, under the file, followed by the steps that depend on it; each of those names the damaged
+    step in one line instead of repeating its problems."""
+    root = tmp_path / "ckpt"
+    mgr = _adamw_chain(root, (0, 1, 2, 3))
+    meta = mgr.metadata(0)
+    data_file = step_dir(root, 0) / meta.files[0].name
+    size = data_file.stat().st_size
+    with open(data_file, "r+b") as handle:
+        handle.truncate(size // 2)
+    cut = [c for r in meta.tensors for f in r.fragments for c in f.chunks
+           if c.file == 0 and c.offset + c.length > size // 2]
+    assert len(cut) > 3
+
+    report = mgr.verify()
+    problems = report[0]
+    assert len(problems) == len(cut)
+    assert all(p.count(f"{data_file}: file is truncated") == 1 for p in problems), problems
+    for step in (1, 2, 3):
+        assert report[step] == [f"depends on step 0, which is damaged ({len(cut)} problems)"]
+    assert report.damage == [Damage(0, str(data_file), problems, [1, 2, 3])]
+    # one step asked for: the damage of its chain is still reported, with it as the dependent
+    one = mgr.verify(3)
+    assert one == {3: report[3]} and one.damage == [Damage(0, str(data_file), problems, [3])]
+
+    assert main(["verify", str(root)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"step 0: DAMAGED ({len(cut)} problems)",
+        f"  in {data_file}:",
+        *(f"    {p}" for p in problems),
+        "  steps that depend on it: 1, 2, 3",
+        "step 1: DAMAGED (depends on damaged step 0)",
+        "step 2: DAMAGED (depends on damaged step 0)",
+        "step 3: DAMAGED (depends on damaged step 0)",
+        "4 steps checked: 4 damaged"]
+    assert main(["verify", str(root), "--step", "2", "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["steps"] == [{"step": 2, "ok": False, "problems": report[2]}]
+    assert document["damage"] == [{"step": 0, "file": str(data_file), "problems": problems,
+                                   "dependents": [2]}]
+
+
+def test_truncated_delta_names_its_context_once(tmp_path: Path) -> None:
+    """A delta's data file cut inside each of its chunks in turn (weights, scaled first moments,
+    second moments, exact state): the error of restore and of deep verify names the step, tensor
+    and file once, with the truncation, not wrapped in the same context again."""
+    root = tmp_path / "ckpt"
+    mgr = _adamw_chain(root, (0, 1, 2))
+    meta = mgr.metadata(2)
+    chunks = [c for r in meta.tensors for f in r.fragments for c in f.chunks]
+    assert {"quant", "raw"} <= {c.codec for c in chunks}
+    for chunk in chunks:
+        data_file = step_dir(root, 2) / meta.files[chunk.file].name
+        intact = data_file.read_bytes()
+        data_file.write_bytes(intact[: chunk.offset + chunk.length - 1])
+        with pytest.raises(CorruptionError) as info:
+            mgr.restore(2)
+        for message in [str(info.value), *mgr.verify(2, deep=True)[2]]:
+            assert message.startswith("step 2, tensor '") and message.count("step 2") == 1, message
+            assert message.count(str(data_file)) == 1 and "file is truncated" in message, message
+        data_file.write_bytes(intact)

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import json
 import os
 import pickle
+import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +24,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_same_value, assert_state_dicts_equal
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
 
 from deltackpt import CheckpointManager, UniversalCheckpoint, load_universal
+from deltackpt.cli import main
 from deltackpt.errors import ConversionError
 from deltackpt.interop import convert, export, read_checkpoint
 
@@ -251,6 +256,147 @@ def test_torch_save_sources(trained: tuple[nn.Module, torch.optim.Optimizer], tm
     assert named_class.state.decoded("optimizer")["class"] == "MyOptimizer"
 
 
+class Net(nn.Module):
+    """A model whose state dict mixes parameters and buffers: a float buffer of its own before its
+    children's parameters, a frozen layer, batch norm statistics, a layer that never runs (no
+    gradient, so no optimizer state) and an output layer (tied to the embedding)."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8))
+        self.embed = nn.Embedding(16, 8)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.norm = nn.BatchNorm1d(8)
+        self.unused = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.frozen(self.embed(tokens))) * self.scale)
+
+
+def index_keyed(optimizer_class: type[torch.optim.Optimizer], tied: bool, **hyper: Any
+                ) -> tuple[Net, torch.optim.Optimizer]:
+    """A trained Net and its optimizer built from ``model.parameters()``: its state dict lists the
+    parameters by index, without names."""
+    torch.manual_seed(0)
+    model = Net(tied)
+    optimizer = optimizer_class(model.parameters(), **hyper)
+    for _ in range(2):
+        tokens = torch.randint(0, 16, (8,))
+        nn.functional.cross_entropy(model(tokens), torch.roll(tokens, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert "param_names" not in optimizer.state_dict()["param_groups"][0]
+    return model, optimizer
+
+
+@pytest.mark.parametrize(("optimizer_class", "hyper"), [(torch.optim.AdamW, {"lr": 1e-2}),
+                                                        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_index_keyed_optimizer_is_named_after_the_model(
+        tmp_path: Path, optimizer_class: type[torch.optim.Optimizer], hyper: dict[str, Any],
+        fmt: str) -> None:
+    """``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` with the optimizer
+    built from ``model.parameters()``: the indices are named after the model's parameters (buffers,
+    frozen and unused parameters, the tie all placed right), the report says so, and the result
+    loads into a fresh model and optimizer as the original state. (DCP stores a tied weight twice,
+    so the two could not be told apart there: untied.)"""
+    tied = fmt == "torch"
+    model, optimizer = index_keyed(optimizer_class, tied, **hyper)
+    document = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3}
+    source = tmp_path / "plain.pt"
+    if fmt == "torch":
+        torch.save(document, source)
+    else:
+        source = tmp_path / "plain"
+        dcp.save(document, checkpoint_id=source)
+    report = convert(source, tmp_path / "out")
+    assert report.notes == [
+        f"the optimizer lists its {7 if tied else 8} parameters by index, without names: named after "
+        "the model's "
+        "parameters in state dict order, which agree with the shapes of the optimizer state "
+        "(floating-point tensors taken to be buffers: scale, norm.running_mean, norm.running_var)"]
+    ckpt = load_universal(tmp_path / "out")
+    assert_model_equal(ckpt, model)
+    assert ckpt.optimizer["class"] == optimizer_class.__qualname__
+    expected = get_optimizer_state_dict(model, optimizer)
+    assert_same_value(ckpt.optimizer["state"], expected["state"], "optimizer state")
+    assert_same_value(ckpt.optimizer["param_groups"], expected["param_groups"], "param groups")
+    assert sorted(ckpt.optimizer["state"]) == ["embed.weight", *([] if tied else ["head.weight"]),
+                                               "norm.bias", "norm.weight"]
+    assert {r.fqn for r in ckpt.metadata.tensors if r.role == "buffer"} == {
+        "scale", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+    fresh = Net(tied)
+    fresh_optimizer = optimizer_class(fresh.parameters(), **hyper)
+    ckpt.load_into(fresh, fresh_optimizer, rng=False)
+    assert_state_dicts_equal(fresh.state_dict(), model.state_dict(), "loaded model")
+    assert_same_value(fresh_optimizer.state_dict(), optimizer.state_dict(), "loaded optimizer")
+
+
+def test_index_keyed_optimizer_that_does_not_fit_the_model_is_refused(
+        trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Indices whose optimizer state disagrees in shape with the model's parameters in order, or
+    that fit them in more than one way, are refused with an error saying where; --model-only
+    converts the model of such a file and leaves the rest out."""
+    model, _ = trained
+    # the groups list the parameters out of the model's order: index 3 is the embedding
+    swapped = torch.optim.AdamW([{"params": [model[1].bias, model[2].weight, model[2].bias]},
+                                 {"params": [model[0].weight, model[1].weight]}], lr=1e-2)
+    train(model, swapped, steps=1)
+    out = tmp_path / "out"
+    torch.save({"model": model.state_dict(), "optimizer": swapped.state_dict(), "epoch": 3},
+               tmp_path / "swapped.pt")
+    with pytest.raises(ConversionError, match=r"swapped\.pt: the optimizer lists its 5 parameters by "
+                                              r"index, without names, and the model's state dict does "
+                                              r"not match them in order: the state of parameter 3 has "
+                                              r"shape \[16, 8\], which no model tensor after '2\.bias' "
+                                              r"\(parameter 2\) has; .*--model-only"):
+        convert(tmp_path / "swapped.pt", out)
+    assert_nothing_written(out)
+
+    # no optimizer state yet: a float buffer and a parameter both fit the first index
+    torch.manual_seed(0)
+    scaled = nn.Sequential(nn.Linear(4, 4))
+    scaled.register_buffer("scale", torch.ones(4))
+    fresh = torch.optim.SGD(scaled.parameters(), lr=0.1)
+    torch.save({"model": scaled.state_dict(), "optimizer": fresh.state_dict()}, tmp_path / "fresh.pt")
+    with pytest.raises(ConversionError, match=r"fresh\.pt: .* matches them in more than one way: "
+                                              r"parameter 0 is '(scale|0\.weight)' or '(scale|0\.weight)'"):
+        convert(tmp_path / "fresh.pt", out)
+    assert_nothing_written(out)
+
+    assert main(["convert", str(tmp_path / "swapped.pt"), "--out", str(out), "--model-only",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == ["model only: left out 'optimizer', 'epoch'"]
+    ckpt = load_universal(out)
+    assert_model_equal(ckpt, model)
+    assert (ckpt.optimizer, ckpt.extra) == (None, None)
+
+
+def test_model_only_of_every_source(restored: UniversalCheckpoint,
+                                    trained: tuple[nn.Module, torch.optim.Optimizer],
+                                    tmp_path: Path) -> None:
+    """--model-only reads the model alone from safetensors, DCP and DeepSpeed sources too."""
+    model, optimizer = trained
+    export(restored.captured(), STEP, tmp_path / "st", "safetensors")
+    export(restored.captured(), STEP, tmp_path / "dcp", "dcp")
+    folder, ds_model = deepspeed_folder(tmp_path / "ds", model, optimizer)
+    sources = {tmp_path / "st": [f"model only: left out the {s} in {tmp_path / 'st' / s}.safetensors"
+                                 for s in ("extra", "optimizer")],
+               tmp_path / "dcp": ["model only: left out 'optimizer', 'optimizer_class', 'extra'"],
+               folder: ["model only: left out the optimizer state (exp_avg.pt, exp_avg_sq.pt, step.pt "
+                        "of the parameters)"]}
+    for i, (source, notes) in enumerate(sources.items()):
+        report = convert(source, tmp_path / f"out{i}", model_only=True)
+        assert report.notes == notes
+        ckpt = load_universal(tmp_path / f"out{i}")
+        assert_state_dicts_equal(ckpt.model, ds_model if source == folder else restored.model)
+        assert (ckpt.optimizer, ckpt.extra) == (None, None)
+
+
 # -- safetensors sources -----------------------------------------------------------------------
 
 
@@ -372,13 +518,6 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
         convert(folder, out)
     assert_nothing_written(out)
 
-    # an index-keyed optimizer state dict cannot name its parameters
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "plain.pt")
-    with pytest.raises(ConversionError, match=r"plain\.pt: optimizer param group 0 lists its parameters "
-                                              r"by index \(\[0, 1\]\) without 'param_names'"):
-        convert(tmp_path / "plain.pt", out)
-    assert_nothing_written(out)
-
     # objects weights_only refuses are never unpickled, in a torch.save file or in a DCP entry
     torch.save({"model": model.state_dict(), "args": argparse.Namespace(lr=1)}, tmp_path / "unsafe.pt")
     with pytest.raises(ConversionError, match=r"unsafe\.pt: torch\.load\(weights_only=True\) refuses it, "
@@ -440,6 +579,130 @@ def test_bad_input_fails_clearly_and_writes_nothing(trained: tuple[nn.Module, to
     with pytest.raises(ValueError, match="is inside the checkpoint directory"):
         convert(tmp_path / "d", tmp_path / "d" / "x")
     assert not (tmp_path / "d" / "x").exists()
+
+
+# -- sources that point outside themselves, or nest too deep ---------------------------------------
+
+
+def test_index_paths_outside_the_source_are_refused(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                                    tmp_path: Path) -> None:
+    """A DCP index, a safetensors index or DeepSpeed's latest_universal naming a file outside the
+    source directory (``..``, absolute, or through a symbolic link) is refused, naming the index and
+    the path; nothing outside is read and nothing is written."""
+    model, _ = trained
+    out = tmp_path / "out"
+    other = tmp_path / "other"  # a checkpoint beside the source: readable, but not the source's
+    dcp.save({"model": model.state_dict()}, checkpoint_id=other)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, other / "model.safetensors")
+
+    source = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=source)
+    index = source / ".metadata"
+    metadata = pickle.loads(index.read_bytes())  # the test's own file
+    for name in {info.relative_path for info in metadata.storage_data.values()}:
+        for outside in (f"../other/{name}", str(other / name)):
+            changed = copy.deepcopy(metadata)
+            changed.storage_data = {k: dataclasses.replace(v, relative_path=outside)
+                                    for k, v in changed.storage_data.items()}
+            index.write_bytes(pickle.dumps(changed))
+            with pytest.raises(ConversionError, match=f"{re.escape(str(index))} names .*other/{name}, "
+                                                      "which is outside the checkpoint directory"):
+                convert(source, out)
+            assert_nothing_written(out)
+        index.write_bytes(pickle.dumps(metadata))
+        (source / name).unlink()
+        (source / name).symlink_to(other / name)  # inside by name, outside once resolved
+        with pytest.raises(ConversionError, match=f"{re.escape(str(source / name))}, which is outside "
+                                                  f"the checkpoint directory .*it leads to "
+                                                  f"{re.escape(str(other / name))}"):
+            convert(source, out)
+        assert_nothing_written(out)
+
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    shard_index = shards / "model.safetensors.index.json"
+    weight_map = {k: "../other/model.safetensors" for k in model.state_dict()}
+    shard_index.write_text(json.dumps({"weight_map": weight_map}))
+    for source in (shards, shard_index):
+        with pytest.raises(ConversionError, match=f"{re.escape(str(shard_index))} names "
+                                                  ".*other/model.safetensors, which is outside"):
+            convert(source, out)
+    shard_index.unlink()
+    (shards / "model.safetensors").symlink_to(other / "model.safetensors")
+    with pytest.raises(ConversionError, match=r"model\.safetensors, which is outside the checkpoint "
+                                              r"directory"):
+        convert(shards, out)
+    assert_nothing_written(out)
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (tmp_path / "global_step2" / "zero").mkdir(parents=True)
+    (ds / "latest_universal").write_text("../global_step2")
+    with pytest.raises(ConversionError, match=r"latest_universal names .*global_step2, which is outside"):
+        convert(ds, out)
+    assert_nothing_written(out)
+
+
+def test_crafted_dcp_index_allocates_nothing_and_fails_clearly(
+        trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path) -> None:
+    """A DCP index stating a terabyte bytearray or a memo index of four billion, or holding a
+    storage record without its fields, gives a ConversionError, with nothing allocated for it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    model, _ = trained
+    source = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=source)
+    metadata = pickle.loads((source / ".metadata").read_bytes())  # the test's own file
+    bare = object.__new__(_StorageInfo)
+    bare.relative_path = "__0_0.distcp"
+    metadata.storage_data = dict.fromkeys(metadata.storage_data, bare)
+    payloads = {pickle.PROTO + b"\x05" + pickle.BYTEARRAY8 + struct.pack("<Q", 1 << 40) + pickle.STOP:
+                    "a DCP index holds no bytearray",
+                pickle.PROTO + b"\x05" + pickle.NONE + pickle.LONG_BINPUT + struct.pack("<I", 2**32 - 16)
+                + pickle.STOP: "holds a NoneType, not DCP metadata",
+                pickle.dumps(metadata): r"a storage record holds \['__0_0\.distcp', None, None\]"}
+    for payload, message in payloads.items():
+        (source / ".metadata").write_bytes(payload)
+        with pytest.raises(ConversionError, match=message):
+            convert(source, tmp_path / "out")
+        assert_nothing_written(tmp_path / "out")
+
+
+def rewrite_metadata(file: Path, **entries: str) -> None:
+    """Replace entries of a safetensors file's metadata, keeping its tensors."""
+    with safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    save_file(load_file(file), file, metadata={**metadata, **entries})
+
+
+@pytest.mark.parametrize(("file", "entries", "message"), [
+    ("model.safetensors", {"aliases": "[" * 100_000 + "]" * 100_000}, "metadata 'aliases' nests more than"),
+    ("extra.safetensors", {"extra": '{"a":' * 200 + "1" + "}" * 200}, "metadata 'extra' nests more than"),
+    ("model.safetensors", {"aliases": '{"3.weight": ["0.weight"]}'}, "metadata 'aliases' is not a map"),
+    ("model.safetensors", {"aliases": '["3.weight"]'}, "metadata 'aliases' is not a map"),
+    ("model.safetensors", {"aliases": '{"3.weight": "1.weight"}'}, "'3.weight' is recorded as tied to "
+                                                                   "'1.weight', but the tensors differ"),
+    ("model.safetensors", {"buffers": '[["2.running_mean"]]'}, "metadata 'buffers' is not a list"),
+    ("optimizer.safetensors", {"optimizer": '{"$float": "x"}'}, "optimizer metadata is not a valid state "
+                                                                "tree .*invalid tagged value"),
+    ("optimizer.safetensors", {"optimizer": "[1, 2]"}, "not an optimizer state dict"),
+    ("optimizer.safetensors", {"optimizer": '{"class": 3, "param_groups": [], "state": {}}'},
+     "recorded class 3 is not a name"),
+    ("extra.safetensors", {"extra": '{"a": {"$bytes": "AAA"}}'}, "extra metadata is not a valid state tree"),
+    ("extra.safetensors", {"extra": '{"a": {"$npscalar": ["<nope", 1]}}'},
+     "extra metadata is not a valid state tree"),
+])
+def test_malformed_safetensors_metadata_names_the_file(restored: UniversalCheckpoint, tmp_path: Path,
+                                                       file: str, entries: dict[str, str],
+                                                       message: str) -> None:
+    """Metadata of a safetensors export that is nested too deeply, or whose aliases, buffers or
+    state trees are malformed, gives a ConversionError naming the file and what is wrong."""
+    export(restored.captured(), STEP, tmp_path / "st", "safetensors")
+    rewrite_metadata(tmp_path / "st" / file, **entries)
+    with pytest.raises(ConversionError, match=message) as info:
+        convert(tmp_path / "st", tmp_path / "out")
+    assert str(tmp_path / "st" / file) in str(info.value)
+    assert_nothing_written(tmp_path / "out")
 
 
 def test_failed_export_leaves_nothing(restored: UniversalCheckpoint, tmp_path: Path,

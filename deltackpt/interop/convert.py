@@ -32,7 +32,8 @@ class ConvertReport:
 
 def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_format: str | None = None,
             out_format: str = "deltackpt", step: int | None = None, overwrite: bool = False,
-            optimizer_class: str | None = None, sharding: ShardingSpec | None = None) -> ConvertReport:
+            optimizer_class: str | None = None, sharding: ShardingSpec | None = None,
+            model_only: bool = False) -> ConvertReport:
     """Convert the checkpoint at ``source`` into ``out_format`` in the directory ``out``.
 
     ``source`` is a ``torch.save`` file, a DCP directory, safetensors files
@@ -46,7 +47,10 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
     not record it and its hyperparameters do not tell. With ``sharding``
     (a :class:`~deltackpt.patterns.ShardingSpec`), ``source`` lists the
     checkpoints of the tensor-parallel ranks of a hand-sharded run, in rank
-    order, merged into whole tensors by that spec (docs/PATTERNS.md).
+    order, merged into whole tensors by that spec (docs/PATTERNS.md). With
+    ``model_only``, only the model (parameters and buffers) and the step are
+    converted, and the optimizer and other state are left out unread (the
+    report's notes name them).
 
     The source is never modified. ``out`` must be new or empty unless
     ``overwrite``; output files appear complete or not at all.
@@ -57,7 +61,7 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     paths = source_paths(source)
     target = prepare_out(Path(out), paths, overwrite)
-    read = read_checkpoint(paths, source_format, optimizer_class, sharding)
+    read = read_checkpoint(paths, source_format, optimizer_class, sharding, model_only)
     if step is None:
         step = read.step if read.step is not None else 0
     written = export(read.state, step, target, out_format, overwrite=overwrite)

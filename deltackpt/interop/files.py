@@ -36,6 +36,22 @@ def prepare_out(out: Path, sources: Sequence[Path], overwrite: bool) -> Path:
     return target
 
 
+def inside(root: Path, path: Path, named_by: str | None = None) -> Path:
+    """``path``, a file of the checkpoint directory ``root``, after refusing one that leads out of
+    it: an absolute or ``..`` path, or a symbolic link (the file or a directory on the way) to
+    somewhere else. ``named_by`` says what named the path (an index file), for the error.
+
+    A conversion reads its source and nothing else: a crafted index must not make it read, and
+    copy into its output, another file of the machine.
+    """
+    real, real_root = path.resolve(), root.resolve()
+    if real_root != real and real_root not in real.parents:
+        to = "" if real == Path(os.path.abspath(path)) else f" (it leads to {real})"
+        raise ConversionError(f"{named_by + ' names ' if named_by else ''}{path}, which is outside the "
+                              f"checkpoint directory {root}{to}; convert reads only files inside it")
+    return path
+
+
 def publish_directory(out: Path, write: Callable[[Path], None], commit_file: str | None = None
                       ) -> list[Path]:
     """Run ``write(tmp)`` on a fresh sibling directory of ``out`` and move what it wrote into ``out``.

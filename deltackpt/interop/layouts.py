@@ -11,8 +11,8 @@ the pieces of a :class:`~deltackpt.state.CapturedState` and back.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,14 @@ TORCH_FILE = "checkpoint.pt"  # the file of deltackpt's torch export
 
 @dataclass
 class Parts:
-    """A training state as values: what :func:`deltackpt.state.capture_values` takes."""
+    """A training state as values (what :func:`deltackpt.state.capture_values` takes), and notes
+    on how it was read."""
 
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None
     extra: Any
     step: int | None
+    notes: list[str] = field(default_factory=list)  # what reading it could not take over, or guessed
 
 
 def weights_only_loadable(value: Any) -> Any:
@@ -72,38 +74,58 @@ def native_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-def fqn_optimizer(sd: Any, class_name: str | None, origin: str) -> dict[str, Any]:
+def fqn_optimizer(sd: Any, class_name: str | None, origin: str,
+                  model: Mapping[str, torch.Tensor] | None = None,
+                  notes: list[str] | None = None) -> dict[str, Any]:
     """The optimizer tree ``{"class", "param_groups", "state"}`` (state by FQN) of an optimizer
     state dict in either layout; ``class_name`` None: recognized from the hyperparameters.
 
-    An index-keyed state dict needs ``param_names`` in every group to name
-    its parameters (torch writes them for optimizers built from
+    An index-keyed state dict names its parameters by ``param_names`` in its
+    groups (torch writes them for optimizers built from
     ``named_parameters()``; deltackpt's torch export writes them too).
-    ``origin`` names the file in errors.
+    Without them, the parameters are named after ``model``, the state dict
+    saved beside it, when its parameters match the indices in order
+    (:func:`parameters_by_index`; one sentence saying so is added to
+    ``notes``). ``origin`` names the file in errors.
     """
     if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), list):
         raise ConversionError(f"{origin}: the optimizer entry is not an optimizer state dict "
                               "(no 'param_groups' list)")
     state = sd.get("state", {})  # DCP drops an empty dict
-    groups, names = [], {}
+    if not isinstance(state, Mapping):
+        raise ConversionError(f"{origin}: the optimizer's 'state' is a {type(state).__qualname__}, "
+                              "not a dict")
     for g, group in enumerate(sd["param_groups"]):
-        params = group.get("params") if isinstance(group, Mapping) else None
-        if not isinstance(params, list):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), list):
             raise ConversionError(f"{origin}: optimizer param group {g} has no 'params' list")
+    by_model = None
+    unnamed = [(g, group["params"]) for g, group in enumerate(sd["param_groups"])
+               if not all(isinstance(p, str) for p in group["params"])
+               and not ("param_names" in group and len(group["param_names"]) == len(group["params"]))]
+    if unnamed and model is not None:
+        by_model = parameters_by_index(sd["param_groups"], state, model, origin)
+        if notes is not None:
+            notes.append(by_model.note)
+    elif unnamed:
+        g, params = unnamed[0]
+        raise ConversionError(
+            f"{origin}: optimizer param group {g} lists its parameters by index "
+            f"({params[:4]}{'...' if len(params) > 4 else ''}) without 'param_names', so they "
+            "cannot be named; save the optimizer with get_optimizer_state_dict (state by FQN) "
+            "or build it from model.named_parameters()")
+    groups, names = [], {}
+    for group in sd["param_groups"]:
+        params = group["params"]
         if all(isinstance(p, str) for p in params):
             fqns = params
-            hyper = {k: v for k, v in group.items() if k != "params"}
-        elif "param_names" in group and len(group["param_names"]) == len(params):
-            fqns = list(group["param_names"])
-            names.update(zip(params, fqns, strict=True))
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        elif by_model is not None:
+            fqns = [by_model.names[p] for p in params]
         else:
-            raise ConversionError(
-                f"{origin}: optimizer param group {g} lists its parameters by index "
-                f"({params[:4]}{'...' if len(params) > 4 else ''}) without 'param_names', so they "
-                "cannot be named; save the optimizer with get_optimizer_state_dict (state by FQN) "
-                "or build it from model.named_parameters()")
-        groups.append({**hyper, "params": list(fqns)})
+            fqns = list(group["param_names"])
+        if fqns is not params:
+            names.update(zip(params, fqns, strict=True))
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                       "params": list(fqns)})
     by_fqn = {}
     for key, value in state.items():
         # DCP turns the integer keys of an index-keyed state into strings
@@ -120,7 +142,145 @@ def fqn_optimizer(sd: Any, class_name: str | None, origin: str) -> dict[str, Any
             raise ConversionError(
                 f"{origin}: the optimizer's class is not recorded and its hyperparameters {keys} "
                 "match no single torch.optim class; name it (optimizer_class=, --optimizer-class)")
+    if not isinstance(class_name, str):
+        raise ConversionError(f"{origin}: the optimizer's recorded class {class_name!r} is not a name")
     return {"class": class_name, "param_groups": groups, "state": by_fqn}
+
+
+# torch.nn's batch and instance norms keep these statistics as buffers, after their parameters
+NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass
+class IndexNames:
+    """The FQN of every parameter index of an optimizer state dict, and the sentence saying how they
+    were found."""
+
+    names: dict[int, str]
+    note: str
+
+
+def _names_text(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def parameters_by_index(param_groups: list[Mapping[str, Any]], state: Mapping[Any, Any],
+                        model: Mapping[str, torch.Tensor], origin: str) -> IndexNames:
+    """Name the parameters of an optimizer state dict that lists them by index, without
+    ``param_names``, after the model state dict saved with it.
+
+    ``Optimizer.state_dict()`` numbers the parameters in the order of its
+    groups; an optimizer built from ``model.parameters()`` lists them in the
+    order the model's state dict holds them (a tied parameter once). So
+    index ``i`` is the model's ``i``-th parameter, once it is known which of
+    the state dict's floating-point tensors are parameters rather than
+    buffers: the assignment in order that agrees with the shapes of every
+    parameter's optimizer state, where each module's parameters come before
+    its buffers and torch's batch-norm statistics are buffers. Refused, with
+    a ConversionError saying why, when no assignment agrees or the state
+    leaves more than one.
+    """
+    indices = [p for group in param_groups for p in group["params"]]
+    n = len(indices)
+    if sorted(p for p in indices if type(p) is int) != list(range(n)):
+        raise ConversionError(f"{origin}: the optimizer's param groups list "
+                              f"{_names_text(list(map(repr, indices)))}, not the indices 0..{n - 1} "
+                              "once each")
+    shapes: list[set[tuple[int, ...]]] = [set() for _ in range(n)]  # what each index's state fixes
+    for key, value in state.items():
+        index = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(index, int) or not 0 <= index < n:
+            raise ConversionError(f"{origin}: the optimizer holds state for parameter {key!r}, which no "
+                                  "param group lists")
+        if isinstance(value, Mapping):
+            shapes[index] = {tuple(t.shape) for t in value.values()
+                             if isinstance(t, torch.Tensor) and t.dim() > 0}
+    candidates, seen = [], set()  # floating-point tensors, a tied one once, that can be parameters
+    for fqn, tensor in model.items():
+        key = _storage_key(tensor) if tensor.numel() else fqn  # empty tensors share no storage
+        if (tensor.is_floating_point() or tensor.is_complex()) and key not in seen \
+                and fqn.rpartition(".")[2] not in NORM_BUFFERS:
+            candidates.append(fqn)
+            seen.add(key)
+
+    def fits(index: int, fqn: str) -> bool:
+        return not shapes[index] or shapes[index] == {tuple(model[fqn].shape)}
+
+    modules: list[list[str]] = []  # candidates by module, in order
+    for fqn in candidates:
+        if modules and modules[-1][0].rpartition(".")[0] == fqn.rpartition(".")[0]:
+            modules[-1].append(fqn)
+        else:
+            modules.append([fqn])
+    # Each module gives its first k candidates: count the ways (up to 2) to name 0..m-1 after
+    # each module, keeping the first and last way found to each count.
+    reach: dict[int, tuple[int, tuple[int, int], tuple[int, int]]] = {0: (1, (0, 0), (0, 0))}
+    history = []
+    left = len(candidates)
+    for module in modules:
+        left -= len(module)
+        nxt: dict[int, tuple[int, tuple[int, int], tuple[int, int]]] = {}
+        for start, (ways, _, _) in sorted(reach.items()):
+            for k in range(len(module) + 1):
+                end = start + k
+                if end > n or (k and not fits(end - 1, module[k - 1])):
+                    break
+                if end + left < n:
+                    continue
+                before, first, _ = nxt.get(end, (0, (start, k), (start, k)))
+                nxt[end] = (min(2, before + ways), first, (start, k))
+        history.append(nxt)
+        reach = nxt
+
+    def assignment(which: int) -> list[str]:
+        taken, count = [], n
+        for module, nxt in zip(reversed(modules), reversed(history), strict=True):
+            count, k = nxt[count][which]
+            taken.append(module[:k])
+        return [fqn for part in reversed(taken) for fqn in part]
+
+    advice = ("save the optimizer with parameter names (build it from model.named_parameters(), or "
+              "save get_optimizer_state_dict), or convert the model alone (--model-only)")
+    start = f"{origin}: the optimizer lists its {n} parameters by index, without names, and"
+    if n not in reach:
+        floating = len(candidates)
+        why = (f"the model's state dict has only {floating} floating-point tensors that can be "
+               "parameters" if floating < n else _first_misfit(n, candidates, fits, shapes))
+        raise ConversionError(f"{start} the model's state dict does not match them in order: {why}; "
+                              f"{advice}")
+    if reach[n][0] > 1:
+        one, other = assignment(1), assignment(2)
+        i = next(i for i, (a, b) in enumerate(zip(one, other, strict=True)) if a != b)
+        raise ConversionError(f"{start} the model's state dict matches them in more than one way: "
+                              f"parameter {i} is {one[i]!r} or {other[i]!r} (the shapes of the "
+                              f"optimizer state do not tell); {advice}")
+    names = assignment(1)
+    trained = {_storage_key(model[f]) if model[f].numel() else f for f in names}
+    buffers = [f for f, t in model.items() if (t.is_floating_point() or t.is_complex())
+               and (_storage_key(t) if t.numel() else f) not in trained]
+    note = (f"the optimizer lists its {n} parameters by index, without names: named after the "
+            "model's parameters in state dict order, which agree with the shapes of the optimizer "
+            "state")
+    if buffers:
+        note += f" (floating-point tensors taken to be buffers: {_names_text(buffers)})"
+    return IndexNames(dict(enumerate(names)), note)
+
+
+def _first_misfit(n: int, candidates: list[str], fits: Callable[[int, str], bool],
+                  shapes: list[set[tuple[int, ...]]]) -> str:
+    """Where matching the indices to the model's tensors in order first fails, in words."""
+    at, previous = 0, None
+    for index in range(n):
+        while at < len(candidates) and not fits(index, candidates[at]):
+            at += 1
+        if at == len(candidates):
+            shape = " and ".join(str(list(s)) for s in sorted(shapes[index]))
+            after = "" if previous is None else f" after {previous!r} (parameter {index - 1})"
+            return f"the state of parameter {index} has shape {shape}, which no model tensor{after} has"
+        previous = candidates[at]
+        at += 1
+    return "no assignment in order keeps each module's parameters before its buffers"
 
 
 @functools.cache
@@ -176,17 +336,23 @@ def guess_buffers(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any
     return {n for n, t in model.items() if not (t.is_floating_point() or t.is_complex())}
 
 
-def split_document(document: Any, origin: str, optimizer_class_name: str | None) -> Parts:
+def split_document(document: Any, origin: str, optimizer_class_name: str | None,
+                   model_only: bool = False) -> Parts:
     """Interpret a ``torch.save`` (or DCP) dict as model, optimizer, extra and step.
 
     * the model is the entry ``model``, ``state_dict`` or ``model_state_dict``;
       without one, the tensors at the top level (a bare state dict);
     * the optimizer is ``optimizer``, ``optim`` or ``optimizer_state_dict``,
       its class ``optimizer_class_name`` if given, else the entry
-      ``optimizer_class``, else recognized from its hyperparameters;
+      ``optimizer_class``, else recognized from its hyperparameters; an
+      optimizer that lists its parameters by index without names is named
+      after the model (:func:`parameters_by_index`);
     * an integer ``step`` is the step;
     * ``extra`` is the entry ``extra`` when nothing else is left (the layout
       deltackpt's exports write), else a dict of every other entry.
+
+    With ``model_only``, the optimizer and extra are left out unread (the
+    notes name the entries).
     """
     if not isinstance(document, Mapping):
         raise ConversionError(f"{origin}: holds a {type(document).__qualname__}, not a dict of "
@@ -205,15 +371,20 @@ def split_document(document: Any, origin: str, optimizer_class_name: str | None)
         if not isinstance(fqn, str) or not isinstance(value, torch.Tensor):
             raise ConversionError(f"{origin}: model entry {fqn!r} is a {type(value).__qualname__}, "
                                   "not a tensor named by a string")
-    recorded_class = rest.pop(OPTIMIZER_CLASS_KEY, None)
-    optimizer_key = next((k for k in OPTIMIZER_KEYS if k in rest), None)
-    sd = rest.pop(optimizer_key) if optimizer_key is not None else None
-    optimizer = None if sd is None else fqn_optimizer(
-        sd, optimizer_class_name or recorded_class, origin)
     step = rest.get("step")
     if isinstance(step, int) and not isinstance(step, bool):
         del rest["step"]
     else:
         step = None
+    notes: list[str] = []
+    if model_only:
+        if rest:
+            notes.append(f"model only: left out {', '.join(map(repr, rest))}")
+        return Parts(dict(model), None, None, step, notes)
+    recorded_class = rest.pop(OPTIMIZER_CLASS_KEY, None)
+    optimizer_key = next((k for k in OPTIMIZER_KEYS if k in rest), None)
+    sd = rest.pop(optimizer_key) if optimizer_key is not None else None
+    optimizer = None if sd is None else fqn_optimizer(
+        sd, optimizer_class_name or recorded_class, origin, model, notes)
     extra = rest["extra"] if list(rest) == ["extra"] else rest or None
-    return Parts(dict(model), optimizer, extra, step)
+    return Parts(dict(model), optimizer, extra, step, notes)

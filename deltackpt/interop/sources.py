@@ -17,7 +17,7 @@ The checkpoints of the ranks of a hand-sharded run (one per tensor-parallel
 rank, each in any of these formats) are read with a sharding spec
 (docs/PATTERNS.md) that merges them into whole tensors: :func:`read_sharded`.
 
-A new source is a function ``(paths, optimizer_class) -> Source`` added to
+A new source is a function ``(paths, optimizer_class, model_only) -> Source`` added to
 :data:`READERS` and, if it can be recognized, to :func:`detect_format`.
 Nothing is ever unpickled beyond what ``torch.load(weights_only=True)``
 accepts.
@@ -25,21 +25,30 @@ accepts.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import struct
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from deltackpt.errors import ConversionError, DeltackptError
 from deltackpt.format import ROOT_MARKER
-from deltackpt.interop.files import load_weights_only
-from deltackpt.interop.layouts import TORCH_FILE, Parts, guess_buffers, optimizer_class, split_document
+from deltackpt.interop.files import inside, load_weights_only
+from deltackpt.interop.layouts import (
+    TORCH_FILE,
+    Parts,
+    fqn_optimizer,
+    guess_buffers,
+    optimizer_class,
+    split_document,
+)
 from deltackpt.patterns import ShardingSpec, merge_states
 from deltackpt.state import CapturedState, capture_values
 from deltackpt.tree import decode_tree
@@ -62,7 +71,7 @@ def _captured(parts: Parts, origin: str, buffers: set[str] | None = None) -> Cap
         buffers = guess_buffers(parts.model, parts.optimizer)
     try:
         return capture_values(parts.model, parts.optimizer, parts.extra, buffers=buffers)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ConversionError(f"{origin}: {exc}") from None
 
 
@@ -76,14 +85,15 @@ def _one(paths: list[Path], fmt: str) -> Path:
 # -- torch.save --------------------------------------------------------------------------------
 
 
-def read_torch(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_torch(paths: list[Path], optimizer_class_name: str | None = None,
+               model_only: bool = False) -> Source:
     """A ``torch.save`` file (or the directory of a torch export), loaded with
     ``weights_only=True`` on the CPU."""
     path = _one(paths, "torch")
     if path.is_dir():
-        path = path / TORCH_FILE
-    parts = split_document(load_weights_only(path), str(path), optimizer_class_name)
-    return Source("torch", _captured(parts, str(path)), parts.step)
+        path = inside(path, path / TORCH_FILE)
+    parts = split_document(load_weights_only(path), str(path), optimizer_class_name, model_only)
+    return Source("torch", _captured(parts, str(path)), parts.step, parts.notes)
 
 
 # -- DCP ---------------------------------------------------------------------------------------
@@ -115,9 +125,17 @@ def _read_dcp_metadata(path: Path) -> Any:
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    index = path / ".metadata"
+    index = inside(path, path / ".metadata")
 
-    class IndexUnpickler(pickle.Unpickler):
+    def no_bytearray(unpickler: pickle.Unpickler) -> None:
+        raise pickle.UnpicklingError("a DCP index holds no bytearray")
+
+    # Python's own unpickler, not the C one: its memo is a dict, so a crafted memo index cannot
+    # make it allocate gigabytes; nor can a bytearray's length, the one size it allocates unread
+    class IndexUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+        dispatch: ClassVar[dict[int, Callable[..., None]]] = {
+            **pickle._Unpickler.dispatch, pickle.BYTEARRAY8[0]: no_bytearray}  # type: ignore[attr-defined]
+
         def find_class(self, module: str, name: str) -> Any:
             if not _dcp_global_allowed(module, name):
                 raise ConversionError(f"{index} refers to {module}.{name}, which no DCP index holds; "
@@ -125,13 +143,32 @@ def _read_dcp_metadata(path: Path) -> Any:
             return super().find_class(module, name)
 
     try:
-        with index.open("rb") as f:
-            metadata = IndexUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as exc:
+        # from memory: a length in the pickle is checked against the bytes there are
+        metadata = IndexUnpickler(io.BytesIO(index.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
+            TypeError, ValueError, OverflowError, RecursionError, struct.error) as exc:
         raise ConversionError(f"{index}: not a readable DCP index ({exc!r})") from None
     if not isinstance(metadata, Metadata):
         raise ConversionError(f"{index}: holds a {type(metadata).__qualname__}, not DCP metadata")
+    _check_dcp_storage(path, index, metadata.storage_data)
     return metadata
+
+
+def _check_dcp_storage(path: Path, index: Path, storage_data: Any) -> None:
+    """Refuse a DCP index whose entries are not stored in files inside its directory ``path``
+    (``_StorageInfo`` records: a relative path, an offset and a length)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if not isinstance(storage_data, dict):
+        raise ConversionError(f"{index}: not a readable DCP index (its storage data is a "
+                              f"{type(storage_data).__qualname__}, not a dict)")
+    for info in storage_data.values():
+        fields = [getattr(info, f, None) for f in ("relative_path", "offset", "length")]
+        if not (isinstance(info, _StorageInfo) and isinstance(fields[0], str)
+                and all(isinstance(n, int) and n >= 0 for n in fields[1:])):
+            raise ConversionError(f"{index}: not a readable DCP index (a storage record holds "
+                                  f"{fields}, not a file path with an offset and a length)")
+        inside(path, path / info.relative_path, str(index))
 
 
 def _load_dcp(path: Path) -> dict[str, Any]:
@@ -183,117 +220,187 @@ def _load_dcp(path: Path) -> dict[str, Any]:
     return state
 
 
-def read_dcp(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_dcp(paths: list[Path], optimizer_class_name: str | None = None,
+             model_only: bool = False) -> Source:
     """A DCP checkpoint directory, interpreted like a ``torch.save`` dict."""
     path = _one(paths, "dcp")
     if not (path / ".metadata").is_file():
         raise ConversionError(f"{path}: not a DCP checkpoint directory (it has no .metadata file)")
-    parts = split_document(_load_dcp(path), str(path), optimizer_class_name)
-    return Source("dcp", _captured(parts, str(path)), parts.step)
+    parts = split_document(_load_dcp(path), str(path), optimizer_class_name, model_only)
+    return Source("dcp", _captured(parts, str(path)), parts.step, parts.notes)
 
 
 # -- safetensors -------------------------------------------------------------------------------
 
 
+MAX_INDEX_BYTES = 1 << 26  # a shard index lists tensor names: a few MB for the largest models
+MAX_JSON_DEPTH = 64  # nesting of the JSON a source holds: far beyond any real state, within Python's stack
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether lists and dicts in ``value`` nest more than ``limit`` levels deep (counted level by
+    level, without recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [v for item in level if isinstance(item, (list, dict))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+    return False
+
+
+def _load_json(text: str | bytes, what: str) -> Any:
+    """JSON ``text`` of ``what`` (a file, or a file's metadata entry), refused when it nests more
+    than :data:`MAX_JSON_DEPTH` levels deep."""
+    try:
+        value = json.loads(text)
+        too_deep = _nested_deeper(value, MAX_JSON_DEPTH)
+    except RecursionError:  # deeper than Python's stack
+        too_deep = True
+    except ValueError as exc:
+        raise ConversionError(f"{what} is not JSON ({exc})") from None
+    if too_deep:
+        raise ConversionError(f"{what} nests more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
 def _safetensors_files(paths: list[Path]) -> tuple[list[Path], dict[str, Path]]:
-    """The files to read, and ``tensor -> file`` of the shard indexes met on the way."""
+    """The files to read, and ``tensor -> file`` of the shard indexes met on the way.
+
+    Files in a directory, and those an index names, must be inside that directory.
+    """
     files: list[Path] = []
     indexed: dict[str, Path] = {}
     for path in paths:
         if path.is_dir():
-            indexes = sorted(path.glob("*.safetensors.index.json"))
-            files += sorted(path.glob("*.safetensors"))
+            indexes = [inside(path, i) for i in sorted(path.glob("*.safetensors.index.json"))]
+            files += [inside(path, f) for f in sorted(path.glob("*.safetensors"))]
         elif path.name.endswith(".safetensors.index.json"):
             indexes = [path]
         else:
             indexes = []
             files.append(path)
         for index in indexes:
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ConversionError(f"{index}: not a safetensors index ({exc!r})") from None
+            if index.stat().st_size > MAX_INDEX_BYTES:
+                raise ConversionError(f"{index}: {index.stat().st_size} bytes, more than a shard index "
+                                      f"holds ({MAX_INDEX_BYTES})")
+            weight_map = _load_json(index.read_bytes(), str(index))
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+                raise ConversionError(f"{index}: not a safetensors index (no 'weight_map' of tensor "
+                                      "names to file names)")
             for name, file in weight_map.items():
-                indexed[name] = index.parent / file
-            files += sorted({index.parent / f for f in weight_map.values()})
+                indexed[name] = inside(index.parent, index.parent / file, str(index))
+            files += sorted(set(indexed[name] for name in weight_map))
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{file} does not exist")
     return list(dict.fromkeys(f.resolve() for f in files)), {k: v.resolve() for k, v in indexed.items()}
 
 
-def _read_safetensors_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+SECTIONS = ("optimizer", "extra")  # what a safetensors export's other files hold, in their metadata
+
+
+def _read_safetensors_file(path: Path, model_only: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file; with ``model_only``, no tensors of a file
+    whose metadata says it holds one of :data:`SECTIONS`."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+            if model_only and any(s in metadata for s in SECTIONS):
+                return {}, metadata
             names = f.keys()
-            return {k: f.get_tensor(k) for k in names}, f.metadata() or {}
+            return {k: f.get_tensor(k) for k in names}, metadata
     except (SafetensorError, OSError) as exc:
         raise ConversionError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def _json_metadata(path: Path, metadata: dict[str, str], key: str, default: Any) -> Any:
-    if key not in metadata:
-        return default
-    try:
-        return json.loads(metadata[key])
-    except ValueError as exc:
-        raise ConversionError(f"{path}: metadata {key!r} is not JSON ({exc})") from None
+    return _load_json(metadata[key], f"{path}: metadata {key!r}") if key in metadata else default
 
 
-def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None,
+                     model_only: bool = False) -> Source:
     """Safetensors files: model tensors by FQN, plus a deltackpt export's optimizer and extra.
 
     A file whose metadata holds ``optimizer`` or ``extra`` (tagged JSON,
     docs/FORMAT.md 2.5, referring to the file's tensors) is that section;
     every other file holds model tensors. The metadata a deltackpt export
-    writes (``step``, ``buffers``, ``aliases``) is used when present.
+    writes (``step``, ``buffers``, ``aliases``) is used when present. With
+    ``model_only``, the optimizer and extra files are left out.
     """
     files, indexed = _safetensors_files(paths)
     if not files:
         raise ConversionError(f"no .safetensors files in {', '.join(map(str, paths))}")
     model: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
-    sections: dict[str, Any] = {}
+    sections: dict[str, tuple[Any, Path]] = {}
     buffers: set[str] | None = None
-    aliases: dict[str, str] = {}
+    aliases: dict[str, tuple[str, Path]] = {}  # name -> (tensor it is tied to, file recording it)
     step = None
+    notes: list[str] = []
     for path in files:
-        tensors, metadata = _read_safetensors_file(path)
-        section = next((s for s in ("optimizer", "extra") if s in metadata), None)
+        tensors, metadata = _read_safetensors_file(path, model_only)
+        section = next((s for s in SECTIONS if s in metadata), None)
         if section is not None:
-            tree = _json_metadata(path, metadata, section, None)
-            try:
-                sections[section] = decode_tree(tree, tensors.__getitem__)
-            except KeyError as exc:
-                raise ConversionError(f"{path}: its {section} metadata refers to tensor {exc}, "
-                                      "which the file does not hold") from None
+            if model_only:
+                notes.append(f"model only: left out the {section} in {path}")
+            elif section in sections:
+                raise ConversionError(f"both {sections[section][1]} and {path} hold the {section}")
+            else:
+                sections[section] = (_decoded_section(path, section, metadata, tensors), path)
             continue
         for name, tensor in tensors.items():
             if name in model:
                 raise ConversionError(f"tensor {name!r} is in both {origin[name]} and {path}")
             model[name], origin[name] = tensor, path
         if "buffers" in metadata:
-            buffers = (buffers or set()) | set(_json_metadata(path, metadata, "buffers", []))
-        aliases.update(_json_metadata(path, metadata, "aliases", {}))
+            names = _json_metadata(path, metadata, "buffers", [])
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise ConversionError(f"{path}: metadata 'buffers' is not a list of tensor names")
+            buffers = (buffers or set()) | set(names)
+        ties = _json_metadata(path, metadata, "aliases", {})
+        if not (isinstance(ties, dict) and all(isinstance(t, str) for t in ties.values())):
+            raise ConversionError(f"{path}: metadata 'aliases' is not a map of tensor names to the "
+                                  "names they are tied to")
+        aliases.update((name, (target, path)) for name, target in ties.items())
         if metadata.get("step", "").isdigit():
             step = int(metadata["step"])
     for name, file in indexed.items():
         if origin.get(name) != file:
             where = f"it is in {origin[name]}" if name in origin else "no file holds it"
             raise ConversionError(f"the index lists tensor {name!r} in {file}, but {where}")
-    for name, target in aliases.items():  # tied weights: one tensor under both names again
+    for name, (target, path) in aliases.items():  # tied weights: one tensor under both names again
         if name not in model or target not in model or not (
                 model[name].dtype == model[target].dtype and torch.equal(model[name], model[target])):
-            raise ConversionError(f"{origin.get(name, files[0])}: {name!r} is recorded as tied to "
-                                  f"{target!r}, but the tensors differ or are missing")
+            raise ConversionError(f"{path}: {name!r} is recorded as tied to {target!r}, but the tensors "
+                                  "differ or are missing")
         model[name] = model[target]
-    optimizer = sections.get("optimizer")
-    if optimizer is not None and optimizer_class_name is not None:
-        optimizer = {**optimizer, "class": optimizer_class_name}
-    parts = Parts(model, optimizer, sections.get("extra"), step)
-    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step)
+    optimizer = None
+    if "optimizer" in sections:
+        tree, path = sections["optimizer"]
+        recorded = tree.get("class") if isinstance(tree, dict) else None
+        optimizer = fqn_optimizer(tree, optimizer_class_name or recorded, str(path))
+    extra = sections["extra"][0] if "extra" in sections else None
+    parts = Parts(model, optimizer, extra, step)
+    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step, notes)
+
+
+def _decoded_section(path: Path, section: str, metadata: dict[str, str],
+                     tensors: dict[str, torch.Tensor]) -> Any:
+    """The ``optimizer`` or ``extra`` a safetensors export keeps in its metadata, as tagged JSON
+    (docs/FORMAT.md 2.5) whose ``$tensor`` references are tensors of the file."""
+    tree = _json_metadata(path, metadata, section, None)
+    try:
+        return decode_tree(tree, tensors.__getitem__)
+    except KeyError as exc:
+        raise ConversionError(f"{path}: its {section} metadata refers to tensor {exc}, "
+                              "which the file does not hold") from None
+    except (DeltackptError, TypeError, ValueError) as exc:
+        raise ConversionError(f"{path}: its {section} metadata is not a valid state tree ({exc})") from None
 
 
 # -- DeepSpeed universal checkpoint ------------------------------------------------------------
@@ -306,7 +413,7 @@ def _deepspeed_folder(path: Path) -> Path:
         return path
     latest = path / "latest_universal"
     if latest.is_file():
-        folder = path / latest.read_text().strip()
+        folder = inside(path, path / latest.read_text(errors="replace").strip(), str(latest))
         if (folder / "zero").is_dir():
             return folder
         raise ConversionError(f"{latest} names {folder}, which has no zero/ folder")
@@ -338,7 +445,8 @@ def _param_file(path: Path) -> torch.Tensor:
     return value["param"]
 
 
-def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -> Source:
+def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
+                   model_only: bool = False) -> Source:
     """A DeepSpeed universal checkpoint folder.
 
     ``zero/<name>/fp32.pt`` is parameter ``name`` (the fp32 master copy);
@@ -349,19 +457,24 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
     when they load with ``weights_only=True`` (files holding DeepSpeed
     objects, such as an fp16 loss scaler, do not; the notes say what is
     missing then). The class is recognized from the hyperparameters, else
-    taken to be AdamW (DeepSpeed's Adam runs in AdamW mode by default).
+    taken to be AdamW (DeepSpeed's Adam runs in AdamW mode by default). With
+    ``model_only``, the optimizer state is left out unread.
     """
     folder = _deepspeed_folder(_one(paths, "deepspeed"))
     notes: list[str] = []
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
+    left_out: set[str] = set()  # with model_only: the names of the state files not read
     for param_dir in sorted((p for p in (folder / "zero").iterdir() if p.is_dir()), key=_natural):
-        files = {p.stem: p for p in param_dir.glob("*.pt")}
+        files = {p.stem: inside(folder, p) for p in param_dir.glob("*.pt")}
         if "fp32" not in files:
             has = ", ".join(sorted(p.name for p in files.values())) or "no .pt files"
             raise ConversionError(f"{param_dir}: DeepSpeed parameter folder without fp32.pt (it has {has})")
         name = param_dir.name
         params[name] = _param_file(files.pop("fp32"))
+        if model_only:
+            left_out.update(p.name for p in files.values())
+            continue
         per_param: dict[str, Any] = {}
         if "step" in files:
             per_param["step"] = load_weights_only(files.pop("step"))
@@ -375,8 +488,11 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None) -
             state[name] = per_param
     if not params:
         raise ConversionError(f"{folder / 'zero'}: no parameter folders")
+    if left_out:
+        notes.append(f"model only: left out the optimizer state ({', '.join(sorted(left_out))} "
+                     "of the parameters)")
 
-    model_states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    model_states = [inside(folder, p) for p in sorted(folder.glob("mp_rank_*_model_states.pt"))]
     states = _try_load(model_states[0], "model states", notes) if model_states else None
     states = states if isinstance(states, Mapping) else {}
     module = states.get("module") if isinstance(states.get("module"), Mapping) else None
@@ -427,7 +543,8 @@ def _deepspeed_groups(folder: Path, names: list[str], param_shapes: Any,
                       notes: list[str]) -> list[dict[str, Any]]:
     """Param groups: membership from the model states' ``param_shapes`` (one dict per group),
     hyperparameters from ``zero/optimizer_state.pt``; one group of every parameter otherwise."""
-    saved = _try_load(folder / "zero" / "optimizer_state.pt", "optimizer hyperparameters", notes)
+    saved = _try_load(inside(folder, folder / "zero" / "optimizer_state.pt"), "optimizer hyperparameters",
+                      notes)
     hypers = [{k: v for k, v in g.items() if k != "params"}
               for g in (saved or {}).get("param_groups", []) if isinstance(g, Mapping)]
     layout = [names]
@@ -444,7 +561,7 @@ def _deepspeed_groups(folder: Path, names: list[str], param_shapes: Any,
     return [{"params": group} for group in layout]
 
 
-READERS: dict[str, Callable[[list[Path], str | None], Source]] = {
+READERS: dict[str, Callable[[list[Path], str | None, bool], Source]] = {
     "torch": read_torch,
     "dcp": read_dcp,
     "safetensors": read_safetensors,
@@ -486,7 +603,7 @@ def source_paths(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str
 
 
 def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str | None = None,
-                 optimizer_class_name: str | None = None) -> Source:
+                 optimizer_class_name: str | None = None, model_only: bool = False) -> Source:
     """The checkpoints of the tensor-parallel ranks of a hand-sharded run, one path per rank in
     rank order, merged into whole tensors by ``sharding`` (:func:`~deltackpt.patterns.merge_states`).
 
@@ -494,7 +611,8 @@ def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str |
     (``source_format`` None: detected per path). The step, RNG states,
     ``extra`` and optimizer param groups are rank 0's.
     """
-    ranks = [read_checkpoint(path, source_format, optimizer_class_name) for path in paths]
+    ranks = [read_checkpoint(path, source_format, optimizer_class_name, model_only=model_only)
+             for path in paths]
     try:
         state = merge_states([r.state for r in ranks], sharding)
     except (ValueError, DeltackptError) as exc:
@@ -506,23 +624,25 @@ def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str |
 
 def read_checkpoint(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                     source_format: str | None = None, optimizer_class_name: str | None = None,
-                    sharding: ShardingSpec | None = None) -> Source:
+                    sharding: ShardingSpec | None = None, model_only: bool = False) -> Source:
     """Read the checkpoint at ``source`` (``source_format`` None: detected) into a :class:`Source`.
 
     ``optimizer_class_name`` names the optimizer's class where the source
     does not record it and its hyperparameters do not tell. With
     ``sharding``, ``source`` lists the checkpoints of the ranks of a
-    hand-sharded run, merged by that spec (:func:`read_sharded`).
+    hand-sharded run, merged by that spec (:func:`read_sharded`). With
+    ``model_only``, only the model (parameters and buffers) and the step are
+    read; the notes say what was left out.
     """
     paths = source_paths(source)
     for path in paths:
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
     if sharding is not None:
-        return read_sharded(paths, sharding, source_format, optimizer_class_name)
+        return read_sharded(paths, sharding, source_format, optimizer_class_name, model_only)
     if source_format is None:
         source_format = detect_format(paths)
     elif source_format not in READERS:
         raise ValueError(f"unknown source format {source_format!r}; choose one of "
                          f"{', '.join(SOURCE_FORMATS)}")
-    return READERS[source_format](paths, optimizer_class_name)
+    return READERS[source_format](paths, optimizer_class_name, model_only)
