@@ -191,8 +191,7 @@ def _check_tagged(tag: str, body: Any, dtypes: Mapping[str, str], room: int) -> 
     elif tag == "$tuple":
         ok = body.__class__ is list
     elif tag == "$dict":
-        ok = body.__class__ is list and all(
-            kv.__class__ is list and len(kv) == 2 and _key_decodes(kv[0]) for kv in body)
+        ok = body.__class__ is list and all(kv.__class__ is list and len(kv) == 2 for kv in body)
     elif tag == "$bytes":
         ok = body.__class__ is str and _BASE64.fullmatch(body) is not None
     elif tag in ("$tensor", "$ndarray"):
@@ -210,6 +209,8 @@ def _check_tagged(tag: str, body: Any, dtypes: Mapping[str, str], room: int) -> 
         except _TreeError as exc:
             exc.path.append(tag)
             raise
+    if tag == "$dict" and not all(_key_decodes(k) for k, _ in body):  # keys' nesting is checked
+        raise _TreeError(f"a $dict key does not decode to a hashable value: {reprlib.repr(body)}")
 
 
 def _key_decodes(key: Any) -> bool:

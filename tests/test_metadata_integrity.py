@@ -267,6 +267,8 @@ INVALID: dict[str, Callable[[dict[str, Any]], None]] = {
     "unknown tag": _set((*EXTRA, "x"), {"$set": [1]}),
     "$dict key a list": _set((*EXTRA, "by_int"), {"$dict": [[[1], "x"]]}),
     "$dict key an array": _set((*EXTRA, "by_int"), {"$dict": [[{"$ndarray": "extra/array"}, 1]]}),
+    "$dict key nested 500 deep": _set((*EXTRA, "by_int"), {"$dict": [[json.loads(
+        '{"$tuple": [' * 250 + "1" + "]}" * 250), 1]]}),
     "$float of a number": _set((*EXTRA, "nan"), {"$float": 1}),
     "$tuple of a number": _set((*EXTRA, "pair"), {"$tuple": 1}),
     "state nested 71 deep": _set(EXTRA, json.loads("[" * 70 + "]" * 70)),
