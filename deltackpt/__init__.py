@@ -20,6 +20,8 @@ from deltackpt.errors import (
     StateMismatchError,
     StepExistsError,
     StepNotFoundError,
+    UnsafePathError,
+    WriteFailedError,
     WriterLockedError,
 )
 from deltackpt.loading import LoadReport
@@ -46,6 +48,8 @@ __all__ = [
     "StepExistsError",
     "StepNotFoundError",
     "UniversalCheckpoint",
+    "UnsafePathError",
+    "WriteFailedError",
     "WriterLockedError",
     "__version__",
     "load_universal",

@@ -452,8 +452,11 @@ def _cmd_du(args: argparse.Namespace) -> int:
     roles = {role: {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0} for role in ROLES}
     for step in mgr.steps():
         step_dir = step_dir_name(step)
-        on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
-                   if not storage.is_dir(f"{step_dir}/{name}")}
+        try:
+            on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
+                       if not storage.is_dir(f"{step_dir}/{name}")}
+        except DeltackptError:  # not a directory (a link is not followed): the metadata error says so
+            on_disk = {}
         row: dict[str, Any] = {"step": step, "files": 0, "data_bytes": 0,
                                "metadata_bytes": on_disk.pop(METADATA_FILE, 0), "missing_files": [],
                                "error": None}
@@ -531,7 +534,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             path = mgr.path
     if args.json:
         _print_json({"path": path, "policy": str(policy), **report.as_dict()})
-        return 0
+        return 1 if report.needed_bytes else 0
 
     def steps(items: list[int]) -> str:
         return ", ".join(map(str, items)) if items else "-"
@@ -546,8 +549,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
              + ("  (delta steps made full: no kept step to code them on, or full is smaller)"
                 if report.rewritten else "")]
     if report.held:
+        why = ("the disk has no space to replace the steps that need them" if report.needed_bytes
+               else "replacing the steps that need them would grow PATH")
         lines.append(f"  held       {len(report.held):>5}  {steps(report.held)}  (not kept by "
-                     "--keep, but replacing the steps that need them would grow PATH)")
+                     f"--keep, but {why})")
     if report.skipped:
         lines.append(f"  left alone {len(report.skipped):>5}  {steps(report.skipped)}  "
                      "(unreadable metadata or broken chain; run deltackpt verify)")
@@ -557,8 +562,12 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                  f"{before}, about {after} after" if report.dry_run
                  else f"freed {freed}; the replacements wrote {added}; steps took {before}, "
                  f"{after} now")
+    if report.needed_bytes:
+        lines.append(f"the disk is full: replacing the kept steps needs about "
+                     f"{human_bytes(report.needed_bytes)} of free space; free that much and run "
+                     "gc again to remove the held steps")
     _print_lines(lines)
-    return 0
+    return 1 if report.needed_bytes else 0
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -649,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
                "  deltackpt convert model.pt --out runs/ckpt\n"
                "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
-               "exit codes: 0 success, 1 damage found (verify, ls), 2 error",
+               "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), 2 error",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -786,7 +795,9 @@ def build_parser() -> argparse.ArgumentParser:
         "restored to), or rewritten as a full step holding exactly those values where that is\n"
         "smaller or no kept step is below it; so every kept step stays restorable. If that would\n"
         "make PATH larger, the steps the kept ones need are held instead. Nothing is changed\n"
-        "unless every new version was written.\n"
+        "unless every new version was written. On a full disk the steps no kept step needs are\n"
+        "deleted first; if the new versions still do not fit, the steps they need are held and\n"
+        "gc says how many bytes the new versions need (exit code 1).\n"
         "Steps whose metadata cannot be read are left alone.\n\n"
         "--keep SPEC is a comma-separated list of rules; a step is kept if any rule keeps it:\n\n"
         "  last=K         the K highest steps\n"

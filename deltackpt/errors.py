@@ -48,3 +48,14 @@ class DistributedError(DeltackptError):
 
 class ConversionError(DeltackptError):
     """A checkpoint of another format that cannot be read or converted; names the file and entry."""
+
+
+class UnsafePathError(CorruptionError):
+    """An entry inside a checkpoint directory that deltackpt never writes there, so never follows,
+    opens or deletes through: a symbolic link, FIFO, device or socket, a directory where a file
+    belongs or a file where a directory belongs; names the path and what it is."""
+
+
+class WriteFailedError(DeltackptError, OSError):
+    """Writing a step failed (disk full, I/O error); names the step and the file, and keeps the
+    ``errno`` of the failure. What the failed write left is removed; earlier steps are intact."""

@@ -123,8 +123,10 @@ class CheckpointManager:
 
     Every save is committed atomically: a crash leaves earlier steps intact
     and the interrupted one invisible. One manager at a time may write to a
-    directory (it takes an exclusive lock at its first save, released by
-    :meth:`close`); any number may read, even while it writes.
+    directory: it takes an exclusive lock at its first save, gc or
+    :meth:`acquire` (never when it is opened), released by :meth:`close`, and
+    then removes what interrupted saves left; any number may read, even while
+    it writes.
 
     Saves alternate between full steps (lossless) and delta steps, coded
     against the reconstruction of the previous save, so a restored step
@@ -215,28 +217,34 @@ class CheckpointManager:
             except FileNotFoundError:  # another process (a rank) created it at the same time,
                 if not storage.exists(ROOT_MARKER):  # and its clean-up took our temporary file
                     raise
-        if not self.read_only:
-            lock = storage.try_lock()
-            if lock is not None:
-                with lock:
-                    self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:
-        """Delete what interrupted saves left behind (caller holds the writer lock)."""
-        for name in self.storage.listdir():
-            if name.endswith(".tmp"):
-                self.storage.remove(name)
-            elif STEP_DIR_PATTERN.fullmatch(name) and self.storage.is_dir(name):
-                if not self.storage.exists(f"{name}/{METADATA_FILE}"):
-                    self.storage.remove_tree(name)
+        """Delete what interrupted saves left behind (caller holds the writer lock): only what a
+        save creates; links, FIFOs and the like are left alone, never followed (readers report
+        them)."""
+        storage = self.storage
+        for name in storage.listdir():
+            kind = storage.kind(name)
+            if name.endswith(".tmp") and kind == "file":
+                storage.remove(name)
+            elif STEP_DIR_PATTERN.fullmatch(name) and kind == "dir":
+                if not storage.exists(f"{name}/{METADATA_FILE}"):
+                    storage.remove_tree(name)
                 else:
                     try:
-                        meta = read_metadata(self.storage, int(name[5:]))
+                        meta = read_metadata(storage, int(name[5:]))
                     except DeltackptError:
                         continue  # damaged metadata: leave the step for verify to report
-                    remove_unreferenced(self.storage, name, meta)
+                    remove_unreferenced(storage, name, meta)
 
-    def _acquire_writer(self) -> None:
+    def acquire(self) -> None:
+        """Become the directory's one writer now (a save or gc does it otherwise): take the writer
+        lock, held until :meth:`close`, and remove what interrupted saves left behind.
+
+        Opening a manager never takes the lock, so readers never block a
+        writer. Raises :class:`WriterLockedError` while another manager (in
+        this or another process) holds it.
+        """
         if self.read_only:
             raise PermissionError(f"{self.path}: this manager was opened read_only")
         if self._lock is None:
@@ -247,6 +255,7 @@ class CheckpointManager:
                     "writing to this directory; only one writer at a time is allowed")
             lock.__enter__()
             self._lock = lock
+            self._remove_leftovers()
 
     def _threads(self, group: Group | None) -> int | None:
         """Threads to encode and decode with: ``workers`` if given; under torch.distributed, the
@@ -354,7 +363,7 @@ class CheckpointManager:
 
     def _prepare_save(self, step: int, overwrite: bool) -> None:
         """Take the writer lock and check that ``step`` may be written."""
-        self._acquire_writer()
+        self.acquire()
         if self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
             if not overwrite:
                 raise StepExistsError(f"step {step} already exists in {self.path}; "
@@ -442,7 +451,7 @@ class CheckpointManager:
         except Exception as exc:  # every rank raises it: no rank may be left waiting
             for written, _, _ in everyone:  # the failed ranks deleted their own files
                 for f in written.files if written else ():
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError, DeltackptError):
                         self.storage.remove(f"{step_dir_name(step)}/{f.name}")
             return str(exc)
 
@@ -459,15 +468,20 @@ class CheckpointManager:
         next save against is replaced, the next save is coded against its
         new version, and full steps still come every ``full_every`` saves.
         ``dry_run`` only reports what would be removed, replaced and freed.
+        On a full disk it deletes what no kept step needs first, and where
+        the replacements still do not fit it keeps the steps they need and
+        reports (and logs) the bytes they need (``GCReport.needed_bytes``).
         """
         policy = RetentionPolicy.parse(keep) if keep is not None else self.keep
         if policy is None:
             raise ValueError("gc needs a retention policy: pass keep= here or to the manager")
         if not dry_run:
-            self._acquire_writer()
+            self.acquire()
         recon = self._recon
         report, replaced = collect_garbage(self, policy, dry_run=dry_run,
                                            follow=recon.step if recon is not None else None)
+        if report.needed_bytes:
+            log.warning("%s: gc %s", self.path, report.describe())
         if recon is not None and replaced is not None:
             # the saves since the last full one are this manager's count, not the new chain's;
             # the error against the training state is the old one plus the re-coding's

@@ -49,13 +49,18 @@ from deltackpt.writer import default_workers
 
 
 def list_steps(storage: Storage) -> list[int]:
-    """Committed steps, ascending."""
+    """Committed steps, ascending.
+
+    A step directory that is not a directory (a link, a FIFO) is listed
+    too, so that reading it reports what it is instead of the step
+    vanishing from view.
+    """
     if not storage.is_dir(""):
         return []
     steps = []
     for name in storage.listdir():
         match = STEP_DIR_PATTERN.fullmatch(name)
-        if match and storage.exists(f"{name}/{METADATA_FILE}"):
+        if match and (storage.kind(name) != "dir" or storage.exists(f"{name}/{METADATA_FILE}")):
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -153,7 +158,7 @@ class ChunkSource:
         try:
             data = self._reader(chunk.file).read(chunk.offset, chunk.length)
         except CorruptionError as exc:  # it names the file
-            raise CorruptionError(f"step {self.meta.step}, tensor {record.name!r}: {exc}") from None
+            raise type(exc)(f"step {self.meta.step}, tensor {record.name!r}: {exc}") from None
         if xxhash.xxh3_64_hexdigest(data) != chunk.xxh3:
             raise CorruptionError(f"{self.where(record, chunk)}: checksum mismatch in bytes "
                                   f"{chunk.offset}.."

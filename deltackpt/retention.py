@@ -53,13 +53,21 @@ chains need are kept as well (*held*); the gc then only deletes.
 restorable to the values it had (a re-coded step, once committed, to its
 re-coded values): the plan is made from the metadata alone; every
 replacement is then encoded and written in ascending order, uncommitted,
-restoring its old values and its base through the untouched directory; a
-failure there deletes what was written and changes nothing. Then, from the
-highest step down, each replacement is committed and each removed step
-deleted: a committed replacement's chain is its stable base's, which
-nothing touches; a step not yet reached has a chain of lower steps that
-are still as they were (or, for a full rewrite, restore to the same values
-for the deltas that stay on it).
+its ``metadata.json`` included (beside the committed one), restoring its
+old values and its base through the untouched directory; a failure there
+deletes what was written and changes nothing. Then, from the highest step
+down, each replacement is committed (a rename: it writes nothing, so it
+cannot fail for want of space) and each removed step deleted: a committed
+replacement's chain is its stable base's, which nothing touches; a step
+not yet reached has a chain of lower steps that are still as they were
+(or, for a full rewrite, restore to the same values for the deltas that
+stay on it).
+
+**A full disk.** When writing the replacements fails for want of space,
+the gc deletes first the steps that no kept step's chain needs (which
+changes no kept step) and writes the replacements again; when they still
+do not fit, it keeps the chains (as for size) and reports the bytes the
+replacements need, so that a gc with that much free space completes.
 
 **full_every.** The manager that runs the gc (``keep=`` after every save)
 codes its next save against the reconstruction of its last one. When that
@@ -72,6 +80,7 @@ may then grow to about twice ``full_every`` until that full step.
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 import time
 from collections.abc import Callable
@@ -84,12 +93,20 @@ from deltackpt.codecs.bnb8 import self_contained
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.compression import ScaleController
 from deltackpt.delta import StepEncoder
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import DeltackptError, UnsafePathError
 from deltackpt.format import METADATA_FILE, StepMetadata, step_dir_name
 from deltackpt.progress import human_bytes
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
-from deltackpt.writer import commit_step, metadata_bytes, new_save_id, step_metadata, write_data
+from deltackpt.writer import (
+    commit_step,
+    discard,
+    metadata_bytes,
+    new_save_id,
+    stage_metadata,
+    step_metadata,
+    write_data,
+)
 
 if TYPE_CHECKING:
     from deltackpt.manager import CheckpointManager
@@ -208,7 +225,10 @@ class GCReport:
     delta as the bytes of the deltas between its new base and it (coding
     their sum costs fewer bits than coding each), at most a full step; a
     full step as the nearest full step of its layout, else
-    ``raw_bytes / 1.2``. All lists are ascending.
+    ``raw_bytes / 1.2``. ``needed_bytes``: when the disk had no space for
+    the replacements even after deleting the steps no kept step needs, the
+    bytes they would take (estimated as for a dry run), for which their
+    chains are ``held`` instead; else 0. All lists are ascending.
     """
 
     kept: list[int]
@@ -222,6 +242,7 @@ class GCReport:
     held: list[int] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
+    needed_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-able values."""
@@ -245,8 +266,11 @@ class GCReport:
                     f"{n(len(self.kept))}; freed {human_bytes(self.freed_bytes)}, wrote "
                     f"{human_bytes(self.added_bytes)} ({before} -> {after})")
         if self.held:
-            text += (f"; held {n(len(self.held))} the policy drops, as replacing the steps that "
-                     f"need them would grow the directory{_listing(self.held)}")
+            why = (f"the disk has no space to replace the steps that need them (they need about "
+                   f"{human_bytes(self.needed_bytes)}: free that much and run gc again)"
+                   if self.needed_bytes else
+                   "replacing the steps that need them would grow the directory")
+            text += f"; held {n(len(self.held))} the policy drops, as {why}{_listing(self.held)}"
         if self.skipped:
             text += (f"; left alone {n(len(self.skipped), 'step')} that cannot be read or "
                      f"restored{_listing(self.skipped)}")
@@ -263,11 +287,12 @@ def _listing(steps: list[int], limit: int = 8) -> str:
 
 
 def _tree_bytes(storage: Storage, rel: str) -> int:
-    """Bytes of every file under ``rel`` (0 for what vanished meanwhile)."""
+    """Bytes of every file under ``rel`` (0 for what vanished meanwhile, and for a step directory
+    that is a link, which is never followed)."""
     total = 0
     try:
         names = storage.listdir(rel)
-    except FileNotFoundError:
+    except (FileNotFoundError, UnsafePathError):
         return 0
     for name in names:
         child = f"{rel}/{name}"
@@ -420,6 +445,7 @@ class _Written:
     """A kept step's new version: written, not committed yet."""
 
     meta: StepMetadata
+    staged: str  # its metadata.json, written beside the committed one (writer.stage_metadata)
     size: int  # its data files and metadata
     recon: Reconstruction | None  # what restoring it gives (of the followed step only)
 
@@ -456,7 +482,7 @@ class _Replacer:
             if written.size < _full_estimate(self.plan, step):
                 self.written[step] = written
                 return base
-            _remove_files(self.manager.storage, written.meta)
+            discard(self.manager.storage, written.meta, written.staged)
         classes, compression = meta.stats.classes, meta.stats.compression
         self.written[step] = self._write(step, captured, None, None,
                                          {"classes": classes, "compression": compression})
@@ -481,8 +507,13 @@ class _Replacer:
         meta = step_metadata(step, save_id, written, captured.tree,
                              kind="delta" if recon else "full", base_step=base, world_size=1,
                              seconds=time.perf_counter() - started, summary=summary)
+        try:
+            staged = stage_metadata(manager.storage, meta)
+        except BaseException:
+            discard(manager.storage, meta)
+            raise
         size = meta.stats.stored_bytes + len(metadata_bytes(meta))
-        return _Written(meta, size, encoder.reconstruction(step, save_id)
+        return _Written(meta, staged, size, encoder.reconstruction(step, save_id)
                         if step == self.follow else None)
 
     def _reconstruction(self, step: int) -> Reconstruction:
@@ -498,14 +529,19 @@ class _Replacer:
     def abort(self) -> None:
         """Delete every version written and not committed."""
         for written in self.written.values():
-            _remove_files(self.manager.storage, written.meta)
+            discard(self.manager.storage, written.meta, written.staged)
         self.written.clear()
 
 
-def _remove_files(storage: Storage, meta: StepMetadata) -> None:
-    for f in meta.files:
-        with contextlib.suppress(FileNotFoundError):
-            storage.remove(f"{step_dir_name(meta.step)}/{f.name}")
+def _no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that failed for want of space (a full disk or quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _delete_step(storage: Storage, step: int) -> None:
+    step_dir = step_dir_name(step)
+    storage.remove(f"{step_dir}/{METADATA_FILE}")  # the step disappears here
+    storage.remove_tree(step_dir)
 
 
 def collect_garbage(manager: CheckpointManager, policy: RetentionPolicy, *, dry_run: bool = False,
@@ -516,50 +552,79 @@ def collect_garbage(manager: CheckpointManager, policy: RetentionPolicy, *, dry_
     deltas on stable kept steps, or rewritten as full steps; see the module
     doc): no kept step becomes unrestorable, and the directory does not
     grow. Nothing is committed or deleted unless every replacement was
-    written. A step whose metadata cannot be read is kept and left alone.
-    ``dry_run`` writes and deletes nothing and reports what a real run
-    would do, with estimated sizes. The caller holds the writer lock (for a
-    real run).
+    written, metadata included, so committing them writes nothing. A step
+    whose metadata cannot be read is kept and left alone. ``dry_run`` writes
+    and deletes nothing and reports what a real run would do, with
+    estimated sizes. The caller holds the writer lock (for a real run).
+
+    On a full disk (writing a replacement fails with ``ENOSPC`` or
+    ``EDQUOT``) the gc first deletes the steps that no kept step needs, then
+    writes the replacements again; if they still do not fit, it keeps the
+    steps they need instead (``held``) and reports the bytes the
+    replacements need (``needed_bytes``), so that a later gc with that much
+    free space finishes the work.
 
     Returns the report and, when step ``follow`` is re-coded or rewritten,
     the reconstruction a reader has of its new version (else None).
 
     Raises the error of a kept step that must be replaced but cannot be
     restored, or whose new base cannot (e.g. a damaged chunk in its
-    chain); nothing is changed then.
+    chain), and any other failure to write a replacement
+    (:class:`WriteFailedError`): the directory is then as it was (but for
+    the steps deleted to make room on a full disk).
     """
     storage = manager.storage
     plan = _plan(manager, policy)
     before = sum(plan.sizes.values())
     replacer = _Replacer(manager, plan, follow)
-    followed = None
+    followed, deleted, needed = None, [], 0
+
+    def replace_kept(decide: Callable[[int, int | None], int | None]) -> dict[int, int | None]:
+        return _replacements(plan, manager.compression.deltas, manager.full_every, decide)
+
     try:
-        bases = _replacements(plan, manager.compression.deltas, manager.full_every,
-                              replacer.estimate if dry_run else replacer.write)
+        try:
+            bases = replace_kept(replacer.estimate if dry_run else replacer.write)
+        except OSError as exc:
+            if not _no_space(exc):
+                raise
+            replacer.abort()
+            deleted = _held(plan).removed  # no kept step needs them: make room
+            for s in reversed(deleted):
+                _delete_step(storage, s)
+            try:
+                bases = replace_kept(replacer.write)
+            except OSError as exc:
+                if not _no_space(exc):
+                    raise
+                replacer.abort()
+                estimator = _Replacer(manager, plan, follow)
+                replace_kept(estimator.estimate)
+                needed, bases = sum(estimator.estimates.values()), None
         new = replacer.estimates if dry_run else {s: w.size for s, w in replacer.written.items()}
         added = sum(new.values())
-        after = before - sum(plan.sizes[s] for s in [*plan.removed, *bases]) + added
         held: list[int] = []
-        if after > before:  # replacing would grow the directory: keep the chains instead
+        if bases is None or before - sum(plan.sizes[s] for s in [*plan.removed, *bases]) + added \
+                > before:  # no space, or replacing would grow the directory: keep the chains
             replacer.abort()
             policy_kept, plan, bases, added = plan.kept, _held(plan), {}, 0
             held = sorted(set(plan.kept) - set(policy_kept))
-            after = before - sum(plan.sizes[s] for s in plan.removed)
+        after = before - sum(plan.sizes[s] for s in [*plan.removed, *bases]) + added
         if not dry_run:
-            for s in sorted({*plan.removed, *bases}, reverse=True):  # see the module doc
+            for s in sorted({*plan.removed, *bases} - set(deleted), reverse=True):  # module doc
                 if s in bases:
-                    written = replacer.written.pop(s)
-                    commit_step(storage, written.meta)
+                    written = replacer.written[s]
+                    commit_step(storage, written.meta, written.staged)
+                    del replacer.written[s]
                     followed = written.recon or followed
                 else:
-                    step_dir = step_dir_name(s)
-                    storage.remove(f"{step_dir}/{METADATA_FILE}")  # the step disappears here
-                    storage.remove_tree(step_dir)
+                    _delete_step(storage, s)
             after = sum(_tree_bytes(storage, step_dir_name(s)) for s in plan.kept)
     except BaseException:
         replacer.abort()
         raise
     report = GCReport(plan.kept, plan.removed, sorted(s for s, b in bases.items() if b is None),
                       sum(plan.sizes[s] for s in plan.removed), added, dry_run, plan.skipped,
-                      sorted(s for s, b in bases.items() if b is not None), held, before, after)
+                      sorted(s for s, b in bases.items() if b is not None), held, before, after,
+                      needed)
     return report, followed

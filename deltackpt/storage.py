@@ -2,7 +2,8 @@
 
 The writer and reader only use :class:`Storage`: create a directory, write a
 new file durably, commit a small file atomically, read byte ranges, list,
-delete, and hold the single-writer lock. :class:`LocalStorage` implements it
+delete, and hold the single-writer lock, following no link and opening
+nothing but regular files below the root. :class:`LocalStorage` implements it
 on a POSIX file system (local disk or a shared network file system);
 :func:`open_storage` maps a path or ``file://`` URL to it.
 """
@@ -10,16 +11,18 @@ on a POSIX file system (local disk or a shared network file system);
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Protocol
 from urllib.parse import urlparse
 
-from deltackpt.errors import CorruptionError, NotACheckpointError
+from deltackpt.errors import CorruptionError, NotACheckpointError, UnsafePathError
 
 LOCK_FILE = ".writer.lock"
 
@@ -33,10 +36,17 @@ class RangeReader(Protocol):
 
 
 class Storage(Protocol):
-    """The operations a checkpoint directory needs; paths are relative to its root."""
+    """The operations a checkpoint directory needs; paths are relative to its root.
+
+    Below the root nothing is followed: an entry that is a symbolic link,
+    FIFO, device or socket, or a directory where a file belongs, raises
+    :class:`UnsafePathError` naming it instead of being opened, read through
+    or deleted through (it is only ever removed itself, by :meth:`remove`).
+    """
 
     url: str
 
+    def kind(self, rel: str) -> str | None: ...
     def exists(self, rel: str) -> bool: ...
     def is_dir(self, rel: str) -> bool: ...
     def listdir(self, rel: str = "") -> list[str]: ...
@@ -46,6 +56,8 @@ class Storage(Protocol):
     def open_reader(self, rel: str) -> RangeReader: ...
     def create(self, rel: str) -> IO[bytes]: ...
     def finish(self, handle: IO[bytes]) -> None: ...
+    def stage(self, rel: str, data: bytes) -> str: ...
+    def publish(self, staged: str, rel: str) -> None: ...
     def commit_file(self, rel: str, data: bytes) -> None: ...
     def remove(self, rel: str) -> None: ...
     def remove_tree(self, rel: str) -> None: ...
@@ -53,9 +65,8 @@ class Storage(Protocol):
 
 
 class _FileRangeReader:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
 
     def read(self, offset: int, length: int) -> bytes:
         size = os.fstat(self.fd).st_size  # before pread, which allocates ``length`` bytes first
@@ -69,8 +80,38 @@ class _FileRangeReader:
         os.close(self.fd)
 
 
+def _kind(mode: int) -> str:
+    """What :meth:`Storage.kind` calls an entry of ``mode`` (from ``lstat``)."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "link" if stat.S_ISLNK(mode) else "other"
+
+
+def _what(mode: int) -> str:
+    """An entry of ``mode`` in words, for error messages."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return {"file": "a regular file", "dir": "a directory", "link": "a symbolic link"}.get(
+        _kind(mode), "a special file")
+
+
+# Never follow a link below the root; O_NONBLOCK: opening a FIFO must not wait for a writer.
+_NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 class LocalStorage:
-    """A checkpoint directory on a POSIX file system."""
+    """A checkpoint directory on a POSIX file system.
+
+    The root may be a symbolic link; every path below it is opened one
+    component at a time relative to its parent's descriptor, with
+    ``O_NOFOLLOW``, after ``lstat`` says it is what belongs there.
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
@@ -79,38 +120,128 @@ class LocalStorage:
     def _path(self, rel: str) -> Path:
         return self.root / rel if rel else self.root
 
+    def _unsafe(self, rel: str, mode: int, wanted: str) -> UnsafePathError:
+        return UnsafePathError(f"{self._path(rel)} is {_what(mode)}, not {wanted}; deltackpt never "
+                               "follows links nor opens other entries inside a checkpoint directory")
+
+    @contextlib.contextmanager
+    def _dir(self, rel: str) -> Iterator[int]:
+        """A descriptor of directory ``rel``, reached without following a link below the root."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            parts = rel.split("/") if rel else []
+            for i, part in enumerate(parts):
+                try:
+                    child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+                    raise self._unsafe("/".join(parts[: i + 1]), mode, "a directory") from None
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _parent(self, rel: str) -> Iterator[tuple[int, str]]:
+        """A descriptor of the directory holding ``rel``, and ``rel``'s name in it."""
+        head, _, name = rel.rpartition("/")
+        with self._dir(head) as fd:
+            yield fd, name
+
+    def _open_file(self, dir_fd: int, name: str, rel: str, flags: int) -> int:
+        """Open regular file ``name`` (``rel``) of directory ``dir_fd``; anything else found there
+        is refused before it is opened (a FIFO would block, a device act, a link lead elsewhere)."""
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+        else:
+            if not stat.S_ISREG(mode):
+                raise self._unsafe(rel, mode, "a regular file")
+        fd = os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # replaced since the check
+            os.close(fd)
+            raise self._unsafe(rel, mode, "a regular file")
+        return fd
+
+    def kind(self, rel: str) -> str | None:
+        """What ``rel`` is, links not followed: ``"file"``, ``"dir"``, ``"link"``, ``"other"``
+        (FIFO, device, socket) or None when nothing is there.
+
+        Raises :class:`UnsafePathError` when an entry on the way to it is not a directory.
+        """
+        try:
+            if not rel:
+                return _kind(os.stat(self.root).st_mode)  # the root may be a link
+            with self._parent(rel) as (fd, name):
+                return _kind(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return None
+
     def exists(self, rel: str) -> bool:
-        return self._path(rel).exists()
+        return self.kind(rel) is not None
 
     def is_dir(self, rel: str) -> bool:
-        return self._path(rel).is_dir()
+        return self.kind(rel) == "dir"
 
     def listdir(self, rel: str = "") -> list[str]:
-        return sorted(os.listdir(self._path(rel)))
+        with self._dir(rel) as fd:
+            return sorted(os.listdir(fd))
 
     def size(self, rel: str) -> int:
-        return self._path(rel).stat().st_size
+        """Bytes of ``rel`` (of a link: of the link itself)."""
+        with self._parent(rel) as (fd, name):
+            return os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
 
     def makedirs(self, rel: str = "") -> None:
-        path = self._path(rel)
-        created = not path.exists()
-        path.mkdir(parents=True, exist_ok=True)
-        if created:
-            _fsync_dir(path.parent)
+        """Create directory ``rel`` (the root: with its parents) unless it is one already.
+
+        Raises :class:`UnsafePathError` when something else is there.
+        """
+        if not rel:
+            created = not self.root.exists()
+            self.root.mkdir(parents=True, exist_ok=True)
+            if created:
+                fd = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    _fsync_dir(fd)
+                finally:
+                    os.close(fd)
+            return
+        with self._parent(rel) as (fd, name):
+            try:
+                os.mkdir(name, dir_fd=fd)
+            except FileExistsError:
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                if not stat.S_ISDIR(mode):
+                    raise self._unsafe(rel, mode, "a directory") from None
+                return
+            _fsync_dir(fd)
 
     def read_bytes(self, rel: str) -> bytes:
-        return self._path(rel).read_bytes()
+        with self._parent(rel) as (dir_fd, name):
+            fd = self._open_file(dir_fd, name, rel, os.O_RDONLY)
+        with open(fd, "rb") as handle:
+            return handle.read()
 
     def open_reader(self, rel: str) -> RangeReader:
-        path = self._path(rel)
         try:
-            return _FileRangeReader(path)
+            with self._parent(rel) as (dir_fd, name):
+                return _FileRangeReader(self._open_file(dir_fd, name, rel, os.O_RDONLY),
+                                        self._path(rel))
         except FileNotFoundError:
-            raise CorruptionError(f"{path}: data file is missing") from None
+            raise CorruptionError(f"{self._path(rel)}: data file is missing") from None
 
     def create(self, rel: str) -> IO[bytes]:
         """A new file for writing; fails if it exists. Pass it to :meth:`finish`."""
-        return open(self._path(rel), "xb")
+        with self._parent(rel) as (dir_fd, name):
+            fd = self._open_file(dir_fd, name, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        return open(fd, "wb")
 
     def finish(self, handle: IO[bytes]) -> None:
         """Flush, fsync and close a file from :meth:`create`."""
@@ -118,29 +249,72 @@ class LocalStorage:
         os.fsync(handle.fileno())
         handle.close()
 
-    def commit_file(self, rel: str, data: bytes) -> None:
-        """Replace ``rel`` with ``data`` atomically and durably (write, fsync, rename, fsync dir).
+    def stage(self, rel: str, data: bytes) -> str:
+        """Write ``data`` durably to a new temporary file beside ``rel``; returns its path, which
+        :meth:`publish` renames to ``rel``. A failed write removes it.
 
-        The temporary file's name is unique to the call, so processes that
-        commit the same file at once (every rank creating a checkpoint
-        directory) each rename a whole file of their own.
+        The name is unique to the call, so processes that commit the same
+        file at once (every rank creating a checkpoint directory) each
+        rename a whole file of their own.
         """
-        path = self._path(rel)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as handle:
+        head, _, name = rel.rpartition("/")
+        staged = f"{head}/{name}" if head else name
+        staged += f".{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        handle = self.create(staged)
+        try:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+            self.finish(handle)
+        except BaseException:
+            with contextlib.suppress(OSError):  # closing flushes again: it fails as the write did
+                handle.close()
+            with contextlib.suppress(OSError):
+                self.remove(staged)
+            raise
+        return staged
+
+    def publish(self, staged: str, rel: str) -> None:
+        """Rename a file from :meth:`stage` (in the same directory) to ``rel`` atomically, and
+        make the rename durable (fsync of the directory)."""
+        head, _, name = rel.rpartition("/")
+        with self._dir(head) as fd:
+            os.replace(staged.rpartition("/")[2], name, src_dir_fd=fd, dst_dir_fd=fd)
+            _fsync_dir(fd)
+
+    def commit_file(self, rel: str, data: bytes) -> None:
+        """Replace ``rel`` with ``data`` atomically and durably (:meth:`stage`, :meth:`publish`);
+        a failure before the rename removes the temporary file."""
+        staged = self.stage(rel, data)
+        try:
+            self.publish(staged, rel)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.remove(staged)  # gone already if the rename happened
+            raise
 
     def remove(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path(rel).unlink()
+        """Delete file ``rel`` (a link: the link itself); nothing there is fine.
+
+        Raises :class:`UnsafePathError` for a directory.
+        """
+        with contextlib.suppress(FileNotFoundError), self._parent(rel) as (fd, name):
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                raise self._unsafe(rel, mode, "a file")
+            os.unlink(name, dir_fd=fd)
 
     def remove_tree(self, rel: str) -> None:
-        shutil.rmtree(self._path(rel), ignore_errors=True)
-        _fsync_dir(self._path(rel).parent)
+        """Delete directory ``rel`` and everything in it, following no link (links in it are
+        removed themselves); nothing there is fine.
+
+        Raises :class:`UnsafePathError` when ``rel`` is not a directory.
+        """
+        with contextlib.suppress(FileNotFoundError), self._parent(rel) as (fd, name):
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            if not stat.S_ISDIR(mode):
+                raise self._unsafe(rel, mode, "a directory")
+            # rmtree refuses a link at the top and removes links inside themselves
+            shutil.rmtree(self._path(rel), ignore_errors=True)
+            _fsync_dir(fd)
 
     def try_lock(self) -> contextlib.AbstractContextManager[None] | None:
         """Take the exclusive writer lock; ``None`` if someone else holds it.
@@ -149,30 +323,28 @@ class LocalStorage:
         when its holder exits, even on SIGKILL, so a crashed writer never
         blocks the next one.
         """
-        handle = open(self._path(LOCK_FILE), "a+b")  # noqa: SIM115 (owned by the lock)
+        with self._dir("") as dir_fd:
+            fd = self._open_file(dir_fd, LOCK_FILE, LOCK_FILE, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.close()
+            os.close(fd)
             return None
-        return _held_lock(handle)
+        return _held_lock(fd)
 
 
 @contextlib.contextmanager
-def _held_lock(handle: IO[bytes]) -> Iterator[None]:
+def _held_lock(fd: int) -> Iterator[None]:
     try:
         yield
     finally:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-        handle.close()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _fsync_dir(fd: int) -> None:
+    """Make the entries of the directory open as ``fd`` durable."""
+    os.fsync(fd)
 
 
 def open_storage(url: str | os.PathLike[str]) -> Storage:

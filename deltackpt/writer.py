@@ -8,6 +8,7 @@ whatever the model size, and collects their metadata in order.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
@@ -27,7 +28,7 @@ from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.distributed import Part, parts_to_write
 from deltackpt.dtypes import DTypeSpec, raw_bytes, spec_for
-from deltackpt.errors import FormatError
+from deltackpt.errors import DeltackptError, FormatError, WriteFailedError
 from deltackpt.format import (
     MAX_METADATA_BYTES,
     MAX_METADATA_INFLATION,
@@ -88,8 +89,9 @@ class _DataFiles:
     save run in parallel.
     """
 
-    def __init__(self, storage: Storage, step_dir: str, save_id: str, rank: int) -> None:
-        self.storage, self.step_dir, self.save_id, self.rank = storage, step_dir, save_id, rank
+    def __init__(self, storage: Storage, step: int, save_id: str, rank: int) -> None:
+        self.storage, self.step, self.save_id, self.rank = storage, step, save_id, rank
+        self.step_dir = step_dir_name(step)
         self.names: list[str] = []
         self.handles: list[IO[bytes]] = []
         self.sizes: list[int] = []
@@ -103,15 +105,25 @@ class _DataFiles:
             with self._lock:
                 index = len(self.names)
                 name = data_file_name(self.save_id, self.rank, index)
-                self.handles.append(self.storage.create(f"{self.step_dir}/{name}"))
+                with writing(self.storage, self.step, f"{self.step_dir}/{name}"):
+                    self.handles.append(self.storage.create(f"{self.step_dir}/{name}"))
                 self.names.append(name)
                 self.sizes.append(0)
             self._local.index = index
         offset = self.sizes[index]
-        for part in parts:
-            self.handles[index].write(part)
-            self.sizes[index] += memoryview(part).nbytes
+        with writing(self.storage, self.step, f"{self.step_dir}/{self.names[index]}"):
+            for part in parts:
+                self.handles[index].write(part)
+                self.sizes[index] += memoryview(part).nbytes
         return index, offset
+
+    def finish(self, pool: ThreadPoolExecutor) -> None:
+        """Flush, fsync and close every file, in parallel."""
+        def finish_one(index: int) -> None:
+            with writing(self.storage, self.step, f"{self.step_dir}/{self.names[index]}"):
+                self.storage.finish(self.handles[index])
+
+        list(pool.map(finish_one, range(len(self.handles))))
 
     def records(self) -> list[DataFile]:
         """The files written, as metadata."""
@@ -119,10 +131,13 @@ class _DataFiles:
                 for name, size in zip(self.names, self.sizes, strict=True)]
 
     def abort(self) -> None:
-        """Close and delete every file (the save failed)."""
+        """Close and delete every file (the save failed); a close that fails as the writes did (a
+        full disk) stops neither its file's removal nor the others'."""
         for handle, name in zip(self.handles, self.names, strict=True):
-            handle.close()
-            self.storage.remove(f"{self.step_dir}/{name}")
+            with contextlib.suppress(OSError):
+                handle.close()
+            with contextlib.suppress(OSError):
+                self.storage.remove(f"{self.step_dir}/{name}")
 
 
 def _encode_and_write(job: _Job, encoder: ChunkEncoder, files: _DataFiles) -> Chunk:
@@ -160,7 +175,8 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     tensors: 0); the chunks of a phase are coded only once those of every
     earlier phase are (their coding reads what those left, e.g. a cast of a
     master copy). Nothing is visible until a commit lists the files; on an
-    error this process's files are deleted.
+    error this process's files are deleted, and an ``OSError`` (a full disk)
+    is raised as :class:`WriteFailedError` naming the step and the file.
     """
     workers = workers or default_workers()
     records, stored = [], []
@@ -178,7 +194,7 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                 stored.append((record, fragment, spec, raw_bytes(part.values)))
     raw_total = sum(raw.size for *_, raw in stored)
 
-    files = _DataFiles(storage, step_dir_name(step), save_id, rank)
+    files = _DataFiles(storage, step, save_id, rank)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-encode") as pool, \
                 progress_bar(raw_total, f"save step {step}", progress) as bar:
@@ -198,7 +214,7 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                         collect_oldest()
                 while in_flight:
                     collect_oldest()
-            list(pool.map(storage.finish, files.handles))  # fsync the files in parallel
+            files.finish(pool)
     except BaseException:
         files.abort()
         raise
@@ -266,12 +282,58 @@ def metadata_bytes(meta: StepMetadata) -> bytes:
     return text
 
 
-def commit_step(storage: Storage, meta: StepMetadata) -> None:
-    """Make ``meta``'s step visible (the rename of its ``metadata.json``), then delete the files
-    of its directory it does not reference (those of a step it replaces)."""
+def stage_metadata(storage: Storage, meta: StepMetadata) -> str:
+    """Write ``meta``'s ``metadata.json`` durably to a temporary file beside it, uncommitted;
+    returns that file, which ``commit_step(storage, meta, staged)`` renames. A commit from a
+    staged file writes nothing, so it cannot fail for want of space."""
+    rel = f"{step_dir_name(meta.step)}/{METADATA_FILE}"
+    with writing(storage, meta.step, rel):
+        return storage.stage(rel, metadata_bytes(meta))
+
+
+def commit_step(storage: Storage, meta: StepMetadata, staged: str | None = None) -> None:
+    """Make ``meta``'s step visible (the rename of its ``metadata.json``, from ``staged`` if
+    :func:`stage_metadata` wrote it), then delete the files of its directory it does not
+    reference (those of a step it replaces)."""
     step_dir = step_dir_name(meta.step)
-    storage.commit_file(f"{step_dir}/{METADATA_FILE}", metadata_bytes(meta))
+    rel = f"{step_dir}/{METADATA_FILE}"
+    with writing(storage, meta.step, rel):
+        if staged is None:
+            storage.commit_file(rel, metadata_bytes(meta))
+        else:
+            storage.publish(staged, rel)
     remove_unreferenced(storage, step_dir, meta)
+
+
+def discard(storage: Storage, meta: StepMetadata, staged: str | None = None) -> None:
+    """Delete the data files of ``meta``'s version of its step and its ``staged`` metadata,
+    unless that version was committed after all (the failure came after the rename): what a
+    failed save or gc leaves. Every file is tried, whatever removing the others does."""
+    step_dir = step_dir_name(meta.step)
+    with contextlib.suppress(OSError, DeltackptError):
+        if storage.read_bytes(f"{step_dir}/{METADATA_FILE}") == metadata_bytes(meta):
+            return
+    rels = [f"{step_dir}/{f.name}" for f in meta.files]
+    if staged is not None:
+        rels.append(staged)
+    for rel in rels:
+        with contextlib.suppress(OSError, DeltackptError):
+            storage.remove(rel)
+
+
+@contextlib.contextmanager
+def writing(storage: Storage, step: int, rel: str) -> Iterator[None]:
+    """Raise an ``OSError`` of writing file ``rel`` of step ``step`` (a full disk, an I/O error)
+    as :class:`WriteFailedError` naming both, with its ``errno``."""
+    try:
+        yield
+    except WriteFailedError:
+        raise
+    except OSError as exc:
+        error = WriteFailedError(f"writing step {step} failed: {storage.url}/{rel}: "
+                                 f"{exc.strerror or exc}; committed steps are intact")
+        error.errno = exc.errno
+        raise error from exc
 
 
 def write_step(storage: Storage, step: int, captured: CapturedState, *,
@@ -289,17 +351,34 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
     at the final rename of ``metadata.json``. An existing version of the
     step stays intact until that moment, and its data files are removed
     only after it.
+
+    A save that fails removes every file it wrote (and the step's directory
+    if it created it), and raises an ``OSError`` as
+    :class:`WriteFailedError` naming the step and the file.
     """
     started = time.perf_counter()
-    storage.makedirs(step_dir_name(step))
-    save_id = new_save_id()
-    written = write_data(storage, step, save_id, captured, encoder=encoder,
-                         coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
-                         progress=progress)
-    meta = step_metadata(step, save_id, written, captured.tree, kind=kind, base_step=base_step,
-                         world_size=1, seconds=time.perf_counter() - started,
-                         summary=summary() if summary else None)
-    commit_step(storage, meta)
+    step_dir = step_dir_name(step)
+    created = not storage.exists(step_dir)
+    meta = None
+    try:
+        with writing(storage, step, step_dir):
+            storage.makedirs(step_dir)
+        save_id = new_save_id()
+        written = write_data(storage, step, save_id, captured, encoder=encoder,
+                             coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
+                             progress=progress)
+        meta = step_metadata(step, save_id, written, captured.tree, kind=kind,
+                             base_step=base_step, world_size=1,
+                             seconds=time.perf_counter() - started,
+                             summary=summary() if summary else None)
+        commit_step(storage, meta)
+    except BaseException:
+        if meta is not None:
+            discard(storage, meta)
+        with contextlib.suppress(OSError, DeltackptError):
+            if created and not storage.exists(f"{step_dir}/{METADATA_FILE}"):
+                storage.remove_tree(step_dir)
+        raise
     return meta
 
 
@@ -312,5 +391,5 @@ def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata) -> 
     """Delete files in ``step_dir`` that its committed metadata does not reference."""
     keep = {METADATA_FILE} | {f.name for f in meta.files}
     for name in storage.listdir(step_dir):
-        if name not in keep:
+        if name not in keep and storage.kind(f"{step_dir}/{name}") != "dir":  # no save makes one
             storage.remove(f"{step_dir}/{name}")

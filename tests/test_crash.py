@@ -29,7 +29,7 @@ import pytest
 import torch
 from helpers import assert_state_dicts_equal, step_dir
 
-from deltackpt import CheckpointManager
+from deltackpt import CheckpointManager, WriterLockedError
 
 CONTENT_SOURCE = '''
 def content(step, version):
@@ -213,7 +213,9 @@ def _check_after_crash(root: Path, server: WriterServer) -> bool:
     had_leftovers = bool(_leftovers(root, reader))
     _check_committed(reader, server)
     assert set(root.rglob("*")) == before, "a read-only manager modified the directory"
-    with CheckpointManager(root) as mgr:  # a writer opening the directory removes the leftovers
+    with CheckpointManager(root) as mgr:
+        assert set(root.rglob("*")) == before, "opening a manager modified the directory"
+        mgr.acquire()  # taking the writer lock removes the leftovers
         assert _leftovers(root, mgr) == []
         for step in mgr.steps():
             meta = mgr.metadata(step)
@@ -304,6 +306,8 @@ def test_leftovers_removed_by_a_writer_only(tmp_path: Path) -> None:
     assert set(root.rglob("*")) == before
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [0, 1, 2]
+        assert set(root.rglob("*")) == before  # opening takes no lock and removes nothing
+        mgr.acquire()
         assert _leftovers(root, mgr) == []
         assert not step_dir(root, 9).exists() and not step_dir(root, 10).exists()
         for step in range(3):
@@ -319,9 +323,12 @@ def test_opening_while_another_writer_holds_the_lock_removes_nothing(tmp_path: P
         _make_leftovers(root)  # stand-ins for the holder's save in progress
         before = set(root.rglob("*"))
         other = CheckpointManager(root)
+        with pytest.raises(WriterLockedError):
+            other.acquire()
         assert set(root.rglob("*")) == before
         assert other.steps() == [0, 1]
     with CheckpointManager(root) as mgr:
+        mgr.acquire()
         assert _leftovers(root, mgr) == []
 
 
@@ -357,6 +364,7 @@ def test_overwrite_interrupted_at_each_stage(tmp_path: Path, stage: str) -> None
     reader = CheckpointManager(root, read_only=True)
     assert reader.restore(1).extra["meta"]["version"] == expected_version
     with CheckpointManager(root) as mgr:
+        mgr.acquire()
         assert _leftovers(root, mgr) == []
         _assert_content(mgr.restore(1).extra, 1, expected_version)
         assert mgr.verify(deep=True) == {0: [], 1: []}
@@ -400,6 +408,7 @@ def test_overwrite_interrupted_by_failure_keeps_one_whole_version(tmp_path: Path
     _assert_content(reader.restore(1).extra, 1, expected_version)
     assert reader.verify(deep=True) == {0: [], 1: [], 2: []}
     with CheckpointManager(root) as writer:
+        writer.acquire()
         assert _leftovers(root, writer) == []
         _assert_content(writer.restore(1).extra, 1, expected_version)
         writer.save(1, extra=content(1, 2), rng=False, overwrite=True)

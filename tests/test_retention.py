@@ -676,7 +676,7 @@ def test_cli_gc(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
                    "removed": [1, 2, 4, 5, 7, 8], "rewritten": [3], "recoded": [9, 10], "held": [],
                    "freed_bytes": dry["freed_bytes"], "added_bytes": dry["added_bytes"],
                    "bytes_before": sum(dir_bytes(p) for p in path.glob("step-*")),
-                   "bytes_after": dry["bytes_after"], "dry_run": True, "skipped": []}
+                   "bytes_after": dry["bytes_after"], "dry_run": True, "skipped": [], "needed_bytes": 0}
     assert dry["freed_bytes"] == sum(dir_bytes(path / step_dir_name(s)) for s in dry["removed"])
     assert dry["bytes_after"] < dry["bytes_before"]
 
