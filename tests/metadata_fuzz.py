@@ -64,10 +64,11 @@ def _model() -> nn.Module:
 def build_checkpoint(root: Path) -> None:
     """Write the fuzzed checkpoint: steps 1 (full), 2 and 3 (deltas) with model, AdamW, RNG and an
     ``extra`` holding a tuple, a dict with non-string keys, bytes, NaN, a numpy array and scalar, a
-    tensor and a nested list."""
+    nested list and tensors stored in chunks of every lossless codec (``raw``, ``byteplane``
+    with raw, zstd and huffman planes, ``huffman``)."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with CheckpointManager(root, full_every=10, chunk_bytes=1024, workers=1) as mgr:
+    with CheckpointManager(root, full_every=10, chunk_bytes=4096, workers=1) as mgr:
         for step in STEPS:
             for _ in range(3):
                 loss = model(torch.randint(0, 32, (8,))).square().mean()
@@ -77,7 +78,9 @@ def build_checkpoint(root: Path) -> None:
             extra = {"epoch": step, "schedule": (0.1, float("nan"), -math.inf),
                      "by_id": {1: "a", (2, "b"): [None, True]}, "blob": b"\x00\xffdata",
                      "array": np.arange(6, dtype=np.int32).reshape(2, 3), "scale": np.float32(0.5),
-                     "seen": torch.arange(20), "nested": [[1, [2, [3, {"k": "v"}]]]]}
+                     "seen": torch.arange(20), "nested": [[1, [2, [3, {"k": "v"}]]]],
+                     "noise": torch.randn(4096), "zeros": torch.zeros(2048),
+                     "labels": torch.randint(0, 4, (8192,), dtype=torch.int8)}
             mgr.save(step, model, optimizer, extra=extra)
 
 

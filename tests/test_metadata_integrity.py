@@ -290,6 +290,20 @@ def test_invalid_metadata_is_refused_when_read(ckpt: Path, case: str) -> None:
     assert len(report[FULL]) == 1 and str(path) in report[FULL][0]
 
 
+@pytest.mark.parametrize("elem", [[], [4], 4.0, {"a": 1}], ids=["[]", "[4]", "4.0", "object"])
+def test_codec_params_of_another_type_are_a_format_error(ckpt: Path, elem: Any) -> None:
+    """A byteplane chunk whose element size is not an integer fails its restore with FormatError
+    naming the step and tensor (the codec checks its params when it decodes)."""
+    def edit(m: dict[str, Any]) -> None:
+        chunk = _coded(m)
+        assert chunk["codec"] == "byteplane"
+        chunk["params"]["elem"] = elem
+
+    edit_metadata(_path(ckpt, FULL), edit)
+    with pytest.raises(FormatError, match=f"step {FULL}, tensor .*byteplane params"):
+        CheckpointManager(ckpt, read_only=True).restore(FULL)
+
+
 def test_valid_edits_still_restore(ckpt: Path) -> None:
     """The validation cases' starting point is valid: re-sealed unchanged, step 1 restores."""
     edit_metadata(_path(ckpt, FULL), lambda m: None)
