@@ -49,17 +49,25 @@ from deltackpt.codecs.quant import (
 from deltackpt.compression import LOSSY_DTYPES
 from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError
-from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
+from deltackpt.format import (
+    Box,
+    Chunk,
+    Layout,
+    StepMetadata,
+    TensorRecord,
+    box_index,
+    box_intersection,
+    layout_of,
+)
 from deltackpt.optimizers import bnb_states
-from deltackpt.reader import ChunkSource, chain_of, read_tensors, run_chunk_tasks
+from deltackpt.reader import (
+    ChunkSource,
+    chain_of,
+    check_chunks_readable,
+    read_tensors,
+    run_chunk_tasks,
+)
 from deltackpt.storage import Storage
-
-Layout = dict[str, tuple[str, str, tuple[int, ...]]]
-
-
-def layout_of(meta: StepMetadata) -> Layout:
-    """Role, dtype and shape of every stored (non-alias) tensor of a step."""
-    return {r.name: (r.role, r.dtype, tuple(r.shape)) for r in meta.tensors if r.alias_of is None}
 
 
 @dataclass
@@ -436,6 +444,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     the chunks that hold the box's first to last element.
     """
     chain = chain_of(storage, meta)
+    for step in chain:
+        check_chunks_readable(storage, step)
     full_step = chain[0]
     boxes = boxes or {}
     values: dict[str, np.ndarray] = {}

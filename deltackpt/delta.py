@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltackpt.chain import Layout, Reconstruction
+from deltackpt.chain import Reconstruction
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
 from deltackpt.codecs.cast import encode_cast
@@ -41,7 +41,7 @@ from deltackpt.compression import (
 )
 from deltackpt.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for, spec_named
 from deltackpt.errors import ConfigError
-from deltackpt.format import TensorRecord
+from deltackpt.format import Layout, TensorRecord
 from deltackpt.kernels.quant import (
     N_STATS,
     STAT_MAX_ABS,
@@ -66,7 +66,7 @@ from deltackpt.state import CapturedState, master_copies
 
 def captured_layout(captured: CapturedState,
                     local: dict[str, torch.Tensor] | None = None) -> Layout:
-    """Role, dtype and shape of every stored tensor of a capture (as ``chain.layout_of``), or of
+    """Role, dtype and shape of every stored tensor of a capture (as ``format.layout_of``), or of
     the ``local`` parts of its tensors that one rank codes."""
     if local is None:
         local = {t.name: t.tensor for t in captured.tensors if t.alias_of is None}

@@ -21,10 +21,11 @@ from deltackpt.errors import DeltackptError, NotACheckpointError, StepNotFoundEr
 from deltackpt.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_ROOT_MARKER_BYTES,
     METADATA_FILE,
     ROOT_MARKER,
     StepMetadata,
-    check_format_version,
+    check_root_marker,
     step_dir_name,
 )
 from deltackpt.objectstore import LEASE_OBJECT
@@ -66,13 +67,9 @@ class CheckpointDirectory:
         storage = self.storage
         if storage.exists(ROOT_MARKER):
             where = f"{self.path}/{ROOT_MARKER}"
-            try:
-                marker = json.loads(storage.read_bytes(ROOT_MARKER))
-            except json.JSONDecodeError as exc:
-                raise NotACheckpointError(f"{where}: not valid JSON ({exc})") from None
-            if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
-                raise NotACheckpointError(f"{where}: not a deltackpt marker")
-            check_format_version(marker.get("format_version"), where)
+            if storage.size(ROOT_MARKER) > MAX_ROOT_MARKER_BYTES:
+                raise NotACheckpointError(f"{where}: too large for a deltackpt marker")
+            check_root_marker(storage.read_bytes(ROOT_MARKER), where)
         elif not create:
             state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
             raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "

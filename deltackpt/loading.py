@@ -137,10 +137,21 @@ def load_into(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, 
     if strict and not report.ok:
         raise StateMismatchError("checkpoint does not match (nothing was loaded; pass "
                                  "strict=False to load what matches):\n" + report.describe())
+    # The optimizer first: its own load_state_dict may still refuse values the checkpoint holds
+    # (what it raises then is its own choice: KeyError, TypeError, OverflowError...).
+    if opt_sd is not None:
+        try:
+            optimizer.load_state_dict(opt_sd)
+        except Exception as exc:
+            raise StateMismatchError(f"the checkpoint's optimizer state does not load into "
+                                     f"{type(optimizer).__qualname__}: {type(exc).__name__}: "
+                                     f"{exc}") from None
     if model is not None:
         model.load_state_dict(loadable, strict=False)
-    if opt_sd is not None:
-        optimizer.load_state_dict(opt_sd)
     if rng and saved_rng is not None:
-        set_rng_state(saved_rng)
+        try:
+            set_rng_state(saved_rng)
+        except Exception as exc:  # whatever torch, numpy or random raise for a state they refuse
+            raise StateMismatchError(f"the checkpoint's RNG states cannot be restored: "
+                                     f"{type(exc).__name__}: {exc}") from None
     return report

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltackpt.chain import Reconstruction, layout_of, restore_chain
+from deltackpt.chain import Reconstruction, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import StepEncoder, captured_layout
 from deltackpt.directory import CheckpointDirectory, check_step
@@ -40,6 +40,7 @@ from deltackpt.format import (
     Box,
     StepMetadata,
     box_index,
+    layout_of,
     step_dir_name,
 )
 from deltackpt.reader import chain_of, read_metadata, read_save_id

@@ -11,7 +11,6 @@ kernels, so this module imports them only where it decodes (``deltackpt ls``,
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -26,8 +25,11 @@ import zstandard
 from deltackpt.dtypes import spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, FormatError, StepNotFoundError
 from deltackpt.format import (
+    MAX_METADATA_BYTES,
+    MAX_METADATA_INFLATION,
     METADATA_FILE,
     STEP_DIR_PATTERN,
+    ZSTD_MAGIC,
     Box,
     Chunk,
     Fragment,
@@ -35,6 +37,9 @@ from deltackpt.format import (
     TensorRecord,
     box_index,
     box_intersection,
+    check_seal,
+    layout_of,
+    load_json,
     parse_step_metadata,
     step_dir_name,
 )
@@ -72,13 +77,18 @@ def step_not_found(storage: Storage, step: int) -> StepNotFoundError:
 def _metadata_text(storage: Storage, step: int) -> tuple[bytes, str]:
     """The JSON text of ``step``'s metadata file (decompressed) and the file's URL."""
     rel = f"{step_dir_name(step)}/{METADATA_FILE}"
+    where = f"{storage.url}/{rel}"
     try:
+        size = storage.size(rel)
+        if size > MAX_METADATA_BYTES:
+            raise FormatError(f"{where}: {size} bytes, more than metadata may take "
+                              f"({MAX_METADATA_BYTES})")
         text = storage.read_bytes(rel)
     except FileNotFoundError:
         raise step_not_found(storage, step) from None
     if text[:4] == ZSTD_MAGIC:
-        text = _decompress_metadata(text, f"{storage.url}/{rel}")
-    return text, f"{storage.url}/{rel}"
+        text = _decompress_metadata(text, where)
+    return text, where
 
 
 def read_metadata(storage: Storage, step: int) -> StepMetadata:
@@ -97,7 +107,7 @@ def chain_of(storage: Storage, meta: StepMetadata,
     ``read`` reads a step's metadata (default: from ``storage``; a caller
     walking many chains passes a cached reader). Raises
     :class:`CorruptionError` naming the step whose base is missing or
-    unreadable, so the caller can tell which link is broken.
+    unreadable or holds other tensors, so the caller can tell which link is broken.
     """
     read = read or (lambda step: read_metadata(storage, step))
     chain = [meta]
@@ -115,6 +125,9 @@ def chain_of(storage: Storage, meta: StepMetadata,
         except DeltackptError as exc:
             raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
                                   f"base step {top.base_step} cannot be read ({exc})") from None
+        if layout_of(chain[-1]) != layout_of(top):  # no delta's tensor outgrows its full step's
+            raise CorruptionError(f"step {top.step} is a delta on step {top.base_step}, which "
+                                  "holds other tensors (names, roles, dtypes or shapes; FORMAT.md 5)")
     return chain[::-1]
 
 
@@ -126,24 +139,25 @@ def read_save_id(storage: Storage, step: int) -> str | None:
     wrote needs no more (a full parse costs tens of ms per save).
     """
     try:
-        save_id = json.loads(_metadata_text(storage, step)[0]).get("save_id")
-    except (DeltackptError, ValueError, AttributeError):
+        text, where = _metadata_text(storage, step)
+        check_seal(text, where)
+        save_id = load_json(text, where).get("save_id")
+    except (DeltackptError, AttributeError):
         return None
     return save_id if isinstance(save_id, str) else None
 
 
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-MAX_METADATA_BYTES = 1 << 30
-
-
 def _decompress_metadata(data: bytes, where: str) -> bytes:
-    """The JSON of a zstd-compressed ``metadata.json`` (FORMAT.md 2)."""
+    """The JSON of a zstd-compressed ``metadata.json`` (FORMAT.md 2), whose stated size is
+    checked against the bounds before anything is inflated."""
     try:
         size = zstandard.frame_content_size(data)
     except zstandard.ZstdError as exc:
         raise FormatError(f"{where}: damaged zstd frame ({exc})") from None
-    if not 0 <= size <= MAX_METADATA_BYTES:
-        raise FormatError(f"{where}: zstd frame states no or an implausible size ({size})")
+    if not 0 <= size <= min(MAX_METADATA_BYTES, MAX_METADATA_INFLATION * len(data)):
+        raise FormatError(f"{where}: its zstd frame states no size, or {size} bytes: more than "
+                          f"metadata may take (at most {MAX_METADATA_INFLATION} times the "
+                          f"frame's {len(data)} and {MAX_METADATA_BYTES})")
     try:
         return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
     except zstandard.ZstdError as exc:
@@ -259,6 +273,7 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
     unknown = sorted(wanted - records.keys())
     if unknown:
         raise KeyError(f"step {meta.step} has no tensor(s) {unknown}")
+    check_chunks_readable(storage, meta)
     boxes = boxes or {}
     targets = {records[n].alias_of or n for n in wanted}
     tensors: dict[str, torch.Tensor] = {}
@@ -302,6 +317,35 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
         if records[name].alias_of is not None:
             tensors[name] = tensors[records[name].alias_of]
     return {n: tensors[n] for n in (r.name for r in meta.tensors) if n in wanted}
+
+
+def check_chunks_readable(storage: Storage, meta: StepMetadata) -> None:
+    """Raise, as reading it would, for the first chunk of a step that cannot be read: of a codec
+    this deltackpt does not know, beyond the end of its data file, or in a missing one. A
+    restore checks this before it allocates anything on the word of the metadata (whose chunk
+    ranges are checked against the files' recorded sizes, not their sizes on disk)."""
+    from deltackpt.codecs.base import codec_named
+
+    chain_only = _chain_only_codecs()
+    source = ChunkSource(storage, meta)
+    try:
+        for record, chunk in _all_chunks(meta):
+            if chunk.codec not in chain_only:  # those decode through the chain
+                try:
+                    codec_named(chunk.codec)
+                except FormatError as exc:
+                    raise FormatError(f"{source.where(record, chunk)}: {exc}") from None
+        for index, file in enumerate(meta.files):
+            try:
+                size = storage.size(f"{step_dir_name(meta.step)}/{file.name}")
+            except FileNotFoundError:
+                size = -1
+            if size < file.size:
+                for record, chunk in _all_chunks(meta):
+                    if chunk.file == index and (size < 0 or chunk.offset + chunk.length > size):
+                        source.stored(record, chunk)  # raises, naming step, tensor and file
+    finally:
+        source.close()
 
 
 def run_chunk_tasks(tasks: list, fn, workers: int | None, description: str,

@@ -87,14 +87,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from deltackpt.chain import Reconstruction, layout_of, restore_chain
+from deltackpt.chain import Reconstruction, restore_chain
 from deltackpt.codecs.bnb8 import NAME as BNB8
 from deltackpt.codecs.bnb8 import self_contained
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.compression import ScaleController
 from deltackpt.delta import StepEncoder
 from deltackpt.errors import DeltackptError, UnsafePathError
-from deltackpt.format import METADATA_FILE, StepMetadata, step_dir_name
+from deltackpt.format import METADATA_FILE, StepMetadata, layout_of, step_dir_name
 from deltackpt.progress import human_bytes
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage

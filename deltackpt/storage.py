@@ -71,10 +71,11 @@ class _FileRangeReader:
         self.fd, self.path = fd, path
 
     def read(self, offset: int, length: int) -> bytes:
-        data = os.pread(self.fd, length, offset)
+        size = os.fstat(self.fd).st_size  # before pread, which allocates ``length`` bytes first
+        data = os.pread(self.fd, length, offset) if offset + length <= size else b""
         if len(data) != length:
             raise CorruptionError(f"{self.path}: file is truncated (wanted bytes {offset}.."
-                                  f"{offset + length}, it has {os.fstat(self.fd).st_size})")
+                                  f"{offset + length}, it has {size})")
         return data
 
     def close(self) -> None:

@@ -29,6 +29,8 @@ from deltackpt.distributed import Part, parts_to_write
 from deltackpt.dtypes import DTypeSpec, raw_bytes, spec_for
 from deltackpt.errors import DeltackptError, FormatError, WriteFailedError
 from deltackpt.format import (
+    MAX_METADATA_BYTES,
+    MAX_METADATA_INFLATION,
     METADATA_FILE,
     Chunk,
     DataFile,
@@ -259,10 +261,19 @@ def step_metadata(step: int, save_id: str, written: WrittenData, tree: dict, *, 
 
 
 def metadata_bytes(meta: StepMetadata) -> bytes:
-    """The content of ``meta``'s ``metadata.json`` as a commit writes it."""
+    """The content of ``meta``'s ``metadata.json`` as a commit writes it: its text, compressed
+    for a delta step unless the text is more than ``MAX_METADATA_INFLATION`` times the frame
+    (readers refuse such frames). Raises :class:`FormatError` when the text is larger than
+    readers accept."""
     text = meta.to_json().encode()
+    if len(text) > MAX_METADATA_BYTES:
+        raise FormatError(f"step {meta.step}: its metadata would take {len(text)} bytes, more "
+                          f"than readers accept ({MAX_METADATA_BYTES}); save fewer, larger "
+                          "chunks (chunk_bytes)")
     if meta.kind == "delta":  # a delta's data is small enough that its metadata's size matters
-        text = zstd_compress(text)
+        frame = zstd_compress(text)
+        if len(text) <= MAX_METADATA_INFLATION * len(frame):
+            return frame
     return text
 
 

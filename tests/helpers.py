@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import zstandard
 
 from deltackpt.dtypes import BY_NAME
+from deltackpt.format import CHECKSUM_KEY, ZSTD_MAGIC, seal_json
 
 
 def raw_bytes_of(t: torch.Tensor) -> bytes:
@@ -86,3 +91,17 @@ def assert_same_value(actual: object, expected: object, path: str = "value") -> 
             assert type(next(k for k in actual if k == key)) is type(key), f"{path}: key type of {key!r}"
     else:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def edit_metadata(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]], None]) -> Path:
+    """Rewrite a ``metadata.json`` (compressed or not) as ``edit`` changes its JSON object, sealed
+    with a new checksum as a writer would: the checksum no longer tells, validation must."""
+    path = Path(path)
+    data = path.read_bytes()
+    if data[:4] == ZSTD_MAGIC:
+        data = zstandard.ZstdDecompressor().decompress(data)
+    obj = json.loads(data)
+    edit(obj)
+    obj.pop(CHECKSUM_KEY, None)
+    path.write_text(seal_json(json.dumps(obj, separators=(",", ":"))))
+    return path

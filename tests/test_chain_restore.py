@@ -11,14 +11,13 @@ that only decoding reveals, which must still name the step, tensor and file.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import xxhash
-from helpers import step_dir
+from helpers import edit_metadata, step_dir
 from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
@@ -245,16 +244,16 @@ def test_full_step_in_several_fragments_is_read_before_the_deltas(tmp_path: Path
     _save_chain(root, range(4))
     storage = open_storage(root)
     before = {s: restore_chain(storage, read_metadata(storage, s)) for s in (1, 3)}
-    path = step_dir(root, 0) / "metadata.json"
-    meta = json.loads(path.read_text())
-    (record,) = [t for t in meta["tensors"] if t["name"] == WEIGHT]
-    chunks = record["fragments"][0]["chunks"]
-    assert len(chunks) == 8  # 8 rows each: rows 0-31 and 32-63 are 4 chunks each
-    for chunk in chunks[4:]:
-        chunk["raw_offset"] -= 4 * 1024
-    record["fragments"] = [{"offsets": [0, 0], "sizes": [32, 32], "chunks": chunks[:4]},
-                           {"offsets": [32, 0], "sizes": [32, 32], "chunks": chunks[4:]}]
-    path.write_text(json.dumps(meta))
+    def split(meta: dict) -> None:
+        (record,) = [t for t in meta["tensors"] if t["name"] == WEIGHT]
+        chunks = record["fragments"][0]["chunks"]
+        assert len(chunks) == 8  # 8 rows each: rows 0-31 and 32-63 are 4 chunks each
+        for chunk in chunks[4:]:
+            chunk["raw_offset"] -= 4 * 1024
+        record["fragments"] = [{"offsets": [0, 0], "sizes": [32, 32], "chunks": chunks[:4]},
+                               {"offsets": [32, 0], "sizes": [32, 32], "chunks": chunks[4:]}]
+
+    edit_metadata(step_dir(root, 0) / "metadata.json", split)
     assert len(read_metadata(storage, 0).tensor(WEIGHT).fragments) == 2
     for step, (tensors, recon) in before.items():
         again, recon_again = restore_chain(storage, read_metadata(storage, step))

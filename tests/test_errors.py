@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_same_value, assert_state_dicts_equal, files_under, step_dir
+from helpers import (
+    assert_bitwise_equal,
+    assert_same_value,
+    assert_state_dicts_equal,
+    edit_metadata,
+    files_under,
+    step_dir,
+)
 from torch import nn
 
 from deltackpt import (
@@ -47,11 +54,7 @@ def _metadata_path(root: Path, step: int) -> Path:
 
 
 def _edit_metadata(root: Path, step: int, edit: Callable[[dict[str, Any]], None]) -> Path:
-    path = _metadata_path(root, step)
-    obj = json.loads(path.read_text())
-    edit(obj)
-    path.write_text(json.dumps(obj))
-    return path
+    return edit_metadata(_metadata_path(root, step), edit)
 
 
 # -- steps --------------------------------------------------------------------------------------------

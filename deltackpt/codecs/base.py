@@ -50,14 +50,18 @@ def register(codec: Codec) -> Codec:
     return codec
 
 
+def codec_named(name: str) -> Codec:
+    """The registered codec ``name``; raises :class:`FormatError` naming it if there is none."""
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise FormatError(f"unknown codec {name!r} (this deltackpt knows {sorted(CODECS)}); "
+                          "the checkpoint was written by a newer version") from None
+
+
 def decode_into(codec: str, params: dict[str, Any], stored: memoryview, out: np.ndarray) -> None:
     """Decode one chunk with the codec its metadata names."""
-    try:
-        impl = CODECS[codec]
-    except KeyError:
-        raise FormatError(f"unknown codec {codec!r} (this deltackpt knows {sorted(CODECS)}); "
-                          "the checkpoint was written by a newer version") from None
-    impl.decode(stored, params, out)
+    codec_named(codec).decode(stored, params, out)
 
 
 def check_length(actual: int, expected: int, what: str) -> None:

@@ -168,7 +168,8 @@ def _byteplane_params(params: dict[str, Any]) -> tuple[int, bool, list[tuple[str
     """Validated ``(elem, rotate, planes)`` of a byteplane chunk."""
     elem, rotate, planes = params.get("elem"), params.get("rotate"), params.get("planes")
     words = {spec.word for spec in BY_NAME.values()} - {1}
-    if elem not in words or not isinstance(rotate, bool) or not isinstance(planes, list):
+    if elem.__class__ is not int or elem not in words or not isinstance(rotate, bool) \
+            or not isinstance(planes, list):
         raise FormatError(f"byteplane params {params} are invalid")
     if len(planes) != elem or any(
             not (isinstance(pl, list) and len(pl) == 2 and pl[0] in PLANE_CODECS
