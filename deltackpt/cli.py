@@ -668,7 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     path = argparse.ArgumentParser(add_help=False)
-    path.add_argument("path", metavar="PATH", help="checkpoint directory (a local path or file:// URL)")
+    path.add_argument("path", metavar="PATH",
+                      help="checkpoint directory: a local path, file:// URL or fsspec URL (s3://bucket/run1)")
     path.add_argument("--json", action="store_true",
                       help="print one JSON document on stdout instead of text (no progress bars)")
     one_step = argparse.ArgumentParser(add_help=False)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from deltackpt.errors import DeltackptError, NotACheckpointError, StepNotFoundError
@@ -27,6 +28,7 @@ from deltackpt.format import (
     check_root_marker,
     step_dir_name,
 )
+from deltackpt.objectstore import LEASE_OBJECT
 from deltackpt.reader import list_steps, read_metadata, step_not_found
 from deltackpt.storage import LOCK_FILE, Storage, open_storage
 from deltackpt.verify import VerifyReport, verify_steps
@@ -40,15 +42,20 @@ class CheckpointDirectory:
     while a writer saves to it.
 
     Args:
-        path: the checkpoint directory, or a ``file://`` URL.
+        path: the checkpoint directory, a ``file://`` URL, or an fsspec URL of a prefix on an
+            object store (``s3://bucket/run1``).
         workers: threads used to check (and decode) chunks (default: usable CPUs).
         create: create an empty checkpoint directory if ``path`` does not
             exist or is empty (else: raise :class:`NotACheckpointError`).
+        storage_options: options of the object store of an fsspec ``path``: endpoint,
+            credentials and the like, passed to its fsspec file system; without them its
+            client's environment variables and configuration files apply. They are never
+            written anywhere nor shown in errors.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, workers: int | None = None,
-                 create: bool = False) -> None:
-        self.storage: Storage = open_storage(path)
+                 create: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.storage: Storage = open_storage(path, storage_options)
         self.path = self.storage.url
         self.workers = workers
         self._open_directory(create)
@@ -67,7 +74,8 @@ class CheckpointDirectory:
             state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
             raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
                                       f"(it {state})")
-        elif storage.exists("") and any(n not in (LOCK_FILE, ROOT_MARKER) and not n.endswith(".tmp")
+        elif storage.exists("") and any(n not in (LOCK_FILE, LEASE_OBJECT, ROOT_MARKER)
+                                        and not n.endswith(".tmp")
                                         for n in storage.listdir()):
             raise NotACheckpointError(
                 f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "

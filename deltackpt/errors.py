@@ -38,6 +38,12 @@ class StateMismatchError(DeltackptError):
     """The checkpoint does not fit the model or optimizer it is loaded into."""
 
 
+class StorageError(DeltackptError):
+    """Storage that cannot be used: an unknown URL scheme (names the package to install), a missing
+    bucket, missing or refused credentials, an unreachable endpoint. Names the URL, never a
+    credential."""
+
+
 class WriterLockedError(DeltackptError):
     """Another process (or manager) is writing to the same checkpoint directory."""
 

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from deltackpt.distributed import (
     sharded_targets,
 )
 from deltackpt.errors import (
+    CorruptionError,
     DeltackptError,
     DistributedError,
     StepExistsError,
@@ -44,6 +46,7 @@ from deltackpt.format import (
 from deltackpt.reader import chain_of, read_metadata, read_save_id
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
+from deltackpt.tiering import UploadCache
 from deltackpt.universal import UniversalCheckpoint
 from deltackpt.writer import (
     DEFAULT_CHUNK_BYTES,
@@ -123,7 +126,8 @@ class CheckpointManager(CheckpointDirectory):
     save continues the chain of the loaded step.
 
     Args:
-        path: directory of the checkpoints (created if missing), or ``file://`` URL.
+        path: directory of the checkpoints (created if missing), a ``file://`` URL, or an
+            fsspec URL of a prefix on an object store (``s3://bucket/run1``).
         full_every: a full checkpoint every this many saves, deltas in between
             (1: every save is full).
         compression: ``"balanced"`` (default), ``"aggressive"``,
@@ -134,13 +138,25 @@ class CheckpointManager(CheckpointDirectory):
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
         workers: threads used to encode and decode (default: usable CPUs).
         read_only: never create, clean up or write anything.
+        storage_options: options of the object store of an fsspec ``path`` (``s3://``,
+            ``gs://``, ``az://``, ``memory://``, ...): endpoint, credentials and the like,
+            passed to its fsspec file system; without them its client's environment
+            variables and configuration files apply. They are never written anywhere nor
+            shown in errors.
+        cache: a local directory each step is saved to first; it is then uploaded to ``path``
+            in the background while training goes on (:mod:`deltackpt.tiering`), and
+            restores read it where it holds the same steps.
+        cache_keep: uploaded steps the cache keeps (the newest), besides the steps their
+            chains need; a step leaves the cache only once its upload is committed.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
                  compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False,
+                 storage_options: Mapping[str, Any] | None = None,
+                 cache: str | os.PathLike[str] | None = None, cache_keep: int = 1) -> None:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         if chunk_bytes < 1024:
@@ -157,7 +173,11 @@ class CheckpointManager(CheckpointDirectory):
         self._controller = ScaleController(target, self.compression.max_scale) \
             if target is not None else None
         self._warned_target = False
-        super().__init__(path, workers=workers, create=not read_only)
+        self._cache: UploadCache | None = None
+        super().__init__(path, workers=workers, create=not read_only,
+                         storage_options=storage_options)
+        if cache is not None and not read_only:
+            self._cache = UploadCache(cache, self.storage, cache_keep)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.path!r}, full_every={self.full_every})"
@@ -169,7 +189,15 @@ class CheckpointManager(CheckpointDirectory):
         self.close()
 
     def close(self) -> None:
-        """Release the writer lock, if this manager holds it."""
+        """Wait for the upload of the last step saved through a cache (raising its failure), and
+        release the writer lock, if this manager holds it."""
+        try:
+            if self._cache is not None:
+                self._cache.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
@@ -227,6 +255,24 @@ class CheckpointManager(CheckpointDirectory):
 
     # -- queries -----------------------------------------------------------------------
 
+    def _settle(self) -> None:
+        """Wait for the step uploading from the cache, if any: every operation but a save's
+        return sees the remote with it (or raises its upload's failure)."""
+        if self._cache is not None:
+            self._cache.wait()
+
+    def steps(self) -> list[int]:
+        self._settle()
+        return super().steps()
+
+    def metadata(self, step: int) -> StepMetadata:
+        self._settle()
+        return super().metadata(step)
+
+    def resolve_step(self, step: int | None = None) -> int:
+        self._settle()
+        return super().resolve_step(step)
+
     def info(self, step: int) -> SaveInfo:
         """Kind, sizes and timing recorded for ``step``."""
         return SaveInfo.of(self.metadata(step))
@@ -271,17 +317,26 @@ class CheckpointManager(CheckpointDirectory):
         step = check_step(step)
         group = Group.current()
         if group is not None:
+            if self._cache is not None:
+                raise ValueError(f"{self.path}: cache= serves single-process saves; under "
+                                 "torch.distributed every rank writes to the checkpoint itself")
             return self._save_distributed(step, captured, group, overwrite, progress)
+        self._settle()
         self._prepare_save(step, overwrite)
+        if self._cache is not None:
+            self._cache.open()
         base = self._delta_base(step, captured)
         encoder = StepEncoder(captured, self.compression, base, self._controller,
                               keep=self.compression.deltas and self.full_every > 1)
         self._recon = None  # a failed save leaves it half updated; the next save is then full
-        meta = write_step(self.storage, step, captured, kind="delta" if base else "full",
+        meta = write_step(self.storage if self._cache is None else self._cache.storage, step,
+                          captured, kind="delta" if base else "full",
                           base_step=base.step if base else None, encoder=encoder,
                           summary=encoder.summary, coded_last=encoder.coded_last,
                           chunk_bytes=self.chunk_bytes,
                           workers=self.workers, progress=progress)
+        if self._cache is not None:
+            self._cache.upload(meta)
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
         info = SaveInfo.of(meta)
@@ -422,9 +477,13 @@ class CheckpointManager(CheckpointDirectory):
             raise ValueError("gc needs a retention policy: pass keep= here or to the manager")
         if not dry_run:
             self.acquire()
+        self._settle()
         recon = self._recon
         report, replaced = collect_garbage(self, policy, dry_run=dry_run,
                                            follow=recon.step if recon is not None else None)
+        if self._cache is not None and not dry_run:
+            for step in report.removed + report.recoded + report.rewritten:
+                self._cache.drop(step)  # gone from the remote, or replaced there
         if report.needed_bytes:
             log.warning("%s: gc %s", self.path, report.describe())
         if recon is not None and replaced is not None:
@@ -467,8 +526,20 @@ class CheckpointManager(CheckpointDirectory):
 
     def _restore(self, meta: StepMetadata,
                  progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
-        tensors, recon = restore_chain(self.storage, meta, workers=self.workers, progress=progress)
+        tensors, recon = self._restore_chain(meta, workers=self.workers, progress=progress)
         return UniversalCheckpoint(meta.step, tensors, meta), recon
+
+    def _restore_chain(self, meta: StepMetadata, **kwargs: Any
+                       ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
+        """:func:`restore_chain` of ``meta``, from the cache where it holds the same chain (and
+        from the checkpoint if a cached chunk fails its checksum)."""
+        if self._cache is not None and self._cache.holds(chain_of(self.storage, meta)):
+            try:
+                return restore_chain(self._cache.storage, meta, **kwargs)
+            except CorruptionError as exc:
+                log.warning("%s: the cached copy of step %d is damaged (%s); reading %s",
+                            self._cache.storage.url, meta.step, exc, self.path)
+        return restore_chain(self.storage, meta, **kwargs)
 
     def load(self, step: int | None = None, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
@@ -524,8 +595,8 @@ class CheckpointManager(CheckpointDirectory):
         tensors, recon, error = {}, None, None
         threads = self._threads(group)
         try:
-            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=threads,
-                                           progress=progress)
+            tensors, recon = self._restore_chain(meta, boxes=boxes, workers=threads,
+                                                 progress=progress)
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise

@@ -4,8 +4,9 @@ The writer and reader only use :class:`Storage`: create a directory, write a
 new file durably, commit a small file atomically, read byte ranges, list,
 delete, and hold the single-writer lock, following no link and opening
 nothing but regular files below the root. :class:`LocalStorage` implements it
-on a POSIX file system (local disk or a shared network file system);
-:func:`open_storage` maps a path or ``file://`` URL to it.
+on a POSIX file system (local disk or a shared network file system),
+:class:`deltackpt.objectstore.ObjectStorage` on object stores through fsspec;
+:func:`open_storage` picks one by URL.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import importlib.util
 import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 from urllib.parse import urlparse
 
-from deltackpt.errors import CorruptionError, NotACheckpointError, UnsafePathError
+from deltackpt.errors import CorruptionError, NotACheckpointError, StorageError, UnsafePathError
 
 LOCK_FILE = ".writer.lock"
 
@@ -347,20 +349,67 @@ def _fsync_dir(fd: int) -> None:
     os.fsync(fd)
 
 
-def open_storage(url: str | os.PathLike[str]) -> Storage:
-    """The storage for a local path or ``file://`` URL.
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is an object store URL (``s3://...``), not a local path or
+    ``file://`` URL."""
+    scheme = urlparse(os.fspath(location)).scheme
+    return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
 
-    Raises :class:`NotACheckpointError` when the path is an existing file.
+
+def open_storage(url: str | os.PathLike[str],
+                 storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage for a checkpoint URL: a local path or ``file://`` URL gives
+    :class:`LocalStorage`; any other fsspec URL (``s3://``, ``gs://``, ``az://``,
+    ``memory://``, ...) an :class:`~deltackpt.objectstore.ObjectStorage`, opened with
+    ``storage_options`` (endpoint, credentials; else the standard environment variables and
+    configuration files of its client library apply).
+
+    Raises :class:`NotACheckpointError` when a local path is an existing file, and
+    :class:`StorageError` for a scheme no installed package serves (naming the package to
+    install and the schemes available), a missing bucket or credentials that do not work.
     """
     text = os.fspath(url)
     parsed = urlparse(text)
     if parsed.scheme == "file":
         text = parsed.path
-    elif parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive
-        raise ValueError(f"{text}: storage scheme {parsed.scheme!r} is not supported yet "
-                         "(use a local or shared file system path)")
+    elif is_url(text):
+        _check_scheme(parsed.scheme, text)
+        from deltackpt.objectstore import ObjectStorage
+
+        return ObjectStorage(text, storage_options)
+    if storage_options:
+        raise StorageError(f"{text}: storage_options apply to object store URLs, not local paths")
     storage = LocalStorage(text)
     if storage.root.exists() and not storage.root.is_dir():
         raise NotACheckpointError(f"{storage.root} is a file, not a checkpoint directory")
     return storage
 
+
+def _check_scheme(scheme: str, url: str) -> None:
+    """Raise :class:`StorageError` unless an installed fsspec implementation serves ``scheme``."""
+    from deltackpt.objectstore import redact_url
+
+    where = redact_url(url)
+    if importlib.util.find_spec("fsspec") is None:
+        raise StorageError(f"{where}: {scheme}:// URLs are read and written through fsspec, which "
+                           "is not installed (pip install 'deltackpt[remote]', or fsspec and the "
+                           f"package for {scheme}://); available now: local paths and file://")
+    from fsspec.registry import known_implementations, registry
+
+    known = {**known_implementations, **{name: {"class": ""} for name in registry}}
+    available = sorted(name for name, impl in known.items()
+                       if name in registry or _installed(impl.get("class", "")))
+    schemes = ", ".join(f"{name}://" for name in available)
+    if scheme not in known:
+        raise StorageError(f"{where}: unknown storage scheme {scheme!r}; available: local paths, "
+                           f"{schemes}")
+    if scheme not in available:
+        hint = known[scheme].get("err") or f"install the package {known[scheme]['class'].split('.')[0]}"
+        raise StorageError(f"{where}: {scheme}:// needs a package that is not installed ({hint}); "
+                           f"available: local paths, {schemes}")
+
+
+def _installed(qualified_class: str) -> bool:
+    """Whether the top-level package of ``qualified_class`` can be imported (without importing)."""
+    top = qualified_class.split(".")[0]
+    return bool(top) and importlib.util.find_spec(top) is not None

@@ -30,6 +30,7 @@ from deltackpt import (
     StateMismatchError,
     StepExistsError,
     StepNotFoundError,
+    StorageError,
     WriterLockedError,
 )
 from deltackpt.format import FORMAT_VERSION
@@ -411,13 +412,14 @@ def test_empty_directory_becomes_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_file_url_and_unknown_scheme(tmp_path: Path) -> None:
-    """A file:// URL is the same directory as its path; other URL schemes raise ValueError."""
+    """A file:// URL is the same directory as its path; an unknown URL scheme raises StorageError
+    listing the schemes available."""
     path = tmp_path / "ckpt"
     with CheckpointManager(f"file://{path}") as mgr:
         mgr.save(1, extra={"a": 1}, rng=False)
     assert CheckpointManager(path, read_only=True).restore(1).extra == {"a": 1}
-    with pytest.raises(ValueError, match="s3"):
-        CheckpointManager("s3://bucket/ckpt")
+    with pytest.raises(StorageError, match="unknown storage scheme 'nosuch'; available: local paths"):
+        CheckpointManager("nosuch://bucket/ckpt")
 
 
 def test_read_only_on_missing_path(tmp_path: Path) -> None:

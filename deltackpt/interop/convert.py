@@ -9,10 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltackpt.interop.exporters import OUT_FORMATS, export
+from deltackpt.interop.exporters import OUT_FORMATS, export, save_standalone
 from deltackpt.interop.files import prepare_out
 from deltackpt.interop.sources import read_checkpoint, source_paths
+from deltackpt.objectstore import redact_url
 from deltackpt.patterns import ShardingSpec
+from deltackpt.storage import is_url
 
 PathLike = str | os.PathLike[str]
 
@@ -23,9 +25,9 @@ class ConvertReport:
 
     source_format: str
     out_format: str
-    out: Path
+    out: Path | str  # a str: the URL of a checkpoint on an object store
     step: int
-    files: list[Path]
+    files: list[Path]  # (local outputs only)
     left_out: list[str]  # parts of the state the output format has no place for
     notes: list[str]  # what the reader could not take over from the source
 
@@ -53,16 +55,26 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
     report's notes name them).
 
     The source is never modified. ``out`` must be new or empty unless
-    ``overwrite``; output files appear complete or not at all.
+    ``overwrite``; output files appear complete or not at all. For
+    ``deltackpt`` output ``out`` may be an object store URL
+    (``s3://bucket/run1``; its store's standard credentials apply).
     """
     if out_format not in OUT_FORMATS:
         raise ValueError(f"unknown output format {out_format!r}; choose one of {', '.join(OUT_FORMATS)}")
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     paths = source_paths(source)
-    target = prepare_out(Path(out), paths, overwrite)
+    remote = is_url(out)
+    if remote and out_format != "deltackpt":
+        raise ValueError(f"{out}: only deltackpt output can be written to a URL; write "
+                         f"{out_format} to a local directory")
+    target = out if remote else prepare_out(Path(out), paths, overwrite)
     read = read_checkpoint(paths, source_format, optimizer_class, sharding, model_only)
     if step is None:
         step = read.step if read.step is not None else 0
+    if remote:
+        save_standalone(read.state, step, out, overwrite=overwrite)
+        return ConvertReport(read.format, out_format, redact_url(os.fspath(out)), step, [], [],
+                             read.notes)
     written = export(read.state, step, target, out_format, overwrite=overwrite)
     return ConvertReport(read.format, out_format, target, step, written.files, written.left_out, read.notes)

@@ -26,7 +26,7 @@ from deltackpt.interop import OUT_FORMATS
 from deltackpt.interop.files import publish_directory
 from deltackpt.interop.layouts import OPTIMIZER_CLASS_KEY, TORCH_FILE, native_optimizer, weights_only_loadable
 from deltackpt.state import CapturedState
-from deltackpt.storage import LOCK_FILE, open_storage
+from deltackpt.storage import LOCK_FILE, is_url, open_storage
 
 if TYPE_CHECKING:
     from deltackpt.manager import SaveInfo
@@ -64,8 +64,8 @@ def save_standalone(captured: CapturedState, step: int, path: str | os.PathLike[
     """Write ``captured`` losslessly as step ``step`` of the deltackpt directory at ``path``.
 
     A new or empty ``path`` appears whole, in one rename of a private temporary directory, and
-    holds no writer lock file (nothing writes to it). Into an existing checkpoint directory the
-    step is saved as any step is (``overwrite`` replaces it).
+    holds no writer lock file (nothing writes to it). Into an existing checkpoint directory, or
+    at an object store URL, the step is saved as any step is (``overwrite`` replaces it).
     """
     from deltackpt.manager import CheckpointManager
 
@@ -73,6 +73,8 @@ def save_standalone(captured: CapturedState, step: int, path: str | os.PathLike[
         with CheckpointManager(directory, compression="lossless") as mgr:
             return mgr.save_captured(step, captured, overwrite=overwrite)
 
+    if is_url(path):  # an object store has no rename; the step's commit is atomic there
+        return save(path)
     out = Path(open_storage(path).url)
     if out.exists() and any(out.iterdir()):
         return save(out)
