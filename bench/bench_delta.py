@@ -29,6 +29,7 @@ from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
 
 from deltackpt import CheckpointManager
 from deltackpt.codecs.quant import decode_quant, encode_quant
+from deltackpt.pool import default_workers
 from deltackpt.training import (
     SIZES,
     TinyGPT,
@@ -38,7 +39,7 @@ from deltackpt.training import (
     split_corpus,
     train_step,
 )
-from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers
+from deltackpt.writer import DEFAULT_CHUNK_BYTES
 
 ROUNDS = 3
 # Training steps between the states a delta is measured on: the fidelity bench's shorter save

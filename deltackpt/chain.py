@@ -51,6 +51,7 @@ from deltackpt.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
 from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
 from deltackpt.optimizers import bnb_states
+from deltackpt.pool import Workers
 from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
 from deltackpt.storage import Storage
 
@@ -448,7 +449,7 @@ def _cut_span(flat: torch.Tensor, lo: int, shape: list[int], box: Box) -> torch.
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box] | None = None,
-                  workers: int | None = None,
+                  workers: Workers = None,
                   progress: bool = False) -> tuple[dict[str, torch.Tensor], Reconstruction]:
     """Every tensor of step ``meta`` rebuilt through its chain, and the reconstruction.
 
@@ -714,7 +715,7 @@ def _bnb8_moments(meta: StepMetadata, final: dict[str, TensorRecord]) -> dict[st
 def _restore_bnb8(storage: Storage, chain: list[StepMetadata],
                   records: list[dict[str, TensorRecord]], sources: list[ChunkSource], name: str,
                   moment: _Bnb8, first: int, tensors: dict[str, torch.Tensor],
-                  values: dict[str, np.ndarray], workers: int | None) -> None:
+                  values: dict[str, np.ndarray], workers: Workers) -> None:
     """Rebuild 8-bit moment ``name`` of the chain's last step: its float32 running values from
     step ``first`` on (dequantized codes where that step stores them, else decoded), each
     step's bnb8 chunks applied and checked, then requantized by bitsandbytes into its codes and

@@ -48,6 +48,7 @@ from deltackpt.format import (
     check_format_version,
     step_dir_name,
 )
+from deltackpt.pool import WorkerPool, default_workers
 from deltackpt.reader import (
     list_steps,
     read_metadata,
@@ -63,7 +64,6 @@ from deltackpt.writer import (
     DEFAULT_CHUNK_BYTES,
     WrittenData,
     commit_step,
-    default_workers,
     merge_written,
     new_save_id,
     remove_unreferenced,
@@ -124,7 +124,9 @@ class CheckpointManager:
     Every save is committed atomically: a crash leaves earlier steps intact
     and the interrupted one invisible. One manager at a time may write to a
     directory (it takes an exclusive lock at its first save, released by
-    :meth:`close`); any number may read, even while it writes.
+    :meth:`close`); any number may read, even while it writes. The threads
+    that encode and decode are started at the first save or restore and
+    kept until :meth:`close` (a ``with`` block closes the manager).
 
     Saves alternate between full steps (lossless) and delta steps, coded
     against the reconstruction of the previous save, so a restored step
@@ -144,7 +146,8 @@ class CheckpointManager:
             form, e.g. ``"last=5,every=100"``) applied after every save;
             ``None`` keeps every step. See :meth:`gc`.
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
-        workers: threads used to encode and decode (default: usable CPUs).
+        workers: threads used to encode and decode (default: usable CPUs;
+            under torch.distributed, shared out between the ranks of a machine).
         read_only: never create, clean up or write anything.
     """
 
@@ -165,6 +168,7 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self.workers = workers
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
+        self._pool: WorkerPool | None = None
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
@@ -184,10 +188,13 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Release the writer lock, if this manager holds it."""
+        """Release the writer lock, if this manager holds it, and stop its threads. A later
+        save takes the lock again, and a later save or restore starts new threads."""
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
+        if self._pool is not None:
+            self._pool.close()
 
     # -- directory ---------------------------------------------------------------------
 
@@ -262,6 +269,16 @@ class CheckpointManager:
             self._rank_workers = max(1, default_workers() // group.ranks_on_this_host())
         return self._rank_workers
 
+    def _workers(self, group: Group | None = None) -> WorkerPool:
+        """The manager's thread pool, of :meth:`_threads` threads, kept from its first save or
+        restore until :meth:`close`."""
+        threads = self._threads(group) or default_workers()
+        if self._pool is None or self._pool.workers != threads:
+            if self._pool is not None:
+                self._pool.close()
+            self._pool = WorkerPool(threads)
+        return self._pool
+
     # -- queries -----------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -331,7 +348,7 @@ class CheckpointManager:
                           base_step=base.step if base else None, encoder=encoder,
                           summary=encoder.summary, coded_last=encoder.coded_last,
                           chunk_bytes=self.chunk_bytes,
-                          workers=self.workers, progress=progress)
+                          workers=self._workers(), progress=progress)
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
         info = SaveInfo.of(meta)
@@ -381,7 +398,7 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         check_same_state(captured, group)
-        threads = self._threads(group)  # a collective at the first save: before any rank can fail
+        pool = self._workers(group)  # a collective at the first save: before any rank can fail
         parts, local, base, save_id, error = {}, {}, None, None, None
         try:
             parts = shard_parts(captured, group)
@@ -406,7 +423,7 @@ class CheckpointManager:
                                   local=local)
             written = write_data(self.storage, step, save_id, captured, parts=parts,
                                  rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
-                                 chunk_bytes=self.chunk_bytes, workers=threads,
+                                 chunk_bytes=self.chunk_bytes, workers=pool,
                                  progress=progress and group.rank == 0)
             stats = encoder.class_stats
         except Exception as exc:  # reported to every rank below, then raised there
@@ -537,7 +554,8 @@ class CheckpointManager:
 
     def _restore(self, meta: StepMetadata,
                  progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
-        tensors, recon = restore_chain(self.storage, meta, workers=self.workers, progress=progress)
+        tensors, recon = restore_chain(self.storage, meta, workers=self._workers(),
+                                       progress=progress)
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
     def load(self, step: int | None = None, model: nn.Module | None = None,
@@ -592,9 +610,9 @@ class CheckpointManager:
         target, holding this rank's shard ``boxes[name]``, and the reconstruction of those
         boxes; any rank's failure is raised on every rank."""
         tensors, recon, error = {}, None, None
-        threads = self._threads(group)
+        pool = self._workers(group)
         try:
-            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=threads,
+            tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=pool,
                                            progress=progress)
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
@@ -621,8 +639,8 @@ class CheckpointManager:
 
         def problems_of(meta: StepMetadata) -> list[str]:
             if meta.step not in own:
-                own[meta.step] = verify_step(self.storage, meta, deep=deep, workers=self.workers,
-                                             progress=progress)
+                own[meta.step] = verify_step(self.storage, meta, deep=deep,
+                                             workers=self._workers(), progress=progress)
             return own[meta.step]
 
         report = {}
@@ -639,7 +657,7 @@ class CheckpointManager:
                               for p in problems_of(link)]
             if deep and not report[s] and meta.kind == "delta":
                 try:
-                    restore_chain(self.storage, meta, workers=self.workers, progress=progress)
+                    restore_chain(self.storage, meta, workers=self._workers(), progress=progress)
                 except DeltackptError as exc:
                     report[s].append(str(exc))
         return report

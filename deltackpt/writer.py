@@ -1,20 +1,20 @@
 """Writing one step: chunk, encode and write in parallel, fsync, commit (docs/FORMAT.md 1.1).
 
-Chunks are encoded on a thread pool (the kernels and zstd release the GIL);
-each thread appends what it encodes to its own data file. The calling thread
+Chunks are encoded on a thread pool (the kernels and zstd release the GIL;
+:mod:`deltackpt.pool`); each thread appends what it encodes to its own data
+file. The calling thread
 only hands out chunks, a bounded number at a time so memory stays small
 whatever the model size, and collects their metadata in order.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO
@@ -40,6 +40,7 @@ from deltackpt.format import (
     data_file_name,
     step_dir_name,
 )
+from deltackpt.pool import Workers, drain, running, worker_count
 from deltackpt.progress import progress_bar
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
@@ -54,11 +55,6 @@ def encode_exact(record: TensorRecord, spec: DTypeSpec, raw_offset: int,
                  raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
     """The chunk encoder of full steps: lossless."""
     return encode_lossless(raw, spec), raw
-
-
-def default_workers() -> int:
-    """Threads for encoding and decoding: one per CPU this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -147,7 +143,7 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                parts: dict[str, list[Part]] | None = None, rank: int = 0,
                encoder: ChunkEncoder = encode_exact,
                coded_last: Mapping[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               workers: int | None = None, progress: bool = False) -> WrittenData:
+               workers: Workers = None, progress: bool = False) -> WrittenData:
     """Encode and durably write this process's part of ``captured`` into step ``step``'s
     directory (which must exist), in data files named by ``save_id`` and the rank.
 
@@ -157,10 +153,10 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     (default: losslessly). ``coded_last`` maps tensors to a phase (other
     tensors: 0); the chunks of a phase are coded only once those of every
     earlier phase are (their coding reads what those left, e.g. a cast of a
-    master copy). Nothing is visible until a commit lists the files; on an
-    error this process's files are deleted.
+    master copy). ``workers``: the threads that encode and write
+    (:data:`pool.Workers`). Nothing is visible until a commit lists the
+    files; on an error this process's files are deleted.
     """
-    workers = workers or default_workers()
     records, stored = [], []
     for item in captured.tensors:
         spec = spec_for(item.tensor.dtype, item.name)
@@ -177,10 +173,11 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     raw_total = sum(raw.size for *_, raw in stored)
 
     files = _DataFiles(storage, step_dir_name(step), save_id, rank)
+    in_flight: deque[tuple[_Job, Future[Chunk]]] = deque()
+    syncs: list[Future[None]] = []
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-encode") as pool, \
+        with running(workers) as pool, \
                 progress_bar(raw_total, f"save step {step}", progress) as bar:
-            in_flight: deque[tuple[_Job, Future[Chunk]]] = deque()
 
             def collect_oldest() -> None:
                 job, future = in_flight.popleft()
@@ -192,12 +189,15 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                 for job in _chunk_jobs([s for s in stored if phases.get(s[0].name, 0) == phase],
                                        chunk_bytes):
                     in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
-                    if len(in_flight) >= 4 * workers:
+                    if len(in_flight) >= 4 * worker_count(workers):
                         collect_oldest()
                 while in_flight:
                     collect_oldest()
-            list(pool.map(storage.finish, files.handles))  # fsync the files in parallel
+            syncs = [pool.submit(storage.finish, handle) for handle in files.handles]
+            for sync in syncs:  # the files fsynced in parallel
+                sync.result()
     except BaseException:
+        drain([future for _, future in in_flight] + syncs)
         files.abort()
         raise
     return WrittenData(records, files.records(), raw_total)
@@ -267,7 +267,7 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
                kind: str = "full", base_step: int | None = None,
                encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
                coded_last: Mapping[str, int] | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Workers = None,
                progress: bool = False) -> StepMetadata:
     """Write ``captured`` as step ``step`` from a single process and commit it; returns its
     metadata.
