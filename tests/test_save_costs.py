@@ -1,0 +1,77 @@
+"""The fixed costs of a save, which dominate at small states: what a save reads, computes and
+fsyncs once, and no more."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import deltackpt.delta
+import deltackpt.optimizers
+from deltackpt import CheckpointManager
+from deltackpt.state import capture
+
+
+def _trained(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, steps)
+    return model, optimizer
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(16, 64)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _count_calls(monkeypatch, name: str, modules: tuple) -> list[int]:
+    """Count the calls of ``deltackpt.optimizers.<name>`` through any of ``modules``."""
+    calls = [0]
+    original = getattr(deltackpt.optimizers, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, name, counted, raising=False)
+    return calls
+
+
+def test_a_delta_save_reads_the_optimizer_state_once(tmp_path, monkeypatch) -> None:
+    model, optimizer = _trained()
+    with CheckpointManager(tmp_path / "ckpt", workers=2) as mgr:
+        mgr.save(0, model, optimizer, rng=False)
+        _train(model, optimizer, 3)
+        modules = (deltackpt.optimizers, deltackpt.delta)
+        by_parameter = _count_calls(monkeypatch, "state_by_parameter", modules)
+        bnb = _count_calls(monkeypatch, "captured_bnb_states", modules)
+        assert mgr.save(1, model, optimizer, rng=False).kind == "delta"
+    assert by_parameter[0] == 1
+    assert bnb[0] == 1
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_units_from_a_state_read_once_are_those_read_anew(optimizer_class) -> None:
+    """``movement_units`` and ``adam_bias_corrections`` given the state a save read once
+    agree with reading it themselves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    optimizer = optimizer_class(model.parameters(), lr=1e-2, **(
+        {"momentum": 0.9} if optimizer_class is torch.optim.SGD else {}))
+    _train(model, optimizer, 2)
+    captured = capture(model, optimizer, None, False)
+    states = deltackpt.optimizers.state_by_parameter(captured)
+    assert deltackpt.optimizers.movement_units(captured, states) == \
+        deltackpt.optimizers.movement_units(captured)
+    assert deltackpt.optimizers.adam_bias_corrections(captured, states) == \
+        deltackpt.optimizers.adam_bias_corrections(captured)
+    assert deltackpt.optimizers.movement_units(captured)  # a unit for every parameter
