@@ -449,8 +449,9 @@ def _cut_span(flat: torch.Tensor, lo: int, shape: list[int], box: Box) -> torch.
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box] | None = None,
-                  workers: Workers = None,
-                  progress: bool = False) -> tuple[dict[str, torch.Tensor], Reconstruction]:
+                  workers: Workers = None, progress: bool = False,
+                  read: Callable[[int], StepMetadata] | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
     """Every tensor of step ``meta`` rebuilt through its chain, and the reconstruction.
 
     Tensors are returned by name as :func:`reader.read_tensors` returns
@@ -462,9 +463,10 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     the reconstruction, have the box's sizes. A tensor stored in several
     fragments (saved by several ranks) is rebuilt only over the fragments
     that overlap its box; one stored whole (saved by one process) only over
-    the chunks that hold the box's first to last element.
+    the chunks that hold the box's first to last element. ``read`` reads the
+    metadata of the steps below (as for :func:`chain_of`).
     """
-    chain = chain_of(storage, meta)
+    chain = chain_of(storage, meta, read)
     full_step = chain[0]
     boxes = boxes or {}
     values: dict[str, np.ndarray] = {}

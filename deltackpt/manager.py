@@ -169,6 +169,9 @@ class CheckpointManager:
         self.workers = workers
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
         self._pool: WorkerPool | None = None
+        # The metadata of the steps of the chain last saved or restored, with the identity of
+        # its file when read (Storage.identity): parsed once while the file stays the same.
+        self._known: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
@@ -292,7 +295,11 @@ class CheckpointManager:
 
     def metadata(self, step: int) -> StepMetadata:
         """The validated metadata of ``step``."""
-        return read_metadata(self.storage, _check_step(step))
+        step = _check_step(step)
+        known = self._known.get(step)
+        if known is not None and self.storage.identity(_metadata_file(step)) == known[0]:
+            return known[1]
+        return read_metadata(self.storage, step)
 
     def info(self, step: int) -> SaveInfo:
         """Kind, sizes and timing recorded for ``step``."""
@@ -349,6 +356,9 @@ class CheckpointManager:
                           summary=encoder.summary, coded_last=encoder.coded_last,
                           chunk_bytes=self.chunk_bytes,
                           workers=self._workers(), progress=progress)
+        identity = self.storage.identity(_metadata_file(step))
+        chain = {s: self._known[s] for s in base.chain if s in self._known} if base else {}
+        self._known = chain if identity is None else {**chain, step: (identity, meta)}
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
         info = SaveInfo.of(meta)
@@ -511,7 +521,12 @@ class CheckpointManager:
                 or step <= recon.step or recon.layout != captured_layout(captured, local)):
             return None
         # The base must still be the step this reconstruction came from, with its chain below.
-        if read_save_id(self.storage, recon.step) != recon.save_id or not all(
+        known = self._known.get(recon.step)
+        if known is not None and self.storage.identity(_metadata_file(recon.step)) == known[0]:
+            save_id = known[1].save_id  # the very file this manager wrote or read
+        else:
+            save_id = read_save_id(self.storage, recon.step)
+        if save_id != recon.save_id or not all(
                 self.storage.exists(f"{step_dir_name(s)}/{METADATA_FILE}") for s in recon.chain[:-1]):
             return None
         return recon
@@ -550,12 +565,14 @@ class CheckpointManager:
         deltas in between, each chunk checked; a missing or damaged link
         raises an error naming the step and what is missing.
         """
-        return self._restore(self.metadata(self.resolve_step(step)), progress)[0]
+        reads = _MetadataReads(self)
+        return self._restore(reads(self.resolve_step(step)), progress, reads)[0]
 
-    def _restore(self, meta: StepMetadata,
-                 progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
+    def _restore(self, meta: StepMetadata, progress: bool,
+                 reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction]:
         tensors, recon = restore_chain(self.storage, meta, workers=self._workers(),
-                                       progress=progress)
+                                       progress=progress, read=reads)
+        self._known = reads.read
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
     def load(self, step: int | None = None, model: nn.Module | None = None,
@@ -588,13 +605,14 @@ class CheckpointManager:
         and full after a change of world size or sharding.
         """
         group = Group.current()
-        meta = self.metadata(self.resolve_step(step))
+        reads = _MetadataReads(self)
+        meta = reads(self.resolve_step(step))
         targets = sharded_targets(meta.tensors, model)
         boxes = {name: local_box(target) for name, target in targets.items()}
         if group is None and not targets:
-            ckpt, recon = self._restore(meta, progress)
+            ckpt, recon = self._restore(meta, progress, reads)
         else:
-            ckpt, recon = self._restore_shards(meta, targets, boxes, group, progress)
+            ckpt, recon = self._restore_shards(meta, targets, boxes, group, progress, reads)
             rng = rng and group is None  # the saved RNG states are rank 0's
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
@@ -604,8 +622,8 @@ class CheckpointManager:
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],
-                        boxes: dict[str, Box], group: Group | None,
-                        progress: bool) -> tuple[UniversalCheckpoint, Reconstruction | None]:
+                        boxes: dict[str, Box], group: Group | None, progress: bool,
+                        reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction | None]:
         """Step ``meta`` with every tensor named in ``targets`` as a DTensor laid out like its
         target, holding this rank's shard ``boxes[name]``, and the reconstruction of those
         boxes; any rank's failure is raised on every rank."""
@@ -613,7 +631,8 @@ class CheckpointManager:
         pool = self._workers(group)
         try:
             tensors, recon = restore_chain(self.storage, meta, boxes=boxes, workers=pool,
-                                           progress=progress)
+                                           progress=progress, read=reads)
+            self._known = reads.read
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise
@@ -635,7 +654,8 @@ class CheckpointManager:
         """
         steps = [self.resolve_step(step)] if step is not None else self.steps()
         own: dict[int, list[str]] = {}
-        metas = functools.cache(self.metadata)  # each step's metadata is parsed once
+        # each step's metadata is read from its file (not taken from _known), once
+        metas = functools.cache(functools.partial(read_metadata, self.storage))
 
         def problems_of(meta: StepMetadata) -> list[str]:
             if meta.step not in own:
@@ -663,6 +683,23 @@ class CheckpointManager:
         return report
 
 
+class _MetadataReads:
+    """Reads step metadata through a manager (:meth:`CheckpointManager.metadata`), recording
+    each step's with the identity its file had before the read (``read``), for the manager
+    to keep as those of its last chain."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+        self.read: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
+
+    def __call__(self, step: int) -> StepMetadata:
+        identity = self.manager.storage.identity(_metadata_file(step))
+        meta = self.manager.metadata(step)
+        if identity is not None:
+            self.read[step] = identity, meta
+        return meta
+
+
 def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], group: Group | None,
              model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
              extra: Any) -> Reconstruction | None:
@@ -688,6 +725,11 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
     local = {name: part.values for name, part in parts.items()}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
+
+
+def _metadata_file(step: int) -> str:
+    """The path of ``step``'s metadata file in its checkpoint directory."""
+    return f"{step_dir_name(step)}/{METADATA_FILE}"
 
 
 def _check_step(step: Any) -> int:

@@ -41,6 +41,7 @@ class Storage(Protocol):
     def is_dir(self, rel: str) -> bool: ...
     def listdir(self, rel: str = "") -> list[str]: ...
     def size(self, rel: str) -> int: ...
+    def identity(self, rel: str) -> tuple[int, ...] | None: ...
     def makedirs(self, rel: str = "") -> None: ...
     def read_bytes(self, rel: str) -> bytes: ...
     def open_reader(self, rel: str) -> RangeReader: ...
@@ -89,6 +90,16 @@ class LocalStorage:
 
     def size(self, rel: str) -> int:
         return self._path(rel).stat().st_size
+
+    def identity(self, rel: str) -> tuple[int, ...] | None:
+        """What changes whenever the file ``rel`` is replaced or rewritten (device, inode, size,
+        modification and change times), or None if there is none: tells a writer that a file is
+        still the one it wrote, or read, without reading it again."""
+        try:
+            st = os.lstat(self._path(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def makedirs(self, rel: str = "") -> None:
         path = self._path(rel)

@@ -9,9 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+import deltackpt.chain
 import deltackpt.delta
+import deltackpt.manager
 import deltackpt.optimizers
-from deltackpt import CheckpointManager
+import deltackpt.reader
+from deltackpt import CheckpointManager, DeltackptError
 from deltackpt.state import capture
 
 
@@ -75,3 +78,46 @@ def test_units_from_a_state_read_once_are_those_read_anew(optimizer_class) -> No
     assert deltackpt.optimizers.adam_bias_corrections(captured, states) == \
         deltackpt.optimizers.adam_bias_corrections(captured)
     assert deltackpt.optimizers.movement_units(captured)  # a unit for every parameter
+
+
+def _count_reads(monkeypatch) -> list[int]:
+    """Count every read of a step's metadata file (parsed, or its save_id alone)."""
+    calls = [0]
+    for module, name in ((deltackpt.reader, "read_metadata"), (deltackpt.manager, "read_metadata"),
+                         (deltackpt.chain, "read_metadata"), (deltackpt.manager, "read_save_id")):
+        original = getattr(module, name)
+
+        def counted(*args, original=original, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_the_writer_reads_no_metadata_it_wrote(tmp_path, monkeypatch) -> None:
+    """Saves check their base, and restores walk their chain, without reading again the metadata
+    the manager committed (while its file is the one committed); another manager reads it."""
+    model, optimizer = _trained()
+    with CheckpointManager(tmp_path / "ckpt", full_every=4, workers=2) as mgr:
+        mgr.save(0, model, optimizer, rng=False)
+        reads = _count_reads(monkeypatch)
+        for step in (1, 2, 3):
+            _train(model, optimizer, 2)
+            assert mgr.save(step, model, optimizer, rng=False).kind == "delta"
+        assert reads[0] == 0
+        restored = mgr.restore(3)
+        assert reads[0] == 0
+        with CheckpointManager(tmp_path / "ckpt", read_only=True) as reader:
+            fresh = reader.restore(3)
+        assert reads[0] == 4  # the chain's four steps
+        for name, tensor in fresh.tensors.items():
+            assert torch.equal(restored.tensors[name], tensor), name
+        # A file changed since it was written is read again: damaged, it is no base, and a
+        # restore reports it.
+        metadata = tmp_path / "ckpt" / "step-000000000003" / "metadata.json"
+        metadata.write_bytes(metadata.read_bytes()[:-1])
+        with pytest.raises(DeltackptError, match="000003"):
+            mgr.restore(3)
+        _train(model, optimizer, 2)
+        assert mgr.save(4, model, optimizer, rng=False).kind == "full"
