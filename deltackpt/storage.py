@@ -42,7 +42,8 @@ class Storage(Protocol):
     def listdir(self, rel: str = "") -> list[str]: ...
     def size(self, rel: str) -> int: ...
     def identity(self, rel: str) -> tuple[int, ...] | None: ...
-    def makedirs(self, rel: str = "") -> None: ...
+    def makedirs(self, rel: str = "", *, durable: bool = True) -> bool: ...
+    def sync_dir(self, rel: str = "") -> None: ...
     def read_bytes(self, rel: str) -> bytes: ...
     def open_reader(self, rel: str) -> RangeReader: ...
     def create(self, rel: str) -> IO[bytes]: ...
@@ -101,12 +102,20 @@ class LocalStorage:
             return None
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    def makedirs(self, rel: str = "") -> None:
+    def makedirs(self, rel: str = "", *, durable: bool = True) -> bool:
+        """Create directory ``rel`` (and its parents) if missing; whether it was created. A
+        created one is made durable (its parent fsynced) unless ``durable`` is False: the
+        caller then calls :meth:`sync_dir` on the parent before relying on it."""
         path = self._path(rel)
         created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
-        if created:
+        if created and durable:
             _fsync_dir(path.parent)
+        return created
+
+    def sync_dir(self, rel: str = "") -> None:
+        """Make the entries of directory ``rel`` durable (fsync it)."""
+        _fsync_dir(self._path(rel))
 
     def read_bytes(self, rel: str) -> bytes:
         return self._path(rel).read_bytes()

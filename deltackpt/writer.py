@@ -143,7 +143,8 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                parts: dict[str, list[Part]] | None = None, rank: int = 0,
                encoder: ChunkEncoder = encode_exact,
                coded_last: Mapping[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               workers: Workers = None, progress: bool = False) -> WrittenData:
+               workers: Workers = None, progress: bool = False,
+               sync_dirs: tuple[str, ...] = ()) -> WrittenData:
     """Encode and durably write this process's part of ``captured`` into step ``step``'s
     directory (which must exist), in data files named by ``save_id`` and the rank.
 
@@ -154,8 +155,10 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     tensors: 0); the chunks of a phase are coded only once those of every
     earlier phase are (their coding reads what those left, e.g. a cast of a
     master copy). ``workers``: the threads that encode and write
-    (:data:`pool.Workers`). Nothing is visible until a commit lists the
-    files; on an error this process's files are deleted.
+    (:data:`pool.Workers`). ``sync_dirs``: directories fsynced while the
+    data files are (e.g. the root, after the step's directory was created in
+    it). Nothing is visible until a commit lists the files; on an error this
+    process's files are deleted.
     """
     records, stored = [], []
     for item in captured.tensors:
@@ -194,6 +197,8 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                 while in_flight:
                     collect_oldest()
             syncs = [pool.submit(storage.finish, handle) for handle in files.handles]
+            for directory in sync_dirs:  # meanwhile, here
+                storage.sync_dir(directory)
             for sync in syncs:  # the files fsynced in parallel
                 sync.result()
     except BaseException:
@@ -280,11 +285,12 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
     only after it.
     """
     started = time.perf_counter()
-    storage.makedirs(step_dir_name(step))
+    # A new step directory's entry becomes durable while its data files are fsynced.
+    created = storage.makedirs(step_dir_name(step), durable=False)
     save_id = new_save_id()
     written = write_data(storage, step, save_id, captured, encoder=encoder,
                          coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
-                         progress=progress)
+                         progress=progress, sync_dirs=("",) if created else ())
     meta = step_metadata(step, save_id, written, captured.tree, kind=kind, base_step=base_step,
                          world_size=1, seconds=time.perf_counter() - started,
                          summary=summary() if summary else None)

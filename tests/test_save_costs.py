@@ -4,6 +4,7 @@ fsyncs once, and no more."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import deltackpt.delta
 import deltackpt.manager
 import deltackpt.optimizers
 import deltackpt.reader
+import deltackpt.storage
 from deltackpt import CheckpointManager, DeltackptError
 from deltackpt.state import capture
 
@@ -121,3 +123,37 @@ def test_the_writer_reads_no_metadata_it_wrote(tmp_path, monkeypatch) -> None:
             mgr.restore(3)
         _train(model, optimizer, 2)
         assert mgr.save(4, model, optimizer, rng=False).kind == "full"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced files by /proc")
+def test_a_save_fsyncs_each_file_once_and_its_new_directory_with_them(tmp_path, monkeypatch) -> None:
+    """What crash safety needs (FORMAT.md 1.1), once each: every data file, the metadata file,
+    the step's directory (the commit) and, for a new step's directory, the root. The root's
+    fsync waits for no encoding: it runs once the data files are written, beside theirs."""
+    model, optimizer = _trained()
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, workers=2, chunk_bytes=4096) as mgr:
+        mgr.save(0, model, optimizer, rng=False)
+        _train(model, optimizer, 2)
+        synced: list[tuple[str, set[str]]] = []  # each fsync, and the data files there by then
+        fsync = os.fsync
+
+        def recorded(fd: int) -> None:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            step = root / "step-000000000001"
+            synced.append((path, {p.name for p in step.glob("*.bin")}))
+            fsync(fd)
+
+        monkeypatch.setattr(deltackpt.storage.os, "fsync", recorded)
+        assert mgr.save(1, model, optimizer, rng=False).kind == "delta"
+        monkeypatch.undo()
+        meta = mgr.metadata(1)
+    step = str(root / "step-000000000001")
+    paths = [path for path, _ in synced]
+    data = [f"{step}/{f.name}" for f in meta.files]
+    assert sorted(p for p in paths if p.endswith(".bin")) == sorted(data)
+    assert len([p for p in paths if p.startswith(f"{step}/metadata.json.")]) == 1  # its .tmp
+    assert paths.count(step) == 1 and paths.count(str(root)) == 1
+    assert len(paths) == len(data) + 3
+    written = next(names for path, names in synced if path == str(root))
+    assert written == {f.name for f in meta.files}  # the data are written by then
