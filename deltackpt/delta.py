@@ -410,9 +410,9 @@ class StepEncoder:
             chunk = encode_lossless(raw, spec)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
             return chunk, raw
+        error = float(stats[:, STAT_SUM_SQ_ERR].sum())
         with self._lock:
-            self._errors[record.name] = self._errors.get(record.name, 0.0) + float(
-                stats[:, STAT_SUM_SQ_ERR].sum())
+            self._errors[record.name] = self._errors.get(record.name, 0.0) + error
         if bnb is not None:  # its raw_xxh3 covers the running values (FORMAT.md 3.4)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
             return encode_state(chunk, bnb.qmap, bnb.absmax, bnb.blocksize), recon.view(np.uint8)
@@ -476,6 +476,8 @@ class StepEncoder:
     def _count(self, plan: _Plan, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
                elements: int, *, exact: bool = False, stats: np.ndarray | None = None) -> None:
         key = plan.cls if plan.cls is not None and not plan.quantizer.exact else "exact"
+        # the chunk's sums and maxima over its blocks, outside the lock the threads share
+        totals, peaks = (stats.sum(axis=0), stats.max(axis=0)) if stats is not None else (None, None)
         with self._lock:
             c = self._stats.setdefault(key, _ClassStats())
             c.tensors += raw_offset == 0
@@ -484,14 +486,13 @@ class StepEncoder:
             c.stored_bytes += chunk.length
             if exact:
                 c.exact_elements += elements
-            if stats is not None:
-                c.nonzero += int(stats[:, STAT_NONZERO].sum())
-                c.max_abs_error = max(c.max_abs_error, float(stats[:, STAT_MAX_ABS].max()))
+            if totals is not None:
+                c.nonzero += int(totals[STAT_NONZERO])
+                c.max_abs_error = max(c.max_abs_error, float(peaks[STAT_MAX_ABS]))
                 if plan.quantizer.domain == "ordinal":
-                    c.max_rel_error = max(c.max_rel_error or 0.0,
-                                          float(stats[:, STAT_MAX_REL].max()))
-                c.sum_sq_err += float(stats[:, STAT_SUM_SQ_ERR].sum())
-                c.sum_sq += float(stats[:, STAT_SUM_SQ].sum())
+                    c.max_rel_error = max(c.max_rel_error or 0.0, float(peaks[STAT_MAX_REL]))
+                c.sum_sq_err += float(totals[STAT_SUM_SQ_ERR])
+                c.sum_sq += float(totals[STAT_SUM_SQ])
 
     @property
     def class_stats(self) -> dict[str, _ClassStats]:
