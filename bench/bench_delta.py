@@ -305,14 +305,30 @@ def test_restore_end_of_chain(benchmark, chain) -> None:
     record(benchmark, f"restore end of {CHAIN}-delta chain", raw)
 
 
-def test_restore_end_of_short_chain(benchmark, run, chain, tmp_path) -> None:
-    """Restore the last step of a full step + SHORT_CHAIN deltas, against ``torch.load`` of
-    that state's ``torch.save`` file in the same rounds (files in the page cache)."""
-    states = run[2]
+def _restore_against_torch_load(benchmark, run, chain, tmp_path, restore, name: str) -> None:
+    """Benchmark ``restore()`` of the last step of a full step + SHORT_CHAIN deltas against
+    ``torch.load`` of that state's ``torch.save`` file in the same rounds (files in the page
+    cache)."""
     raw = _delta_at_end_of_chain(chain, SHORT_CHAIN)
     path = tmp_path / "ckpt.pt"
-    durable_torch_save(states[SHORT_CHAIN], path)
-    baseline = paired(benchmark, lambda: chain.restore(SHORT_CHAIN),
-                      lambda: torch.load(path, weights_only=True), rounds=_rounds(raw))
-    record(benchmark, f"restore end of {SHORT_CHAIN}-delta chain", raw,
-           baseline=("torch.load", baseline))
+    durable_torch_save(run[2][SHORT_CHAIN], path)
+    baseline = paired(benchmark, restore, lambda: torch.load(path, weights_only=True),
+                      rounds=_rounds(raw))
+    record(benchmark, name, raw, baseline=("torch.load", baseline))
+
+
+def test_restore_end_of_short_chain(benchmark, run, chain, tmp_path) -> None:
+    """By the manager that saved the chain (as a training run's evaluation does)."""
+    _restore_against_torch_load(benchmark, run, chain, tmp_path,
+                                lambda: chain.restore(SHORT_CHAIN),
+                                f"restore end of {SHORT_CHAIN}-delta chain")
+
+
+def test_restore_end_of_short_chain_new_manager(benchmark, run, chain, tmp_path) -> None:
+    """By a manager opened for it (as a resumed run does): it reads every step's metadata."""
+    def restore() -> None:
+        with CheckpointManager(chain.path, read_only=True) as mgr:
+            mgr.restore(SHORT_CHAIN)
+
+    _restore_against_torch_load(benchmark, run, chain, tmp_path, restore,
+                                f"restore end of {SHORT_CHAIN}-delta chain (new mgr)")
