@@ -509,9 +509,9 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
                                      progress=progress).items():
         tensors[name] = tensor.reshape(-1).contiguous()
     pieces: dict[str, list[_Piece]] = {}
+    # The tensors decoded from their chunk ranges; the others, from other tensors' values, after.
     ranged = [name for name in final if name not in casts and name not in scaled
-              and name not in moments and name not in derived_absmax]  # the others are decoded
-    # from other tensors' values, after these
+              and name not in moments and name not in derived_absmax]
     sources = [ChunkSource(storage, m) for m in chain]
     try:
         # Each tensor's first round of tasks runs while the next tensors' are planned; the

@@ -2,9 +2,9 @@
 
 Chunks are encoded on a thread pool (the kernels and zstd release the GIL;
 :mod:`deltackpt.pool`); each thread appends what it encodes to its own data
-file. The calling thread
-only hands out chunks, a bounded number at a time so memory stays small
-whatever the model size, and collects their metadata in order.
+file. The calling thread only hands out chunks, a bounded number at a time
+so memory stays small whatever the model size, and collects their metadata
+in order.
 """
 
 from __future__ import annotations
