@@ -55,6 +55,7 @@ from deltackpt.kernels.quant import (
 from deltackpt.optimizers import (
     BnbState,
     MovementUnits,
+    adam_bias_corrections,
     captured_bnb_states,
     finite_rms,
     group_hyperparameter,
@@ -192,8 +193,7 @@ class StepEncoder:
         qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
             self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
             for b, _ in bnb.values()}  # code map -> whether it equals the base's
-        scales = self._scales(captured, meanings, bnb, self._units.corrections) \
-            if self.is_delta else {}
+        scales = self._scales(captured, meanings, bnb, states) if self.is_delta else {}
         for item in captured.tensors:
             tensor = self.local.get(item.name)
             if tensor is None:  # an alias, or a tensor another rank writes
@@ -330,20 +330,20 @@ class StepEncoder:
 
     def _scales(self, captured: CapturedState, meanings: dict[str, str],
                 bnb: dict[str, tuple[BnbState, np.ndarray]],
-                corrections: dict[str, tuple[float, float]]) -> dict[str, tuple[str, float, float]]:
+                states: dict[str, dict[str, torch.Tensor]]) -> dict[str, tuple[str, float, float]]:
         """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
         moment can be coded relative to the second (``Quantizer.update_step``): both of one
         shape with float32 running values (float32, or bitsandbytes 8-bit moments, ``bnb``),
         the second coded lossily (so its reconstruction is kept).
 
         Adam's update is ``(m / c1) / (sqrt(v) / c2 + eps)`` with its bias
-        corrections ``c1``, ``c2`` (:func:`optimizers.adam_bias_corrections`), so an
+        corrections ``c1``, ``c2`` (:func:`adam_bias_corrections`), so an
         element's step ``update_step * factor * (sqrt(v) + eps')`` with
         ``factor = c1 / c2`` and ``eps' = eps * c2`` (float32) is
         ``update_step`` learning rates of that update, early in training too.
-        ``corrections``: the capture's :func:`optimizers.adam_bias_corrections`.
         """
         epsilons = group_hyperparameter(captured, "eps")
+        corrections = adam_bias_corrections(captured, states)
         local = self.local
         second = {t.fqn: t for t in captured.tensors
                   if meanings.get(t.name) == "exp_avg_sq" and t.name in local}
