@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,11 +54,11 @@ from deltackpt.kernels.quant import (
 )
 from deltackpt.optimizers import (
     BnbState,
-    MovementUnits,
     adam_bias_corrections,
     captured_bnb_states,
     finite_rms,
     group_hyperparameter,
+    movement_units,
     state_by_parameter,
     state_meanings,
     unknown_state_keys,
@@ -83,12 +83,7 @@ class _Plan:
     cls: str | None
     quantizer: Quantizer  # this save's: exact where a delta must store the tensor exactly
     lossy: bool = False  # whether the config codes it lossily (its running values are kept)
-    fqn: str | None = None
     step: float | int = 0
-    # Its step is chosen when its first chunk is coded (StepEncoder._ready), beside the coding of
-    # other tensors, not before the save's coding starts; the lock makes its other chunks wait.
-    pending: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     pred: bool = False
     cast_of: str | None = None  # the float32 master copy the tensor is rounded from
     dither: int | None = None  # seed of the dither that shifts its quantization grid
@@ -186,7 +181,7 @@ class StepEncoder:
         bnb_moments = captured_bnb_states(captured)  # what the optimizer state means, read once
         states = state_by_parameter(captured, bnb_moments)
         self.unknown_state_keys = unknown_state_keys(captured, states)
-        self._units = MovementUnits(captured, states) if self.is_delta else None
+        units = movement_units(captured, states) if self.is_delta else {}
         masters = master_copies(captured) if self.is_delta else {}
         meanings = state_meanings(captured, bnb_moments)
         bnb = self._bnb8(captured, bnb_moments)
@@ -204,7 +199,7 @@ class StepEncoder:
                                spec_named("float32") if item.name in bnb else spec, numel)
             quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
                 exact=True)
-            plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact, item.fqn)
+            plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact)
             self._numel[item.name] = numel
             if item.name in qmaps:  # kept, so that an unchanged one costs nothing in a delta
                 plan.lossy = True
@@ -232,18 +227,39 @@ class StepEncoder:
                 fixed += numel * spec.itemsize
                 continue
             plan.bnb = bnb[item.name][0] if item.name in bnb else None
+            ordinal = quantizer.domain == "ordinal"
             plan.pred = quantizer.pred == "base"
+            unit = units.get(item.fqn) if cls == "weights" else None
             if quantizer.dithers and (not plan.pred or self.base.deltas == 0 or self.base.resumed):
                 # Coded against the base, the grid is shifted in the first delta on values
                 # training holds exactly (a full step, or a load) and stays shifted; coded from
                 # zero, in every delta. One seed per tensor and base step.
                 plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
             plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
-            if self.controller is None:  # its step alone depends on it: chosen as it is coded
-                plan.pending = True
-                continue
-            sample = self._choose_step(item.name, plan)
-            samples.append((sample, plan.step, numel, plan, quantizer.domain == "ordinal"))
+            sample, value_rms = None, None
+            if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
+                stride = sample_stride(numel)
+                xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
+                    tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+                value_rms = finite_rms(xs)
+                if self.controller is not None or needs_residuals(quantizer, unit):
+                    ps = self._values[item.name][::stride] if plan.pred else None
+                    sample = sample_values(xs, ps, ordinal)
+                if sample is not None and plan.scale is not None:  # in units of each element's step
+                    # The scale will be this save's reconstruction of exp_avg_sq, which moves
+                    # only where exp_avg_sq moved by more than its step: the base's is closer
+                    # to it than exp_avg_sq itself.
+                    source, eps, factor = plan.scale
+                    sample /= factor * (np.sqrt(np.maximum(self._values[source][::stride], 0))
+                                        + eps)
+            if plan.scale is not None:
+                plan.step = quantizer.update_step * plan.scale[2]
+            else:
+                carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
+                plan.step = base_step(quantizer, sample, carried, unit, value_rms)
+                if plan.step <= 0:  # nothing moved: a dither would move what stays put
+                    plan.dither = None
+            samples.append((sample, plan.step, numel, plan, ordinal))
         for name, plan in list(self._plans.items()):
             if plan.bnb is not None:  # its absmax is derived from its running values
                 self._plans[plan.bnb.absmax].absmax_of = name
@@ -255,48 +271,6 @@ class StepEncoder:
                  for s, step, n, plan, ordinal in samples], raw, fixed)
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
-
-    def _choose_step(self, name: str, plan: _Plan) -> np.ndarray | None:
-        """Set the step of lossy tensor ``name`` (before any target-ratio scaling) from what
-        its quantizer asks: the movement of its weights, a sample of its values or residuals.
-        Returns the sample of what it codes (:func:`compression.sample_values`), where taken
-        (always for the target-ratio controller)."""
-        quantizer, numel, tensor = plan.quantizer, self._numel[name], self.local[name]
-        ordinal = quantizer.domain == "ordinal"
-        unit = self._units(plan.fqn) if plan.cls == "weights" and plan.fqn is not None else None
-        sample, value_rms = None, None
-        if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
-            stride = sample_stride(numel)
-            xs = self._dequantized[name][::stride] if plan.bnb is not None else \
-                tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
-            value_rms = finite_rms(xs)
-            if self.controller is not None or needs_residuals(quantizer, unit):
-                ps = self._values[name][::stride] if plan.pred else None
-                sample = sample_values(xs, ps, ordinal)
-            if sample is not None and plan.scale is not None:  # in units of each element's step
-                # The scale will be this save's reconstruction of exp_avg_sq, which moves
-                # only where exp_avg_sq moved by more than its step: the base's is closer
-                # to it than exp_avg_sq itself.
-                source, eps, factor = plan.scale
-                sample /= factor * (np.sqrt(np.maximum(self._values[source][::stride], 0)) + eps)
-        if plan.scale is not None:
-            plan.step = quantizer.update_step * plan.scale[2]
-        else:
-            carried = self.base.errors.get(name, 0.0) if plan.pred else 0.0
-            plan.step = base_step(quantizer, sample, carried, unit, value_rms)
-            if plan.step <= 0:  # nothing moved: a dither would move what stays put
-                plan.dither = None
-        return sample
-
-    def _ready(self, name: str, plan: _Plan) -> None:
-        """Choose the step of a tensor whose step is pending, once (its first chunk's thread;
-        the others wait). Without a target ratio, the step of each tensor depends on that
-        tensor alone."""
-        with plan.lock:
-            if plan.pending:
-                self._choose_step(name, plan)
-                plan.step = finalize_step(plan.step, plan.quantizer.domain == "ordinal")
-                plan.pending = False
 
     def _check_overrides(self, captured: CapturedState) -> None:
         """Refuse override patterns that match no tensor of the state: a misspelt pattern would
@@ -389,8 +363,6 @@ class StepEncoder:
             self._keep_exact(record, plan, raw, lo, hi)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
             return chunk, raw
-        if plan.pending:
-            self._ready(record.name, plan)
         bnb = plan.bnb
         x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
         recon = self._values[record.name][lo:hi]

@@ -262,17 +262,8 @@ def _adam_update_rms(state: dict[str, torch.Tensor], corrections: tuple[float, f
 
 def movement_units(captured: CapturedState,
                    states: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
-    """``fqn -> how far one training step moves the parameter`` (:class:`MovementUnits`) of
-    every parameter whose optimizer says it. ``states``: the capture's
-    :func:`state_by_parameter`, if the caller has it."""
-    units = MovementUnits(captured, states)
-    return {fqn: unit for fqn in units.states if (unit := units(fqn)) is not None}
-
-
-class MovementUnits:
-    """How far one training step moves a parameter (the root mean square over its elements),
-    where the optimizer's state says it, computed for one parameter when asked (a save asks
-    from its encoding threads, as it codes each weight):
+    """``fqn -> how far one training step moves the parameter`` (the root mean square over its
+    elements), where the optimizer's state says it:
 
     * Adam's family (``exp_avg`` and ``exp_avg_sq``): ``lr`` times the root
       mean square of the bias-corrected update ``m_hat / (sqrt(v_hat) +
@@ -288,37 +279,35 @@ class MovementUnits:
       ``lr``, since its update is the sign of a momentum.
 
     Parameters whose optimizer says none of this (no optimizer, plain SGD, a
-    learning rate of 0, no state yet) have none. ``states``: the capture's
+    learning rate of 0, no state yet) are left out. ``states``: the capture's
     :func:`state_by_parameter`, if the caller has it.
     """
-
-    def __init__(self, captured: CapturedState,
-                 states: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-        self.rates = group_hyperparameter(captured, "lr")
-        self.decays = group_hyperparameter(captured, "lr_decay")
-        self.epsilons = group_hyperparameter(captured, "eps")
-        self.states = state_by_parameter(captured) if states is None else states
-        self.counts = _counts(captured)
-        self.corrections = adam_bias_corrections(captured, self.states, self.counts)
-        optimizer = captured.tree.get("optimizer") or {}
-        self.lion = optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
-
-    def __call__(self, fqn: str) -> float | None:
-        """The unit of parameter ``fqn``, or None where its optimizer says none."""
-        lr, state = self.rates.get(fqn), self.states.get(fqn)
-        if lr is None or state is None:
-            return None
-        if self.lion:
+    rates = group_hyperparameter(captured, "lr")
+    decays = group_hyperparameter(captured, "lr_decay")
+    epsilons = group_hyperparameter(captured, "eps")
+    states = state_by_parameter(captured) if states is None else states
+    counts = _counts(captured)
+    corrections = adam_bias_corrections(captured, states, counts)
+    optimizer = captured.tree.get("optimizer") or {}
+    lion = optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
+    units = {}
+    for fqn, state in states.items():
+        lr = rates.get(fqn)
+        if lr is None:
+            continue
+        if lion:
             rms = 1.0
-        elif fqn in self.corrections:
-            rms = _adam_update_rms(state, self.corrections[fqn], self.epsilons.get(fqn, 0.0))
+        elif fqn in corrections:
+            rms = _adam_update_rms(state, corrections[fqn], epsilons.get(fqn, 0.0))
         elif "square_avg" in state and "acc_delta" not in state:
             rms = sampled_rms(state["momentum_buffer"]) if "momentum_buffer" in state else 1.0
-        elif "sum" in state and fqn in self.counts:
-            t = self.counts[fqn]
-            rms = 1 / (1 + (t - 1) * self.decays.get(fqn, 0.0)) / math.sqrt(t)
+        elif "sum" in state and fqn in counts:
+            t = counts[fqn]
+            rms = 1 / (1 + (t - 1) * decays.get(fqn, 0.0)) / math.sqrt(t)
         elif "momentum_buffer" in state:
             rms = sampled_rms(state["momentum_buffer"])
         else:
-            return None
-        return lr * rms if rms > 0 and math.isfinite(rms) else None
+            continue
+        if rms > 0 and math.isfinite(rms):
+            units[fqn] = lr * rms
+    return units

@@ -188,30 +188,3 @@ def test_a_restore_decodes_while_it_plans_the_next_tensors(tmp_path, monkeypatch
     assert waited == [True]
     for name, tensor in expected.items():
         assert torch.equal(restored[name], tensor), name
-
-
-def test_a_save_codes_while_it_chooses_the_next_tensors_steps(tmp_path, monkeypatch) -> None:
-    """Without a target ratio, each tensor's step is chosen as it is coded: chunks are coded
-    before every step is chosen (the choice samples each tensor: a save of a small model
-    would otherwise wait for all of them before coding any)."""
-    model, optimizer = _trained()
-    with CheckpointManager(tmp_path / "ckpt", workers=2) as mgr:
-        mgr.save(0, model, optimizer, rng=False)
-        _train(model, optimizer, 2)
-        coding, calls, waited = threading.Event(), [0], []
-        choose, encode = deltackpt.delta.base_step, deltackpt.delta.encode_quant
-
-        def choosing(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 2:  # a chunk is coded by now
-                waited.append(coding.wait(10))
-            return choose(*args, **kwargs)
-
-        def encoding(*args, **kwargs):
-            coding.set()
-            return encode(*args, **kwargs)
-
-        monkeypatch.setattr(deltackpt.delta, "base_step", choosing)
-        monkeypatch.setattr(deltackpt.delta, "encode_quant", encoding)
-        assert mgr.save(1, model, optimizer, rng=False).kind == "delta"
-    assert waited == [True]
