@@ -52,13 +52,7 @@ from deltackpt.errors import CorruptionError, DeltackptError, StepNotFoundError
 from deltackpt.format import Box, Chunk, StepMetadata, TensorRecord, box_index, box_intersection
 from deltackpt.optimizers import bnb_states
 from deltackpt.pool import Workers
-from deltackpt.reader import (
-    ChunkSource,
-    chunk_tasks,
-    read_metadata,
-    read_tensors,
-    run_chunk_tasks,
-)
+from deltackpt.reader import ChunkSource, read_metadata, read_tensors, run_chunk_tasks
 from deltackpt.storage import Storage
 
 Layout = dict[str, tuple[str, str, tuple[int, ...]]]
@@ -509,34 +503,24 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
                                      progress=progress).items():
         tensors[name] = tensor.reshape(-1).contiguous()
     pieces: dict[str, list[_Piece]] = {}
-    # The tensors decoded from their chunk ranges; the others, from other tensors' values, after.
-    ranged = [name for name in final if name not in casts and name not in scaled
-              and name not in moments and name not in derived_absmax]
+    rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
+    for name, record in final.items():
+        if name in casts or name in scaled or name in moments or name in derived_absmax:
+            continue  # decoded from other tensors' values, after these
+        if name not in tensors:
+            spec = spec_named(record.dtype, name)
+            tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
+        was_read = name in read_first
+        pieces[name] = _pieces(values, record, tensors[name], decoded=was_read,
+                               skip=spans.get(name, (0, 0))[0])
+        for k, piece in enumerate(pieces[name]):
+            planned = _range_tasks(chain, records, name, 1 if was_read else start[name], k, piece)
+            rounds += [[] for _ in range(len(planned) - len(rounds))]
+            for round_tasks, tasks in zip(rounds, planned, strict=False):
+                round_tasks += tasks
     sources = [ChunkSource(storage, m) for m in chain]
     try:
-        # Each tensor's first round of tasks runs while the next tensors' are planned; the
-        # later rounds (chunks that differ between steps) run one after another, then.
-        later: list[list[_RangeTask]] = []
-        with chunk_tasks(lambda t: _restore_range(sources, t), workers,
-                         f"apply deltas up to step {meta.step}", progress,
-                         sum(final[name].nbytes for name in ranged)) as submit:
-            for name in ranged:
-                record = final[name]
-                if name not in tensors:
-                    spec = spec_named(record.dtype, name)
-                    tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
-                was_read = name in read_first
-                pieces[name] = _pieces(values, record, tensors[name], decoded=was_read,
-                                       skip=spans.get(name, (0, 0))[0])
-                for k, piece in enumerate(pieces[name]):
-                    first_round, *rounds = _range_tasks(chain, records, name,
-                                                        1 if was_read else start[name], k, piece)
-                    for task in first_round:
-                        submit(task)
-                    later += [[] for _ in range(len(rounds) - len(later))]
-                    for round_tasks, tasks in zip(later, rounds, strict=False):
-                        round_tasks += tasks
-        for tasks in later:  # the longest first: no thread is left alone with one at the end
+        for tasks in rounds:  # the longest first: no thread is left alone with one at the end
             tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
             run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
                             f"apply deltas up to step {meta.step}", progress)

@@ -7,14 +7,11 @@ with the step, tensor and file it hit instead of surfacing as wrong numbers.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -268,28 +265,15 @@ def run_chunk_tasks(tasks: list, fn, workers: Workers, description: str,
                     progress: bool) -> None:
     """Run ``fn`` over tasks (each with a ``chunk``) on ``workers``; the first error propagates,
     once no task of the call runs any more."""
-    with chunk_tasks(fn, workers, description, progress,
-                     sum(t.chunk.raw_length for t in tasks)) as submit:
-        for task in tasks:
-            submit(task)
-
-
-@contextlib.contextmanager
-def chunk_tasks(fn, workers: Workers, description: str, progress: bool,
-                total: int) -> Iterator[Callable[[Any], None]]:
-    """A function that hands a task (with a ``chunk``) to ``fn`` on ``workers``, to run as soon
-    as a thread is free: the caller plans the next tasks while the first ones run. Leaving the
-    block waits for every task (``total``: their raw bytes, for the progress bar); the first
-    error propagates, once no task runs any more."""
-    submitted: list[tuple[Any, Future]] = []
+    total = sum(t.chunk.raw_length for t in tasks)
     with progress_bar(total, description, progress) as bar, running(workers) as pool:
+        futures = [pool.submit(fn, task) for task in tasks]
         try:
-            yield lambda task: submitted.append((task, pool.submit(fn, task)))
-            for task, future in submitted:
+            for task, future in zip(tasks, futures, strict=True):
                 future.result()
                 bar.update(task.chunk.raw_length)
         finally:
-            drain(future for _, future in submitted)
+            drain(futures)
 
 
 def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
