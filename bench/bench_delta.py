@@ -1,17 +1,21 @@
 """Delta steps: kernel speed against memcpy, save speed against ``torch.save``, chain restores.
 
-Targets (issue 3), each reported beside a baseline measured in the same run:
+Targets, each reported beside a baseline measured in the same run:
 
-* fused encode kernel >= 0.3x memcpy into a preallocated buffer, decode >= 0.4x;
-* restoring the step at the end of a 9-delta chain >= 1 GB/s of state;
-* a delta save of a ~600 MB training state (TinyGPT ``xl``: fp32 weights +
-  Adam moments) >= 3x faster than ``torch.save`` + fsync of the same state,
-  and a full lossless save no slower than it.
+* (issue 3) fused encode kernel >= 0.3x memcpy into a preallocated buffer,
+  decode >= 0.4x; restoring the step at the end of a 9-delta chain >= 1
+  GB/s of state; a delta save of a ~600 MB training state (TinyGPT ``xl``:
+  fp32 weights + Adam moments) >= 3x faster than ``torch.save`` + fsync of
+  the same state, and a full lossless save no slower than it;
+* (issue 15) at 40 MB of state (``40mb``) and 300 MB (``large``): a delta
+  save in at most 0.5x and 0.3x the time of ``torch.save`` + fsync, and
+  restoring the end of a 5-delta chain in at most 2x and 3x the time of
+  ``torch.load`` (each timed in the same rounds: ``conftest.paired``).
 
-The states are real: a TinyGPT trained on text, checkpointed GAP training
-steps apart. ``DELTACKPT_BENCH_DELTA_MODELS`` (default
-``"large:30,xl:4"``) picks the models as size:training_steps; ``pytest
-bench/bench_delta.py`` prints the table.
+The states are real: a TinyGPT trained on text with AdamW, checkpointed
+GAP training steps apart. ``DELTACKPT_BENCH_DELTA_MODELS`` (default
+``"40mb:30,large:30,xl:4"``) picks the models as size:training_steps;
+``pytest bench/bench_delta.py`` prints the table.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import CACHE, durable_torch_save, record
+from conftest import CACHE, durable_torch_save, paired, record
 from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
 
 from deltackpt import CheckpointManager
 from deltackpt.codecs.quant import decode_quant, encode_quant
+from deltackpt.pool import default_workers
 from deltackpt.training import (
     SIZES,
+    GPTConfig,
     TinyGPT,
     load_corpus,
     make_optimizer,
@@ -38,23 +44,35 @@ from deltackpt.training import (
     split_corpus,
     train_step,
 )
-from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers
+from deltackpt.writer import DEFAULT_CHUNK_BYTES
 
 ROUNDS = 3
+# Rounds of the benchmarks timed against a baseline: small states take little time, so more of
+# them, about this many bytes of state per benchmark (at most MAX_ROUNDS).
+ROUND_BYTES = 2 << 30
+MAX_ROUNDS = 25
 # Training steps between the states a delta is measured on: the fidelity bench's shorter save
 # interval. (The balanced preset's weight step is 16 learning rates: saves a few steps apart would
 # code almost nothing and time an empty delta.)
 GAP = 20
 CHAIN = 9  # deltas in the restored chain
+SHORT_CHAIN = 5  # and in the one restored against torch.load
+# TinyGPT sizes by name; "40mb": 3.3M parameters, 40 MB of weights and AdamW moments.
+BENCH_SIZES = {**SIZES, "40mb": GPTConfig(d_model=256, n_layer=4, n_head=4)}
 MODELS = [(size, int(steps)) for size, steps in
           (item.split(":") for item in os.environ.get("DELTACKPT_BENCH_DELTA_MODELS",
-                                                       "large:30,xl:4").split(","))]
+                                                       "40mb:30,large:30,xl:4").split(","))]
+
+
+def _rounds(raw_bytes: int) -> int:
+    """Rounds of a benchmark of a state of ``raw_bytes`` timed against a baseline."""
+    return max(ROUNDS, min(MAX_ROUNDS, ROUND_BYTES // raw_bytes))
 
 
 def _train(size: str, steps: int, extra: int) -> tuple[TinyGPT, torch.optim.Optimizer, list[dict]]:
     """A TinyGPT trained ``steps`` steps, then ``extra`` more, keeping every GAP-th state."""
     torch.manual_seed(0)
-    model = TinyGPT(SIZES[size])
+    model = TinyGPT(BENCH_SIZES[size])
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer, warmup=max(1, steps // 10), total=10 * steps)
     train, _ = split_corpus(load_corpus())
@@ -195,9 +213,21 @@ def test_torch_save_fsync(benchmark, run, tmp_path) -> None:
     model, optimizer, _ = run
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     path = tmp_path / "ckpt.pt"
-    benchmark.pedantic(durable_torch_save, args=(payload, path), rounds=ROUNDS, warmup_rounds=1)
     raw = sum(a.nbytes for _, a in _tensors(run[2][-1]))
+    benchmark.pedantic(durable_torch_save, args=(payload, path), rounds=_rounds(raw),
+                       warmup_rounds=1)
     record(benchmark, "torch.save + fsync", raw, path.stat().st_size)
+
+
+def test_torch_load(benchmark, run, tmp_path) -> None:
+    """Baseline of restores: ``torch.load`` of that file (in the page cache)."""
+    model, optimizer, _ = run
+    path = tmp_path / "ckpt.pt"
+    durable_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    raw = sum(a.nbytes for _, a in _tensors(run[2][-1]))
+    benchmark.pedantic(torch.load, args=(path,), kwargs={"weights_only": True},
+                       rounds=_rounds(raw), warmup_rounds=1)
+    record(benchmark, "torch.load", raw, path.stat().st_size)
 
 
 def test_full_save_fsync(benchmark, run, tmp_path) -> None:
@@ -218,7 +248,8 @@ def test_full_save_fsync(benchmark, run, tmp_path) -> None:
 
 
 def test_delta_save_fsync(benchmark, run, tmp_path) -> None:
-    """A delta step on the state GAP training steps earlier (balanced preset), fsynced."""
+    """A delta step on the state GAP training steps earlier (balanced preset), fsynced, against
+    ``torch.save`` + fsync of the same state in the same rounds."""
     model, optimizer, states = run
     directory = tmp_path / "delta"
     managers, infos = [], []
@@ -235,21 +266,69 @@ def test_delta_save_fsync(benchmark, run, tmp_path) -> None:
     def save() -> None:
         infos.append(managers[-1].save(2, model, optimizer, rng=False))
 
-    benchmark.pedantic(save, setup=setup, rounds=ROUNDS, warmup_rounds=0)
+    def torch_save() -> None:
+        durable_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                           tmp_path / "ckpt.pt")
+
+    raw = sum(a.nbytes for _, a in _tensors(states[-1]))
+    baseline = paired(benchmark, save, torch_save, setup=setup, rounds=_rounds(raw))
     managers[-1].close()
     assert infos[-1].kind == "delta"
-    record(benchmark, "delta save + fsync (balanced)", infos[-1].raw_bytes, infos[-1].stored_bytes)
+    record(benchmark, "delta save + fsync (balanced)", infos[-1].raw_bytes, infos[-1].stored_bytes,
+           baseline=("torch.save + fsync", baseline))
 
 
-def test_restore_end_of_chain(benchmark, run, tmp_path) -> None:
-    """Restore the last step of a full step + CHAIN deltas (files in the page cache)."""
+@pytest.fixture(scope="module")
+def chain(run, tmp_path_factory) -> CheckpointManager:
+    """A manager of a full step and CHAIN deltas, one for each state of the run, in order."""
     model, optimizer, states = run
     if len(states) < CHAIN + 1:
         pytest.skip("this model is trained for the save benchmarks only")
-    with CheckpointManager(tmp_path / "chain", full_every=CHAIN + 1) as mgr:
+    with CheckpointManager(tmp_path_factory.mktemp("chain"), full_every=CHAIN + 1) as mgr:
         for i, state in enumerate(states):
             _load(model, optimizer, state)
-            info = mgr.save(i, model, optimizer, rng=False)
-    assert info.kind == "delta" and len(states) == CHAIN + 1
-    benchmark.pedantic(mgr.restore, args=(CHAIN,), rounds=ROUNDS, warmup_rounds=1)
-    record(benchmark, f"restore end of {CHAIN}-delta chain", info.raw_bytes)
+            mgr.save(i, model, optimizer, rng=False)
+        yield mgr
+
+
+def _delta_at_end_of_chain(mgr: CheckpointManager, step: int) -> int:
+    """The raw bytes of ``step``, checked to be the end of a chain of ``step`` deltas."""
+    info = mgr.info(step)
+    assert info.kind == "delta" and mgr.metadata(step).base_step == step - 1
+    return info.raw_bytes
+
+
+def test_restore_end_of_chain(benchmark, chain) -> None:
+    """Restore the last step of a full step + CHAIN deltas (files in the page cache)."""
+    raw = _delta_at_end_of_chain(chain, CHAIN)
+    benchmark.pedantic(chain.restore, args=(CHAIN,), rounds=ROUNDS, warmup_rounds=1)
+    record(benchmark, f"restore end of {CHAIN}-delta chain", raw)
+
+
+def _restore_against_torch_load(benchmark, run, chain, tmp_path, restore, name: str) -> None:
+    """Benchmark ``restore()`` of the last step of a full step + SHORT_CHAIN deltas against
+    ``torch.load`` of that state's ``torch.save`` file in the same rounds (files in the page
+    cache)."""
+    raw = _delta_at_end_of_chain(chain, SHORT_CHAIN)
+    path = tmp_path / "ckpt.pt"
+    durable_torch_save(run[2][SHORT_CHAIN], path)
+    baseline = paired(benchmark, restore, lambda: torch.load(path, weights_only=True),
+                      rounds=_rounds(raw))
+    record(benchmark, name, raw, baseline=("torch.load", baseline))
+
+
+def test_restore_end_of_short_chain(benchmark, run, chain, tmp_path) -> None:
+    """By the manager that saved the chain (as a training run's evaluation does)."""
+    _restore_against_torch_load(benchmark, run, chain, tmp_path,
+                                lambda: chain.restore(SHORT_CHAIN),
+                                f"restore end of {SHORT_CHAIN}-delta chain")
+
+
+def test_restore_end_of_short_chain_new_manager(benchmark, run, chain, tmp_path) -> None:
+    """By a manager opened for it (as a resumed run does): it reads every step's metadata."""
+    def restore() -> None:
+        with CheckpointManager(chain.path, read_only=True) as mgr:
+            mgr.restore(SHORT_CHAIN)
+
+    _restore_against_torch_load(benchmark, run, chain, tmp_path, restore,
+                                f"restore end of {SHORT_CHAIN}-delta chain (new mgr)")

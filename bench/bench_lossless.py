@@ -24,7 +24,8 @@ from deltackpt import CheckpointManager
 from deltackpt.codecs import encode_lossless
 from deltackpt.dtypes import raw_bytes, spec_for
 from deltackpt.format import step_dir_name
-from deltackpt.writer import DEFAULT_CHUNK_BYTES, default_workers
+from deltackpt.pool import default_workers
+from deltackpt.writer import DEFAULT_CHUNK_BYTES
 
 ROUNDS = 5
 

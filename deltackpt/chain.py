@@ -60,6 +60,7 @@ from deltackpt.format import (
     layout_of,
 )
 from deltackpt.optimizers import bnb_states
+from deltackpt.pool import Workers
 from deltackpt.reader import (
     ChunkSource,
     chain_of,
@@ -428,8 +429,9 @@ def _cut_span(flat: torch.Tensor, lo: int, shape: list[int], box: Box) -> torch.
 
 
 def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box] | None = None,
-                  workers: int | None = None,
-                  progress: bool = False) -> tuple[dict[str, torch.Tensor], Reconstruction]:
+                  workers: Workers = None, progress: bool = False,
+                  read: Callable[[int], StepMetadata] | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
     """Every tensor of step ``meta`` rebuilt through its chain, and the reconstruction.
 
     Tensors are returned by name as :func:`reader.read_tensors` returns
@@ -441,9 +443,10 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     the reconstruction, have the box's sizes. A tensor stored in several
     fragments (saved by several ranks) is rebuilt only over the fragments
     that overlap its box; one stored whole (saved by one process) only over
-    the chunks that hold the box's first to last element.
+    the chunks that hold the box's first to last element. ``read`` reads the
+    metadata of the steps below (as for :func:`chain_of`).
     """
-    chain = chain_of(storage, meta)
+    chain = chain_of(storage, meta, read)
     for step in chain:
         check_chunks_readable(storage, step)
     full_step = chain[0]
@@ -697,7 +700,7 @@ def _bnb8_moments(meta: StepMetadata, final: dict[str, TensorRecord]) -> dict[st
 def _restore_bnb8(storage: Storage, chain: list[StepMetadata],
                   records: list[dict[str, TensorRecord]], sources: list[ChunkSource], name: str,
                   moment: _Bnb8, first: int, tensors: dict[str, torch.Tensor],
-                  values: dict[str, np.ndarray], workers: int | None) -> None:
+                  values: dict[str, np.ndarray], workers: Workers) -> None:
     """Rebuild 8-bit moment ``name`` of the chain's last step: its float32 running values from
     step ``first`` on (dequantized codes where that step stores them, else decoded), each
     step's bnb8 chunks applied and checked, then requantized by bitsandbytes into its codes and

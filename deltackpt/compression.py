@@ -367,9 +367,16 @@ class Sample:
 
 
 def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:
-    """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step."""
-    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None
-                                             or quantizer.rel_step is not None)
+    """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step:
+    of what it codes (:func:`needs_residuals`), or of the values' root mean square."""
+    return needs_residuals(quantizer, unit) or (quantizer.domain == "linear"
+                                                and quantizer.rel_step is not None)
+
+
+def needs_residuals(quantizer: Quantizer, unit: float | None) -> bool:
+    """Whether :func:`base_step` needs a sample of what ``quantizer`` codes (else the step
+    follows from the movement ``unit`` and the values' root mean square)."""
+    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None)
 
 
 def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,

@@ -34,6 +34,7 @@ from deltackpt.compression import (
     ScaleController,
     base_step,
     finalize_step,
+    needs_residuals,
     needs_sample,
     sample_stride,
     sample_values,
@@ -58,6 +59,7 @@ from deltackpt.optimizers import (
     finite_rms,
     group_hyperparameter,
     movement_units,
+    state_by_parameter,
     state_meanings,
     unknown_state_keys,
 )
@@ -176,15 +178,17 @@ class StepEncoder:
         samples = []
         fixed = 0
         self._check_overrides(captured)
-        self.unknown_state_keys = unknown_state_keys(captured)
-        units = movement_units(captured) if self.is_delta else {}
+        bnb_moments = captured_bnb_states(captured)  # what the optimizer state means, read once
+        states = state_by_parameter(captured, bnb_moments)
+        self.unknown_state_keys = unknown_state_keys(captured, states)
+        units = movement_units(captured, states) if self.is_delta else {}
         masters = master_copies(captured) if self.is_delta else {}
-        meanings = state_meanings(captured)
-        bnb = self._bnb8(captured)
+        meanings = state_meanings(captured, bnb_moments)
+        bnb = self._bnb8(captured, bnb_moments)
         qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
             self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
             for b, _ in bnb.values()}  # code map -> whether it equals the base's
-        scales = self._scales(captured, meanings, bnb) if self.is_delta else {}
+        scales = self._scales(captured, meanings, bnb, states) if self.is_delta else {}
         for item in captured.tensors:
             tensor = self.local.get(item.name)
             if tensor is None:  # an alias, or a tensor another rank writes
@@ -238,9 +242,10 @@ class StepEncoder:
                 xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
                     tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
                 value_rms = finite_rms(xs)
-                ps = self._values[item.name][::stride] if plan.pred else None
-                sample = sample_values(xs, ps, ordinal)
-                if plan.scale is not None:  # in units of each element's step
+                if self.controller is not None or needs_residuals(quantizer, unit):
+                    ps = self._values[item.name][::stride] if plan.pred else None
+                    sample = sample_values(xs, ps, ordinal)
+                if sample is not None and plan.scale is not None:  # in units of each element's step
                     # The scale will be this save's reconstruction of exp_avg_sq, which moves
                     # only where exp_avg_sq moved by more than its step: the base's is closer
                     # to it than exp_avg_sq itself.
@@ -279,13 +284,15 @@ class StepEncoder:
                               f"tensor of the state (names look like 'model/<fqn>' and "
                               f"'optimizer/state/<fqn>/<key>', or the FQN alone)")
 
-    def _bnb8(self, captured: CapturedState) -> dict[str, tuple[BnbState, np.ndarray]]:
-        """``name -> (state, dequantized values)`` of the bitsandbytes 8-bit moments this process
-        holds whole, with their ``absmax`` and ``qmap``, and whose values are finite (others are
-        stored as their bytes: a moment split between ranks, or one no 8-bit state can hold)."""
+    def _bnb8(self, captured: CapturedState, states: dict[str, BnbState],
+              ) -> dict[str, tuple[BnbState, np.ndarray]]:
+        """``name -> (state, dequantized values)`` of the bitsandbytes 8-bit moments (of the
+        capture's ``states``) this process holds whole, with their ``absmax`` and ``qmap``, and
+        whose values are finite (others are stored as their bytes: a moment split between
+        ranks, or one no 8-bit state can hold)."""
         out = {}
         captured_tensors = captured.by_name()
-        for name, b in captured_bnb_states(captured).items():
+        for name, b in states.items():
             parts = [self.local.get(n) for n in (name, b.absmax, b.qmap)]
             if b.is_8bit and all(p is not None and p.numel() == captured_tensors[n].numel()
                                  for p, n in zip(parts, (name, b.absmax, b.qmap), strict=True)):
@@ -296,7 +303,8 @@ class StepEncoder:
         return out
 
     def _scales(self, captured: CapturedState, meanings: dict[str, str],
-                bnb: dict[str, tuple[BnbState, np.ndarray]]) -> dict[str, tuple[str, float, float]]:
+                bnb: dict[str, tuple[BnbState, np.ndarray]],
+                states: dict[str, dict[str, torch.Tensor]]) -> dict[str, tuple[str, float, float]]:
         """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
         moment can be coded relative to the second (``Quantizer.update_step``): both of one
         shape with float32 running values (float32, or bitsandbytes 8-bit moments, ``bnb``),
@@ -309,7 +317,7 @@ class StepEncoder:
         ``update_step`` learning rates of that update, early in training too.
         """
         epsilons = group_hyperparameter(captured, "eps")
-        corrections = adam_bias_corrections(captured)
+        corrections = adam_bias_corrections(captured, states)
         local = self.local
         second = {t.fqn: t for t in captured.tensors
                   if meanings.get(t.name) == "exp_avg_sq" and t.name in local}
@@ -374,9 +382,9 @@ class StepEncoder:
             chunk = encode_lossless(raw, spec)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
             return chunk, raw
+        error = float(stats[:, STAT_SUM_SQ_ERR].sum())
         with self._lock:
-            self._errors[record.name] = self._errors.get(record.name, 0.0) + float(
-                stats[:, STAT_SUM_SQ_ERR].sum())
+            self._errors[record.name] = self._errors.get(record.name, 0.0) + error
         if bnb is not None:  # its raw_xxh3 covers the running values (FORMAT.md 3.4)
             self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
             return encode_state(chunk, bnb.qmap, bnb.absmax, bnb.blocksize), recon.view(np.uint8)
@@ -440,6 +448,8 @@ class StepEncoder:
     def _count(self, plan: _Plan, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
                elements: int, *, exact: bool = False, stats: np.ndarray | None = None) -> None:
         key = plan.cls if plan.cls is not None and not plan.quantizer.exact else "exact"
+        # the chunk's sums and maxima over its blocks, outside the lock the threads share
+        totals, peaks = (stats.sum(axis=0), stats.max(axis=0)) if stats is not None else (None, None)
         with self._lock:
             c = self._stats.setdefault(key, _ClassStats())
             c.tensors += raw_offset == 0
@@ -448,14 +458,13 @@ class StepEncoder:
             c.stored_bytes += chunk.length
             if exact:
                 c.exact_elements += elements
-            if stats is not None:
-                c.nonzero += int(stats[:, STAT_NONZERO].sum())
-                c.max_abs_error = max(c.max_abs_error, float(stats[:, STAT_MAX_ABS].max()))
+            if totals is not None:
+                c.nonzero += int(totals[STAT_NONZERO])
+                c.max_abs_error = max(c.max_abs_error, float(peaks[STAT_MAX_ABS]))
                 if plan.quantizer.domain == "ordinal":
-                    c.max_rel_error = max(c.max_rel_error or 0.0,
-                                          float(stats[:, STAT_MAX_REL].max()))
-                c.sum_sq_err += float(stats[:, STAT_SUM_SQ_ERR].sum())
-                c.sum_sq += float(stats[:, STAT_SUM_SQ].sum())
+                    c.max_rel_error = max(c.max_rel_error or 0.0, float(peaks[STAT_MAX_REL]))
+                c.sum_sq_err += float(totals[STAT_SUM_SQ_ERR])
+                c.sum_sq += float(totals[STAT_SUM_SQ])
 
     @property
     def class_stats(self) -> dict[str, _ClassStats]:

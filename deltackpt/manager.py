@@ -43,6 +43,7 @@ from deltackpt.format import (
     layout_of,
     step_dir_name,
 )
+from deltackpt.pool import WorkerPool, default_workers
 from deltackpt.reader import chain_of, read_metadata, read_save_id
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.state import CapturedState, capture
@@ -52,7 +53,6 @@ from deltackpt.writer import (
     DEFAULT_CHUNK_BYTES,
     WrittenData,
     commit_step,
-    default_workers,
     merge_written,
     new_save_id,
     remove_unreferenced,
@@ -115,7 +115,9 @@ class CheckpointManager(CheckpointDirectory):
     directory: it takes an exclusive lock at its first save, gc or
     :meth:`acquire` (never when it is opened), released by :meth:`close`, and
     then removes what interrupted saves left; any number may read, even while
-    it writes.
+    it writes. The threads that encode and decode are started at the first
+    save or restore and kept until :meth:`close` (a ``with`` block closes the
+    manager).
 
     Saves alternate between full steps (lossless) and delta steps, coded
     against the reconstruction of the previous save, so a restored step
@@ -136,7 +138,8 @@ class CheckpointManager(CheckpointDirectory):
             form, e.g. ``"last=5,every=100"``) applied after every save;
             ``None`` keeps every step. See :meth:`gc`.
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
-        workers: threads used to encode and decode (default: usable CPUs).
+        workers: threads used to encode and decode (default: usable CPUs;
+            under torch.distributed, shared out between the ranks of a machine).
         read_only: never create, clean up or write anything.
         storage_options: options of the object store of an fsspec ``path`` (``s3://``,
             ``gs://``, ``az://``, ``memory://``, ...): endpoint, credentials and the like,
@@ -166,6 +169,10 @@ class CheckpointManager(CheckpointDirectory):
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None
         self.chunk_bytes = chunk_bytes
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
+        self._pool: WorkerPool | None = None
+        # The metadata of the steps of the chain last saved or restored, with the identity of
+        # its file when read (Storage.identity): parsed once while the file stays the same.
+        self._known: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
@@ -189,8 +196,9 @@ class CheckpointManager(CheckpointDirectory):
         self.close()
 
     def close(self) -> None:
-        """Wait for the upload of the last step saved through a cache (raising its failure), and
-        release the writer lock, if this manager holds it."""
+        """Wait for the upload of the last step saved through a cache (raising its failure),
+        release the writer lock, if this manager holds it, and stop its threads. A later save
+        takes the lock again, and a later save or restore starts new threads."""
         try:
             if self._cache is not None:
                 self._cache.close()
@@ -201,6 +209,8 @@ class CheckpointManager(CheckpointDirectory):
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
+        if self._pool is not None:
+            self._pool.close()
 
     # -- directory ---------------------------------------------------------------------
 
@@ -253,6 +263,16 @@ class CheckpointManager(CheckpointDirectory):
             self._rank_workers = max(1, default_workers() // group.ranks_on_this_host())
         return self._rank_workers
 
+    def _workers(self, group: Group | None = None) -> WorkerPool:
+        """The manager's thread pool, of :meth:`_threads` threads, kept from its first save or
+        restore until :meth:`close`."""
+        threads = self._threads(group) or default_workers()
+        if self._pool is None or self._pool.workers != threads:
+            if self._pool is not None:
+                self._pool.close()
+            self._pool = WorkerPool(threads)
+        return self._pool
+
     # -- queries -----------------------------------------------------------------------
 
     def _settle(self) -> None:
@@ -266,7 +286,13 @@ class CheckpointManager(CheckpointDirectory):
         return super().steps()
 
     def metadata(self, step: int) -> StepMetadata:
+        """The validated metadata of ``step``; that of the chain this manager last saved or
+        restored is kept, and read again only when its file changed."""
         self._settle()
+        step = check_step(step)
+        known = self._known.get(step)
+        if known is not None and self.storage.identity(_metadata_file(step)) == known[0]:
+            return known[1]
         return super().metadata(step)
 
     def resolve_step(self, step: int | None = None) -> int:
@@ -334,7 +360,10 @@ class CheckpointManager(CheckpointDirectory):
                           base_step=base.step if base else None, encoder=encoder,
                           summary=encoder.summary, coded_last=encoder.coded_last,
                           chunk_bytes=self.chunk_bytes,
-                          workers=self.workers, progress=progress)
+                          workers=self._workers(), progress=progress)
+        identity = self.storage.identity(_metadata_file(step))
+        chain = {s: self._known[s] for s in base.chain if s in self._known} if base else {}
+        self._known = chain if identity is None else {**chain, step: (identity, meta)}
         if self._cache is not None:
             self._cache.upload(meta)
         encoder.learn()
@@ -386,7 +415,7 @@ class CheckpointManager(CheckpointDirectory):
         """
         started = time.perf_counter()
         check_same_state(captured, group)
-        threads = self._threads(group)  # a collective at the first save: before any rank can fail
+        pool = self._workers(group)  # a collective at the first save: before any rank can fail
         parts, local, base, save_id, error = {}, {}, None, None, None
         try:
             parts = shard_parts(captured, group)
@@ -411,7 +440,7 @@ class CheckpointManager(CheckpointDirectory):
                                   local=local)
             written = write_data(self.storage, step, save_id, captured, parts=parts,
                                  rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
-                                 chunk_bytes=self.chunk_bytes, workers=threads,
+                                 chunk_bytes=self.chunk_bytes, workers=pool,
                                  progress=progress and group.rank == 0)
             stats = encoder.class_stats
         except Exception as exc:  # reported to every rank below, then raised there
@@ -508,7 +537,12 @@ class CheckpointManager(CheckpointDirectory):
                 or step <= recon.step or recon.layout != captured_layout(captured, local)):
             return None
         # The base must still be the step this reconstruction came from, with its chain below.
-        if read_save_id(self.storage, recon.step) != recon.save_id or not all(
+        known = self._known.get(recon.step)
+        if known is not None and self.storage.identity(_metadata_file(recon.step)) == known[0]:
+            save_id = known[1].save_id  # the very file this manager wrote or read
+        else:
+            save_id = read_save_id(self.storage, recon.step)
+        if save_id != recon.save_id or not all(
                 self.storage.exists(f"{step_dir_name(s)}/{METADATA_FILE}") for s in recon.chain[:-1]):
             return None
         return recon
@@ -522,18 +556,22 @@ class CheckpointManager(CheckpointDirectory):
         deltas in between, each chunk checked; a missing or damaged link
         raises an error naming the step and what is missing.
         """
-        return self._restore(self.metadata(self.resolve_step(step)), progress)[0]
+        reads = _MetadataReads(self)
+        return self._restore(reads(self.resolve_step(step)), progress, reads)[0]
 
-    def _restore(self, meta: StepMetadata,
-                 progress: bool) -> tuple[UniversalCheckpoint, Reconstruction]:
-        tensors, recon = self._restore_chain(meta, workers=self.workers, progress=progress)
+    def _restore(self, meta: StepMetadata, progress: bool,
+                 reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction]:
+        tensors, recon = self._restore_chain(meta, workers=self._workers(), progress=progress,
+                                             read=reads)
+        self._known = reads.read
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
     def _restore_chain(self, meta: StepMetadata, **kwargs: Any
                        ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
         """:func:`restore_chain` of ``meta``, from the cache where it holds the same chain (and
         from the checkpoint if a cached chunk fails its checksum)."""
-        if self._cache is not None and self._cache.holds(chain_of(self.storage, meta)):
+        if self._cache is not None and self._cache.holds(chain_of(self.storage, meta,
+                                                                  kwargs.get("read"))):
             try:
                 return restore_chain(self._cache.storage, meta, **kwargs)
             except CorruptionError as exc:
@@ -571,13 +609,14 @@ class CheckpointManager(CheckpointDirectory):
         and full after a change of world size or sharding.
         """
         group = Group.current()
-        meta = self.metadata(self.resolve_step(step))
+        reads = _MetadataReads(self)
+        meta = reads(self.resolve_step(step))
         targets = sharded_targets(meta.tensors, model)
         boxes = {name: local_box(target) for name, target in targets.items()}
         if group is None and not targets:
-            ckpt, recon = self._restore(meta, progress)
+            ckpt, recon = self._restore(meta, progress, reads)
         else:
-            ckpt, recon = self._restore_shards(meta, targets, boxes, group, progress)
+            ckpt, recon = self._restore_shards(meta, targets, boxes, group, progress, reads)
             rng = rng and group is None  # the saved RNG states are rank 0's
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
@@ -587,16 +626,17 @@ class CheckpointManager(CheckpointDirectory):
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],
-                        boxes: dict[str, Box], group: Group | None,
-                        progress: bool) -> tuple[UniversalCheckpoint, Reconstruction | None]:
+                        boxes: dict[str, Box], group: Group | None, progress: bool,
+                        reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction | None]:
         """Step ``meta`` with every tensor named in ``targets`` as a DTensor laid out like its
         target, holding this rank's shard ``boxes[name]``, and the reconstruction of those
         boxes; any rank's failure is raised on every rank."""
         tensors, recon, error = {}, None, None
-        threads = self._threads(group)
+        pool = self._workers(group)
         try:
-            tensors, recon = self._restore_chain(meta, boxes=boxes, workers=threads,
-                                                 progress=progress)
+            tensors, recon = self._restore_chain(meta, boxes=boxes, workers=pool,
+                                                 progress=progress, read=reads)
+            self._known = reads.read
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise
@@ -606,6 +646,23 @@ class CheckpointManager(CheckpointDirectory):
         for name, target in targets.items():
             tensors[name] = shard_like(target, tensors[name])
         return UniversalCheckpoint(meta.step, tensors, meta), recon
+
+
+class _MetadataReads:
+    """Reads step metadata through a manager (:meth:`CheckpointManager.metadata`), recording
+    each step's with the identity its file had before the read (``read``), for the manager
+    to keep as those of its last chain."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+        self.read: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
+
+    def __call__(self, step: int) -> StepMetadata:
+        identity = self.manager.storage.identity(_metadata_file(step))
+        meta = self.manager.metadata(step)
+        if identity is not None:
+            self.read[step] = identity, meta
+        return meta
 
 
 def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], group: Group | None,
@@ -633,3 +690,8 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
     local = {name: part.values for name, part in parts.items()}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
+
+
+def _metadata_file(step: int) -> str:
+    """The path of ``step``'s metadata file in its checkpoint directory."""
+    return f"{step_dir_name(step)}/{METADATA_FILE}"

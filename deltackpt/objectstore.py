@@ -245,8 +245,19 @@ class ObjectStorage:
         path = self._path(rel)
         return int(self._call(f"{self.url}/{rel}", lambda: self.fs.size(path)))
 
-    def makedirs(self, rel: str = "") -> None:
-        """Nothing to do: a prefix exists once it holds an object (the bucket was probed at open)."""
+    def identity(self, rel: str) -> None:
+        """None: an object's identity is not tracked here, so a manager reads its metadata
+        objects again each time instead of keeping them (:meth:`LocalStorage.identity`)."""
+        return None
+
+    def makedirs(self, rel: str = "", *, durable: bool = True) -> bool:
+        """Nothing to create: a prefix exists once it holds an object (the bucket was probed at
+        open). Returns whether ``rel`` held nothing yet, so a failed save removes what it put
+        there."""
+        return not self.exists(rel)
+
+    def sync_dir(self, rel: str = "") -> None:
+        """Nothing to do: an object is durable once its PUT returns."""
 
     def read_bytes(self, rel: str) -> bytes:
         path = self._path(rel)

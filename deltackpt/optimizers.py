@@ -109,13 +109,16 @@ def captured_bnb_states(captured: CapturedState) -> dict[str, BnbState]:
                        if t.role == "optimizer" and t.alias_of is None], optimizer["class"])
 
 
-def state_meanings(captured: CapturedState) -> dict[str, str]:
+def state_meanings(captured: CapturedState, bnb: dict[str, BnbState] | None = None,
+                   ) -> dict[str, str]:
     """``tensor name -> state key it means`` of the optimizer state tensors: a tensor stored
-    under its key means that key; a bitsandbytes moment the torch key of its moment."""
+    under its key means that key; a bitsandbytes moment the torch key of its moment
+    (``bnb``: the capture's :func:`captured_bnb_states`, if the caller has them)."""
     meanings = {t.name: t.state_key for t in captured.tensors
                 if t.role == "optimizer" and t.state_key is not None
                 and t.name.endswith("/" + t.state_key.replace("~", "~0").replace("/", "~1"))}
-    meanings.update((name, b.key) for name, b in captured_bnb_states(captured).items())
+    bnb = captured_bnb_states(captured) if bnb is None else bnb
+    meanings.update((name, b.key) for name, b in bnb.items())
     return meanings
 
 
@@ -137,13 +140,15 @@ def group_hyperparameter(captured: CapturedState, key: str) -> dict[str, float]:
     return values
 
 
-def state_by_parameter(captured: CapturedState) -> dict[str, dict[str, torch.Tensor]]:
+def state_by_parameter(captured: CapturedState, bnb: dict[str, BnbState] | None = None,
+                       ) -> dict[str, dict[str, torch.Tensor]]:
     """``fqn -> {state key: tensor}`` of the optimizer's per-parameter state (under
     torch.distributed, the elements this rank holds). bitsandbytes' moments appear under the
     keys they mean; an 8-bit one dequantized at about SAMPLE_ELEMENTS evenly strided elements
-    (what every use here samples), its scales and code map not at all."""
+    (what every use here samples), its scales and code map not at all. ``bnb``: the
+    capture's :func:`captured_bnb_states`, if the caller has them."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    bnb = captured_bnb_states(captured)
+    bnb = captured_bnb_states(captured) if bnb is None else bnb
     parts = {b.absmax for b in bnb.values()} | {b.qmap for b in bnb.values()}
     by_name = captured.by_name()
     for t in captured.tensors:
@@ -164,10 +169,13 @@ def state_by_parameter(captured: CapturedState) -> dict[str, dict[str, torch.Ten
     return out
 
 
-def unknown_state_keys(captured: CapturedState) -> list[str]:
+def unknown_state_keys(captured: CapturedState,
+                       states: dict[str, dict[str, torch.Tensor]] | None = None) -> list[str]:
     """The optimizer state keys holding float tensors whose meaning the codec does not know
-    (stored exactly in every step)."""
-    return sorted({key for state in state_by_parameter(captured).values()
+    (stored exactly in every step). ``states``: the capture's :func:`state_by_parameter`,
+    if the caller has it."""
+    states = state_by_parameter(captured) if states is None else states
+    return sorted({key for state in states.values()
                    for key, tensor in state.items()
                    if key not in KNOWN_KEYS and tensor.is_floating_point() and tensor.numel() > 1})
 
@@ -215,17 +223,17 @@ def _counts(captured: CapturedState) -> dict[str, float]:
     return out
 
 
-def adam_bias_corrections(captured: CapturedState) -> dict[str, tuple[float, float]]:
+def adam_bias_corrections(captured: CapturedState,
+                          states: dict[str, dict[str, torch.Tensor]] | None = None,
+                          counts: dict[str, float] | None = None,
+                          ) -> dict[str, tuple[float, float]]:
     """``fqn -> (1 - beta1**t, sqrt(1 - beta2**t))`` for the parameters of an Adam-family
     optimizer after ``t`` steps: its update is ``lr * (exp_avg / c1) / (sqrt(exp_avg_sq) / c2 +
-    eps)``. Parameters without ``betas`` or a step count get ``(1, 1)``."""
-    return _bias_corrections(captured, state_by_parameter(captured))
-
-
-def _bias_corrections(captured: CapturedState, states: dict[str, dict[str, torch.Tensor]],
-                      ) -> dict[str, tuple[float, float]]:
-    """:func:`adam_bias_corrections` from the state :func:`state_by_parameter` gave."""
-    betas, counts = _betas(captured), _counts(captured)
+    eps)``. Parameters without ``betas`` or a step count get ``(1, 1)``. ``states`` and
+    ``counts``: the capture's :func:`state_by_parameter` and step counts, if the caller has
+    them."""
+    states = state_by_parameter(captured) if states is None else states
+    betas, counts = _betas(captured), _counts(captured) if counts is None else counts
     out = {}
     for fqn, state in states.items():
         if "exp_avg" not in state or "exp_avg_sq" not in state:
@@ -252,7 +260,8 @@ def _adam_update_rms(state: dict[str, torch.Tensor], corrections: tuple[float, f
     return math.nan if rms is None else rms
 
 
-def movement_units(captured: CapturedState) -> dict[str, float]:
+def movement_units(captured: CapturedState,
+                   states: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
     """``fqn -> how far one training step moves the parameter`` (the root mean square over its
     elements), where the optimizer's state says it:
 
@@ -270,13 +279,15 @@ def movement_units(captured: CapturedState) -> dict[str, float]:
       ``lr``, since its update is the sign of a momentum.
 
     Parameters whose optimizer says none of this (no optimizer, plain SGD, a
-    learning rate of 0, no state yet) are left out.
+    learning rate of 0, no state yet) are left out. ``states``: the capture's
+    :func:`state_by_parameter`, if the caller has it.
     """
     rates = group_hyperparameter(captured, "lr")
     decays = group_hyperparameter(captured, "lr_decay")
     epsilons = group_hyperparameter(captured, "eps")
-    states = state_by_parameter(captured)
-    corrections, counts = _bias_corrections(captured, states), _counts(captured)
+    states = state_by_parameter(captured) if states is None else states
+    counts = _counts(captured)
+    corrections = adam_bias_corrections(captured, states, counts)
     optimizer = captured.tree.get("optimizer") or {}
     lion = optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
     units = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ from deltackpt.format import (
     parse_step_metadata,
     step_dir_name,
 )
-from deltackpt.pool import default_workers
+from deltackpt.pool import Workers, drain, running
 from deltackpt.progress import progress_bar
 from deltackpt.storage import RangeReader, Storage
 
@@ -257,7 +256,7 @@ def _flat_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | None = None, *,
-                 boxes: dict[str, Box] | None = None, workers: int | None = None,
+                 boxes: dict[str, Box] | None = None, workers: Workers = None,
                  progress: bool = False) -> dict[str, torch.Tensor]:
     """Decode the tensors ``names`` (default: all) of a step; aliases share their target.
 
@@ -348,19 +347,23 @@ def check_chunks_readable(storage: Storage, meta: StepMetadata) -> None:
         source.close()
 
 
-def run_chunk_tasks(tasks: list, fn, workers: int | None, description: str,
+def run_chunk_tasks(tasks: list, fn, workers: Workers, description: str,
                     progress: bool) -> None:
-    """Run ``fn`` over tasks (each with a ``chunk``) on a thread pool; the first error propagates."""
+    """Run ``fn`` over tasks (each with a ``chunk``) on ``workers``; the first error propagates,
+    once no task of the call runs any more."""
     total = sum(t.chunk.raw_length for t in tasks)
-    with progress_bar(total, description, progress) as bar, \
-            ThreadPoolExecutor(workers or default_workers(),
-                               thread_name_prefix="deltackpt-decode") as pool:
-        for task, _ in zip(tasks, pool.map(fn, tasks), strict=True):
-            bar.update(task.chunk.raw_length)
+    with progress_bar(total, description, progress) as bar, running(workers) as pool:
+        futures = [pool.submit(fn, task) for task in tasks]
+        try:
+            for task, future in zip(tasks, futures, strict=True):
+                future.result()
+                bar.update(task.chunk.raw_length)
+        finally:
+            drain(futures)
 
 
 def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
-                workers: int | None = None, progress: bool = False) -> dict[str, list[str]]:
+                workers: Workers = None, progress: bool = False) -> dict[str, list[str]]:
     """Problems found in a step's data, by the URL of the data file they are in: missing or
     truncated files, checksum mismatches.
 

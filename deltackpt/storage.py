@@ -53,7 +53,9 @@ class Storage(Protocol):
     def is_dir(self, rel: str) -> bool: ...
     def listdir(self, rel: str = "") -> list[str]: ...
     def size(self, rel: str) -> int: ...
-    def makedirs(self, rel: str = "") -> None: ...
+    def identity(self, rel: str) -> tuple[int, ...] | None: ...
+    def makedirs(self, rel: str = "", *, durable: bool = True) -> bool: ...
+    def sync_dir(self, rel: str = "") -> None: ...
     def read_bytes(self, rel: str) -> bytes: ...
     def open_reader(self, rel: str) -> RangeReader: ...
     def create(self, rel: str) -> IO[bytes]: ...
@@ -200,21 +202,35 @@ class LocalStorage:
         with self._parent(rel) as (fd, name):
             return os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
 
-    def makedirs(self, rel: str = "") -> None:
-        """Create directory ``rel`` (the root: with its parents) unless it is one already.
+    def identity(self, rel: str) -> tuple[int, ...] | None:
+        """What changes whenever the file ``rel`` is replaced or rewritten (device, inode, size,
+        modification and change times), or None if there is none: tells a writer that a file is
+        still the one it wrote, or read, without reading it again."""
+        try:
+            with self._parent(rel) as (fd, name):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+            return None
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def makedirs(self, rel: str = "", *, durable: bool = True) -> bool:
+        """Create directory ``rel`` (the root: with its parents) unless it is one already;
+        whether it was created. A created one is made durable (its parent fsynced) unless
+        ``durable`` is False: the caller then calls :meth:`sync_dir` on the parent before
+        relying on it.
 
         Raises :class:`UnsafePathError` when something else is there.
         """
         if not rel:
             created = not self.root.exists()
             self.root.mkdir(parents=True, exist_ok=True)
-            if created:
+            if created and durable:
                 fd = os.open(self.root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
                     _fsync_dir(fd)
                 finally:
                     os.close(fd)
-            return
+            return created
         with self._parent(rel) as (fd, name):
             try:
                 os.mkdir(name, dir_fd=fd)
@@ -222,7 +238,14 @@ class LocalStorage:
                 mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
                 if not stat.S_ISDIR(mode):
                     raise self._unsafe(rel, mode, "a directory") from None
-                return
+                return False
+            if durable:
+                _fsync_dir(fd)
+            return True
+
+    def sync_dir(self, rel: str = "") -> None:
+        """Make the entries of directory ``rel`` durable (fsync it)."""
+        with self._dir(rel) as fd:
             _fsync_dir(fd)
 
     def read_bytes(self, rel: str) -> bytes:

@@ -1,9 +1,10 @@
 """Writing one step: chunk, encode and write in parallel, fsync, commit (docs/FORMAT.md 1.1).
 
-Chunks are encoded on a thread pool (the kernels and zstd release the GIL);
-each thread appends what it encodes to its own data file. The calling thread
-only hands out chunks, a bounded number at a time so memory stays small
-whatever the model size, and collects their metadata in order.
+Chunks are encoded on a thread pool (the kernels and zstd release the GIL;
+:mod:`deltackpt.pool`); each thread appends what it encodes to its own data
+file. The calling thread only hands out chunks, a bounded number at a time
+so memory stays small whatever the model size, and collects their metadata
+in order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO
@@ -42,7 +43,7 @@ from deltackpt.format import (
     data_file_name,
     step_dir_name,
 )
-from deltackpt.pool import default_workers
+from deltackpt.pool import Workers, drain, running, worker_count
 from deltackpt.progress import progress_bar
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
@@ -112,13 +113,13 @@ class _DataFiles:
                 self.sizes[index] += memoryview(part).nbytes
         return index, offset
 
-    def finish(self, pool: ThreadPoolExecutor) -> None:
-        """Flush, fsync and close every file, in parallel."""
+    def finish(self, pool: Executor) -> list[Future[None]]:
+        """Flush, fsync and close every file, in parallel: the tasks doing it."""
         def finish_one(index: int) -> None:
             with writing(self.storage, self.step, f"{self.step_dir}/{self.names[index]}"):
                 self.storage.finish(self.handles[index])
 
-        list(pool.map(finish_one, range(len(self.handles))))
+        return [pool.submit(finish_one, index) for index in range(len(self.handles))]
 
     def records(self) -> list[DataFile]:
         """The files written, as metadata."""
@@ -159,7 +160,8 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                parts: dict[str, list[Part]] | None = None, rank: int = 0,
                encoder: ChunkEncoder = encode_exact,
                coded_last: Mapping[str, int] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               workers: int | None = None, progress: bool = False) -> WrittenData:
+               workers: Workers = None, progress: bool = False,
+               sync_dirs: tuple[str, ...] = ()) -> WrittenData:
     """Encode and durably write this process's part of ``captured`` into step ``step``'s
     directory (which must exist), in data files named by ``save_id`` and the rank.
 
@@ -169,11 +171,13 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     (default: losslessly). ``coded_last`` maps tensors to a phase (other
     tensors: 0); the chunks of a phase are coded only once those of every
     earlier phase are (their coding reads what those left, e.g. a cast of a
-    master copy). Nothing is visible until a commit lists the files; on an
-    error this process's files are deleted, and an ``OSError`` (a full disk)
-    is raised as :class:`WriteFailedError` naming the step and the file.
+    master copy). ``workers``: the threads that encode and write
+    (:data:`pool.Workers`). ``sync_dirs``: directories fsynced while the
+    data files are (e.g. the root, after the step's directory was created in
+    it). Nothing is visible until a commit lists the files; on an error this
+    process's files are deleted, and an ``OSError`` (a full disk) is raised
+    as :class:`WriteFailedError` naming the step and the file.
     """
-    workers = workers or default_workers()
     records, stored = [], []
     for item in captured.tensors:
         spec = spec_for(item.tensor.dtype, item.name)
@@ -190,10 +194,11 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     raw_total = sum(raw.size for *_, raw in stored)
 
     files = _DataFiles(storage, step, save_id, rank)
+    in_flight: deque[tuple[_Job, Future[Chunk]]] = deque()
+    syncs: list[Future[None]] = []
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-encode") as pool, \
+        with running(workers) as pool, \
                 progress_bar(raw_total, f"save step {step}", progress) as bar:
-            in_flight: deque[tuple[_Job, Future[Chunk]]] = deque()
 
             def collect_oldest() -> None:
                 job, future = in_flight.popleft()
@@ -205,12 +210,18 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
                 for job in _chunk_jobs([s for s in stored if phases.get(s[0].name, 0) == phase],
                                        chunk_bytes):
                     in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
-                    if len(in_flight) >= 4 * workers:
+                    if len(in_flight) >= 4 * worker_count(workers):
                         collect_oldest()
                 while in_flight:
                     collect_oldest()
-            files.finish(pool)
+            syncs = files.finish(pool)
+            for directory in sync_dirs:  # meanwhile, here
+                with writing(storage, step, directory):
+                    storage.sync_dir(directory)
+            for sync in syncs:  # the files fsynced in parallel
+                sync.result()
     except BaseException:
+        drain([future for _, future in in_flight] + syncs)
         files.abort()
         raise
     return WrittenData(records, files.records(), raw_total)
@@ -335,7 +346,7 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
                kind: str = "full", base_step: int | None = None,
                encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
                coded_last: Mapping[str, int] | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Workers = None,
                progress: bool = False) -> StepMetadata:
     """Write ``captured`` as step ``step`` from a single process and commit it; returns its
     metadata.
@@ -353,15 +364,16 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
     """
     started = time.perf_counter()
     step_dir = step_dir_name(step)
-    created = not storage.exists(step_dir)
+    created = False
     meta = None
     try:
         with writing(storage, step, step_dir):
-            storage.makedirs(step_dir)
+            # A new step directory's entry becomes durable while its data files are fsynced.
+            created = storage.makedirs(step_dir, durable=False)
         save_id = new_save_id()
         written = write_data(storage, step, save_id, captured, encoder=encoder,
                              coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
-                             progress=progress)
+                             progress=progress, sync_dirs=("",) if created else ())
         meta = step_metadata(step, save_id, written, captured.tree, kind=kind,
                              base_step=base_step, world_size=1,
                              seconds=time.perf_counter() - started,

@@ -174,7 +174,7 @@ def test_replicated_tensors_are_split_between_the_ranks_that_hold_them() -> None
 
 
 def _threads_per_rank(rank: int, world: int, path: str) -> None:
-    from deltackpt.writer import default_workers
+    from deltackpt.pool import default_workers
 
     group = Group.current()
     assert group.ranks_on_this_host() == world  # counted by host name
