@@ -447,7 +447,7 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     metadata of the steps below (as for :func:`chain_of`).
     """
     chain = chain_of(storage, meta, read)
-    for step in chain:
+    for step in chain[1:]:  # the full step's chunks: by read_tensors, before it allocates
         check_chunks_readable(storage, step)
     full_step = chain[0]
     boxes = boxes or {}

@@ -290,10 +290,16 @@ class CheckpointManager(CheckpointDirectory):
         restored is kept, and read again only when its file changed."""
         self._settle()
         step = check_step(step)
+        known = self._kept_metadata(step)
+        return known if known is not None else super().metadata(step)
+
+    def _kept_metadata(self, step: int) -> StepMetadata | None:
+        """The metadata of ``step`` kept from this manager's last chain, while its file is the
+        one it wrote or read (else None)."""
         known = self._known.get(step)
         if known is not None and self.storage.identity(_metadata_file(step)) == known[0]:
             return known[1]
-        return super().metadata(step)
+        return None
 
     def resolve_step(self, step: int | None = None) -> int:
         self._settle()
@@ -393,7 +399,7 @@ class CheckpointManager(CheckpointDirectory):
     def _prepare_save(self, step: int, overwrite: bool) -> None:
         """Take the writer lock and check that ``step`` may be written."""
         self.acquire()
-        if self.storage.exists(f"{step_dir_name(step)}/{METADATA_FILE}"):
+        if self.storage.exists(_metadata_file(step)):
             if not overwrite:
                 raise StepExistsError(f"step {step} already exists in {self.path}; "
                                       "pass overwrite=True to replace it")
@@ -537,13 +543,10 @@ class CheckpointManager(CheckpointDirectory):
                 or step <= recon.step or recon.layout != captured_layout(captured, local)):
             return None
         # The base must still be the step this reconstruction came from, with its chain below.
-        known = self._known.get(recon.step)
-        if known is not None and self.storage.identity(_metadata_file(recon.step)) == known[0]:
-            save_id = known[1].save_id  # the very file this manager wrote or read
-        else:
-            save_id = read_save_id(self.storage, recon.step)
+        known = self._kept_metadata(recon.step)  # the very file this manager wrote or read
+        save_id = known.save_id if known is not None else read_save_id(self.storage, recon.step)
         if save_id != recon.save_id or not all(
-                self.storage.exists(f"{step_dir_name(s)}/{METADATA_FILE}") for s in recon.chain[:-1]):
+                self.storage.exists(_metadata_file(s)) for s in recon.chain[:-1]):
             return None
         return recon
 
