@@ -16,6 +16,8 @@ import logging
 import random
 import re
 import socket
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -25,9 +27,41 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
              b"<Message>Please reduce your request rate.</Message></Error>")
 
 
+# Runs the server in a process of its own until its standard input closes; prints its endpoint.
+_SERVER_PROCESS = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """A moto S3 server on a free loopback port; yields its endpoint URL."""
+def moto_server(*, own_process: bool = False) -> Iterator[str]:
+    """A moto S3 server on a free loopback port; yields its endpoint URL.
+
+    ``own_process``: run it in a child process, so that its request handling
+    does not share this process's interpreter lock with the client under test
+    (as a real S3 endpoint does not): what benchmarks time.
+    """
+    if own_process:
+        child = subprocess.Popen([sys.executable, "-c", _SERVER_PROCESS], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            yield child.stdout.readline().strip()
+        finally:
+            child.stdin.close()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        return
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
