@@ -49,7 +49,10 @@ PART_BYTES = 8 << 20  # S3 takes parts of 5 MiB to 5 GiB (the last one may be sm
 PARTS_IN_FLIGHT = 4  # per data object: bounds the memory an upload holds
 TRANSFER_THREADS = 32  # parts uploaded and ranged GETs streamed at once, per storage
 RUN_BYTES = 64 << 20  # the most one ranged GET of adjacent chunks fetches
-GAP_BYTES = 256 << 10  # chunks this close are fetched by one GET, the bytes between them too
+# Chunks this close are fetched by one GET, the bytes between them too, where those are at most
+# 1/GAP_SHARE of the run's wanted bytes (fetched / needed stays within 1 + 1/GAP_SHARE).
+GAP_BYTES = 256 << 10
+GAP_SHARE = 16
 STREAM_PIECE_BYTES = 4 << 20  # read from a GET's body per call
 RETRIES = 6  # attempts of one operation before its error is final
 BACKOFF_SECONDS = 0.1  # first backoff; it doubles per attempt, up to BACKOFF_MAX_SECONDS
@@ -452,13 +455,16 @@ class _ObjectRangeReader:
         with self._lock:
             wanted = sorted(order.keys() - self._ahead.keys())
         runs: list[list[tuple[int, int]]] = []
+        end = wanted_bytes = 0  # of the last run
         for offset, length in wanted:
-            if runs:
-                start, end = runs[-1][0][0], max(o + n for o, n in runs[-1])
-                if offset - end <= GAP_BYTES and offset + length - start <= RUN_BYTES:
-                    runs[-1].append((offset, length))
-                    continue
-            runs.append([(offset, length)])
+            if runs and offset + length - runs[-1][0][0] <= RUN_BYTES and \
+                    offset - end <= min(GAP_BYTES, (wanted_bytes + length) // GAP_SHARE):
+                runs[-1].append((offset, length))
+                wanted_bytes += length
+            else:
+                runs.append([(offset, length)])
+                wanted_bytes = length
+            end = max(end, offset + length)
         runs.sort(key=lambda run: min(order[r] for r in run))
         pool = self.storage._transfers()
         for run in runs:

@@ -529,3 +529,31 @@ def test_cache_tier_upload_failure_is_raised_and_retried(endpoint: str, proxy: F
         assert mgr.steps() == [0, 1]
         assert torch.equal(mgr.restore(1).extra["w"], torch.arange(1000.0) + 1)
     assert CheckpointManager(tmp_path / "cache", read_only=True).steps() == []
+
+
+def _fsdp_mlp(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 MLP (the same weights on every rank) with AdamW state."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.ReLU(), torch.nn.Linear(384, 64))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optimizer)
+    return model, optimizer
+
+
+def test_4_to_2_resharded_load_fetches_only_its_chunks(endpoint: str, proxy: FaultProxy,
+                                                       tmp_path: Path) -> None:
+    """A step saved by 4 FSDP ranks and loaded on 2: the data bytes the 2 ranks GET are at most
+    1.1x the stored bytes of the chunks they decode, and, each loading half the rows, together
+    about the step's stored bytes once (not once per rank)."""
+    from remote_ranks import save_on_4_load_on_2
+
+    url = f"s3://{new_bucket(endpoint)}/run"
+    fetched, needed, stored = save_on_4_load_on_2(url, options(proxy.url), proxy, _fsdp_mlp,
+                                                  chunk_bytes=16 << 10, report=tmp_path / "needed")
+    assert 0 < fetched <= 1.1 * needed
+    assert fetched <= 1.1 * stored
