@@ -386,12 +386,24 @@ class ObjectStorage:
                 self._call(f"aborting an upload of {self.url}", lambda u=upload: self.fs.call_s3(
                     "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]))
 
-    def try_lock(self) -> contextlib.AbstractContextManager[None] | None:
-        """Take the writer lease (``.writer.lease``); ``None`` while another writer holds an
-        unexpired one. The lease is renewed in the background until released."""
+    def try_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Take the writer lease (``.writer.lease``), renewed in the background until released.
+
+        Raises :class:`WriterLockedError` naming the holder (host, process, expiry) while
+        another writer holds an unexpired one, or took over an expired one first.
+        """
         lease = _Lease(self)
         if not lease.acquire():
-            return None
+            holder = self.lease_holder() or {}
+            if "host" in holder and "pid" in holder:
+                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_expires(holder)))
+                who = (f"its writer lease is held by process {str(holder['pid'])[:20]} on "
+                       f"{str(holder['host'])[:100]}, until {until} unless renewed (a writer "
+                       "that crashed holds it no longer than that)")
+            else:
+                who = "another writer took its writer lease at the same moment"
+            raise WriterLockedError(f"{self.url}: another CheckpointManager is writing to this "
+                                    f"checkpoint: {who}; only one writer at a time is allowed")
         self._lease = lease
         try:
             self.abort_uploads()  # while the lease is held, they can only be a crashed writer's
