@@ -674,6 +674,11 @@ class _Lease:
                            "expires": expires, "seconds": self.seconds}).encode(), expires
 
     def acquire(self) -> bool:
+        if not self.storage._s3 and self.storage.scheme not in _WITHOUT_BUCKETS:
+            log.warning("%s: the writer lease on %s:// is checked, then written, in two requests "
+                        "(deltackpt makes conditional PUTs on S3 only): two writers starting "
+                        "within that moment can both take it (docs/FORMAT.md 1.3)",
+                        self.storage.url, self.storage.scheme)
         data, expires = self._record()
         tag = self.storage_put(data, None)
         if tag is None:
@@ -727,8 +732,9 @@ class _Lease:
                 with contextlib.suppress(OSError):
                     self.storage.remove(self.rel)
 
-    # Conditional PUT and GET of the lease object: S3's If-None-Match / If-Match, or, on
-    # memory://, a lock of this process (whose memory is the whole store).
+    # Conditional PUT and GET of the lease object: S3's If-None-Match / If-Match, or, elsewhere,
+    # a check then a write under a lock of this process: atomic on memory:// (whose store is this
+    # process's memory), not between processes on other stores.
 
     def storage_put(self, data: bytes, if_match: str | None) -> str | None:
         """PUT the lease if absent (``if_match`` None) or unchanged since read with tag

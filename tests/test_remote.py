@@ -653,3 +653,23 @@ def test_steps_are_one_listing_and_kept_metadata_one_head(endpoint: str, proxy: 
         other.save(5, extra={"w": torch.zeros(100)}, rng=False, overwrite=True)
     assert mgr.storage.identity("step-000000000005/metadata.json") != identity
     assert mgr.metadata(5).save_id != kept.save_id  # read again
+
+
+def test_restore_fetches_adjacent_chunks_in_few_gets(endpoint: str, proxy: FaultProxy) -> None:
+    """A restore GETs adjacent chunks together (ranged GETs of up to RUN_BYTES, streamed), not
+    one GET per chunk: a step of 250 chunks in one data object restores exactly, with one
+    decoding thread, in one GET of its data (and at most three of metadata and RNG state);
+    data fetched = data stored."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    values = torch.randn(250 * 1024)  # 1 MB in chunks of 4 KiB
+    with CheckpointManager(url, storage_options=options(proxy.url), chunk_bytes=4096,
+                           workers=1, compression="lossless") as mgr:
+        mgr.save(0, extra={"v": values}, rng=False)
+        meta = mgr.metadata(0)
+        assert len(meta.files) == 1 and sum(len(f.chunks) for t in meta.tensors
+                                            for f in t.fragments) >= 250
+        proxy.reset_counts()
+        assert torch.equal(mgr.restore(0).extra["v"], values)
+    data = [path for path in proxy.fetched if "/d-" in path]
+    assert len(data) == 1 and proxy.fetched[data[0]] == meta.files[0].size
+    assert proxy.requests["GET"] <= 4
