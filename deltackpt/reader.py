@@ -198,7 +198,11 @@ class ChunkSource:
         for chunk in chunks:
             by_file.setdefault(chunk.file, []).append((chunk.offset, chunk.length))
         for index, ranges in by_file.items():
-            self._reader(index).prefetch(ranges)
+            try:
+                reader = self._reader(index)
+            except DeltackptError:  # missing or not a file: each read of its chunks says so
+                continue
+            reader.prefetch(ranges)
 
     def stored(self, record: TensorRecord, chunk: Chunk) -> memoryview:
         """The chunk's stored bytes, checked against their checksum."""
