@@ -500,10 +500,19 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
             rounds += [[] for _ in range(len(planned) - len(rounds))]
             for round_tasks, tasks in zip(rounds, planned, strict=False):
                 round_tasks += tasks
+    for tasks in rounds:  # the longest first: no thread is left alone with one at the end
+        tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
     sources = [ChunkSource(storage, m) for m in chain]
     try:
-        for tasks in rounds:  # the longest first: no thread is left alone with one at the end
-            tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
+        needed: list[list[Chunk]] = [[] for _ in chain]  # by step, in the order tasks read them
+        for task in (task for tasks in rounds for task in tasks):
+            for link in task.links:
+                needed[link.depth].append(link.chunk)
+        needed[-1] += [c for name in {**casts, **scaled} for frag in final[name].fragments
+                       for c in frag.chunks]
+        for step_source, chunks in zip(sources, needed, strict=True):
+            step_source.prefetch(chunks)
+        for tasks in rounds:
             run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
                             f"apply deltas up to step {meta.step}", progress)
         derived = []  # chunks decoded from other tensors' running values in this step

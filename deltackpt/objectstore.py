@@ -10,8 +10,12 @@ PUT (``If-None-Match: *``) and renewed while it lives; a crashed writer's
 lease expires.
 
 Data objects on S3 are uploaded as multipart uploads whose parts go out in
-parallel on a thread pool while encoding goes on; reads are ranged GETs of
-the chunks a load needs. Transient failures (dropped connections, timeouts,
+parallel on a thread pool while encoding goes on. Reads fetch only the
+chunks a load needs: the reader is told them up front (``prefetch``), joins
+adjacent ones into ranged GETs of up to ``RUN_BYTES`` and streams those on
+the same transfer threads, handing each chunk to its decoder as soon as its
+bytes have arrived. Transfers are I/O-bound, so their number in flight
+(``TRANSFER_THREADS``) does not follow the CPU count. Transient failures (dropped connections, timeouts,
 HTTP 500/503 SlowDown) are retried with bounded exponential backoff and
 jitter; anything else fails the operation. Credentials given in
 ``storage_options`` never appear in an error message or the URL a
@@ -25,6 +29,7 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import secrets
@@ -32,7 +37,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -42,7 +47,13 @@ from deltackpt.errors import CorruptionError, DeltackptError, StorageError, Writ
 LEASE_OBJECT = ".writer.lease"
 PART_BYTES = 8 << 20  # S3 takes parts of 5 MiB to 5 GiB (the last one may be smaller)
 PARTS_IN_FLIGHT = 4  # per data object: bounds the memory an upload holds
-UPLOAD_THREADS = 16
+TRANSFER_THREADS = 32  # parts uploaded and ranged GETs streamed at once, per storage
+RUN_BYTES = 64 << 20  # the most one ranged GET of adjacent chunks fetches
+# Chunks this close are fetched by one GET, the bytes between them too, where those are at most
+# 1/GAP_SHARE of the run's wanted bytes (fetched / needed stays within 1 + 1/GAP_SHARE).
+GAP_BYTES = 256 << 10
+GAP_SHARE = 16
+STREAM_PIECE_BYTES = 4 << 20  # read from a GET's body per call
 RETRIES = 6  # attempts of one operation before its error is final
 BACKOFF_SECONDS = 0.1  # first backoff; it doubles per attempt, up to BACKOFF_MAX_SECONDS
 BACKOFF_MAX_SECONDS = 5.0
@@ -62,6 +73,8 @@ _TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable",
                               "500", "502", "503", "504"})
 
 _WITHOUT_BUCKETS = frozenset({"memory"})  # stores whose first path component is no bucket
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -147,6 +160,7 @@ class ObjectStorage:
         s3 = scheme in ("s3", "s3a")
         if s3:  # retries are ours (with_retries): one attempt per client call, on our own client
             options["config_kwargs"] = {"retries": {"max_attempts": 1},
+                                        "max_pool_connections": TRANSFER_THREADS,
                                         **options.get("config_kwargs", {})}
             options.setdefault("skip_instance_cache", True)
         try:
@@ -210,10 +224,13 @@ class ObjectStorage:
             raise self._error(f"cannot reach {self.url} (check the credentials and endpoint)",
                               exc) from None
 
-    def _upload_pool(self) -> ThreadPoolExecutor:
+    def _transfers(self) -> ThreadPoolExecutor:
+        """The threads that upload parts and stream ranged GETs (their tasks wait on nothing but
+        the store, so uploads and reads share them safely)."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="deltackpt-upload")
+                self._pool = ThreadPoolExecutor(TRANSFER_THREADS,
+                                                thread_name_prefix="deltackpt-transfer")
             return self._pool
 
     # -- Storage -----------------------------------------------------------------------
@@ -245,25 +262,64 @@ class ObjectStorage:
         path = self._path(rel)
         return int(self._call(f"{self.url}/{rel}", lambda: self.fs.size(path)))
 
-    def identity(self, rel: str) -> None:
-        """None: an object's identity is not tracked here, so a manager reads its metadata
-        objects again each time instead of keeping them (:meth:`LocalStorage.identity`)."""
-        return None
+    def list_files(self, rel: str = "") -> list[str]:
+        """Every object below prefix ``rel`` (paths relative to it), in one listing (S3: one
+        ListObjectsV2 per thousand objects), instead of a request per prefix."""
+        path = self._path(rel)
+        prefix = path.rstrip("/") + "/"
+        found = self._call(f"listing {self.url}/{rel}", lambda: self.fs.find(path, detail=False))
+        return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
+
+    def identity(self, rel: str) -> tuple[str, ...] | None:
+        """The object's ETag (S3, Azure; GCS: its generation too), which changes whenever it is
+        written again with other bytes: a manager keeps the metadata it read or wrote while the
+        object's ETag stays the one it had (one HEAD instead of a GET and a parse). None when
+        the object is missing or the store reports no ETag (``memory://``)."""
+        path = self._path(rel)
+        try:
+            info = self._call(f"{self.url}/{rel}", lambda: self.fs.info(path))
+        except FileNotFoundError:
+            return None
+        tag = info.get("ETag") or info.get("etag")
+        if not tag or info.get("type") == "directory":
+            return None
+        return (str(tag), str(info.get("generation", "")), str(info.get("size", "")))
 
     def makedirs(self, rel: str = "", *, durable: bool = True) -> bool:
         """Nothing to create: a prefix exists once it holds an object (the bucket was probed at
-        open). Returns whether ``rel`` held nothing yet, so a failed save removes what it put
-        there."""
-        return not self.exists(rel)
+        open). Returns False, without a request: no prefix is created, so a failed save has
+        nothing to remove beyond the objects it wrote, which it removes itself."""
+        return False
 
     def sync_dir(self, rel: str = "") -> None:
         """Nothing to do: an object is durable once its PUT returns."""
+
+    def _stream(self, rel: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``start..end`` of object ``rel``, from one ranged GET, in pieces as they arrive
+        (stores other than S3: one piece)."""
+        path = self._path(rel)
+        if not self._s3:
+            yield self.fs.cat_file(path, start=start, end=end)
+            return
+        from fsspec.asyn import sync
+
+        bucket, _, key = path.partition("/")
+        reply = sync(self.fs.loop, self.fs._call_s3, "get_object", Bucket=bucket, Key=key,
+                     Range=f"bytes={start}-{end - 1}")
+        body = reply["Body"]
+        try:
+            while piece := sync(self.fs.loop, body.read, STREAM_PIECE_BYTES):
+                yield piece
+        finally:
+            body.close()
 
     def read_bytes(self, rel: str) -> bytes:
         path = self._path(rel)
         return self._call(f"reading {self.url}/{rel}", lambda: self.fs.cat_file(path))
 
     def open_reader(self, rel: str) -> _ObjectRangeReader:
+        """Ranged reads of object ``rel``; ``prefetch`` on the reader starts GETs of the
+        ranges a load will read."""
         try:
             size = self.size(rel)
         except FileNotFoundError:
@@ -330,12 +386,24 @@ class ObjectStorage:
                 self._call(f"aborting an upload of {self.url}", lambda u=upload: self.fs.call_s3(
                     "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]))
 
-    def try_lock(self) -> contextlib.AbstractContextManager[None] | None:
-        """Take the writer lease (``.writer.lease``); ``None`` while another writer holds an
-        unexpired one. The lease is renewed in the background until released."""
+    def try_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Take the writer lease (``.writer.lease``), renewed in the background until released.
+
+        Raises :class:`WriterLockedError` naming the holder (host, process, expiry) while
+        another writer holds an unexpired one, or took over an expired one first.
+        """
         lease = _Lease(self)
         if not lease.acquire():
-            return None
+            holder = self.lease_holder() or {}
+            if "host" in holder and "pid" in holder:
+                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_expires(holder)))
+                who = (f"its writer lease is held by process {str(holder['pid'])[:20]} on "
+                       f"{str(holder['host'])[:100]}, until {until} unless renewed (a writer "
+                       "that crashed holds it no longer than that)")
+            else:
+                who = "another writer took its writer lease at the same moment"
+            raise WriterLockedError(f"{self.url}: another CheckpointManager is writing to this "
+                                    f"checkpoint: {who}; only one writer at a time is allowed")
         self._lease = lease
         try:
             self.abort_uploads()  # while the lease is held, they can only be a crashed writer's
@@ -368,27 +436,112 @@ class _HeldLease(contextlib.AbstractContextManager):
 
 
 class _ObjectRangeReader:
-    """Ranged GETs of one object; safe to call from several threads."""
+    """Ranged GETs of one object; safe to call from several threads.
+
+    :meth:`prefetch` starts the GETs of the ranges a load will read, joined
+    where adjacent (``GAP_BYTES`` apart at most) into runs of up to
+    ``RUN_BYTES``, each streamed on the storage's transfer threads: a range
+    is handed to :meth:`read` as soon as its bytes have arrived, so decoding
+    overlaps the download. A range read without a prefetch is one GET.
+    """
 
     def __init__(self, storage: ObjectStorage, rel: str, size: int) -> None:
         self.storage, self.rel, self.size = storage, rel, size
+        self.where = f"reading {storage.url}/{rel}"
+        self._ahead: dict[tuple[int, int], Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _truncated(self, offset: int, length: int, got: int | None = None) -> CorruptionError:
+        found = f"it has {self.size}" if got is None else f"got {got}"
+        return CorruptionError(f"{self.storage.url}/{self.rel}: file is truncated (wanted bytes "
+                               f"{offset}..{offset + length}, {found})")
+
+    def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Start fetching ``ranges`` (offset, length), listed in about the order they will be
+        read: runs are started in the order of their first range needed."""
+        order: dict[tuple[int, int], int] = {}
+        for position, (offset, length) in enumerate(ranges):
+            if length > 0 and offset + length <= self.size:
+                order.setdefault((offset, length), position)
+        with self._lock:
+            wanted = sorted(order.keys() - self._ahead.keys())
+        runs: list[list[tuple[int, int]]] = []
+        end = wanted_bytes = 0  # of the last run
+        for offset, length in wanted:
+            if runs and offset + length - runs[-1][0][0] <= RUN_BYTES and \
+                    offset - end <= min(GAP_BYTES, (wanted_bytes + length) // GAP_SHARE):
+                runs[-1].append((offset, length))
+                wanted_bytes += length
+            else:
+                runs.append([(offset, length)])
+                wanted_bytes = length
+            end = max(end, offset + length)
+        runs.sort(key=lambda run: min(order[r] for r in run))
+        pool = self.storage._transfers()
+        for run in runs:
+            futures: list[Future[bytes]] = [Future() for _ in run]
+            with self._lock:
+                self._ahead.update(zip(run, futures, strict=True))
+            pool.submit(self._fetch_run, run, futures)
+
+    def _fetch_run(self, run: list[tuple[int, int]], futures: list[Future[bytes]]) -> None:
+        """Stream the bytes of ``run`` (ascending ranges) and resolve each range's future as its
+        bytes arrive; a transient failure resumes from the first range not yet resolved."""
+        resolved = 0
+        end = max(o + n for o, n in run)
+
+        def stream() -> None:
+            nonlocal resolved
+            base = run[resolved][0]  # the offset of buffer[0]
+            buffer = bytearray()
+            with contextlib.closing(self.storage._stream(self.rel, base, end)) as pieces:
+                for piece in pieces:
+                    if self._closed:
+                        return
+                    buffer += piece
+                    while resolved < len(run):
+                        offset, length = run[resolved]
+                        if offset + length > base + len(buffer):
+                            break
+                        futures[resolved].set_result(bytes(buffer[offset - base:
+                                                                  offset - base + length]))
+                        resolved += 1
+                    if resolved == len(run):
+                        return
+                    cut = min(run[resolved][0] - base, len(buffer))  # bytes no range needs now
+                    del buffer[:cut]
+                    base += cut
+            offset, length = run[resolved]
+            raise self._truncated(offset, length, max(0, base + len(buffer) - offset))
+
+        try:
+            self.storage._call(self.where, stream)
+        except BaseException as exc:
+            for future in futures[resolved:]:
+                future.set_exception(exc)
 
     def read(self, offset: int, length: int) -> bytes:
         if offset + length > self.size:
-            raise CorruptionError(f"{self.storage.url}/{self.rel}: file is truncated (wanted bytes "
-                                  f"{offset}..{offset + length}, it has {self.size})")
+            raise self._truncated(offset, length)
         if length == 0:
             return b""
+        with self._lock:
+            ahead = self._ahead.pop((offset, length), None)
+        if ahead is not None:
+            return ahead.result()
         path = self.storage._path(self.rel)
-        data = self.storage._call(f"reading {self.storage.url}/{self.rel}", lambda: self.storage.fs.cat_file(
+        data = self.storage._call(self.where, lambda: self.storage.fs.cat_file(
             path, start=offset, end=offset + length))
         if len(data) != length:
-            raise CorruptionError(f"{self.storage.url}/{self.rel}: file is truncated (wanted bytes "
-                                  f"{offset}..{offset + length}, got {len(data)})")
+            raise self._truncated(offset, length, len(data))
         return data
 
     def close(self) -> None:
-        pass
+        """Stop the streams still running and drop what was fetched and not read."""
+        self._closed = True
+        with self._lock:
+            self._ahead.clear()
 
 
 class _BufferedUpload(io.RawIOBase):
@@ -459,7 +612,7 @@ class _MultipartUpload(io.RawIOBase):
         while len(self.parts) >= PARTS_IN_FLIGHT:
             self._collect()
         number = len(self.done) + len(self.parts) + 1
-        self.parts.append((number, self.storage._upload_pool().submit(
+        self.parts.append((number, self.storage._transfers().submit(
             lambda: self._s3("upload_part", UploadId=self.upload_id, PartNumber=number,
                              Body=part)["ETag"])))
 
@@ -521,6 +674,11 @@ class _Lease:
                            "expires": expires, "seconds": self.seconds}).encode(), expires
 
     def acquire(self) -> bool:
+        if not self.storage._s3 and self.storage.scheme not in _WITHOUT_BUCKETS:
+            log.warning("%s: the writer lease on %s:// is checked, then written, in two requests "
+                        "(deltackpt makes conditional PUTs on S3 only): two writers starting "
+                        "within that moment can both take it (docs/FORMAT.md 1.3)",
+                        self.storage.url, self.storage.scheme)
         data, expires = self._record()
         tag = self.storage_put(data, None)
         if tag is None:
@@ -574,8 +732,9 @@ class _Lease:
                 with contextlib.suppress(OSError):
                     self.storage.remove(self.rel)
 
-    # Conditional PUT and GET of the lease object: S3's If-None-Match / If-Match, or, on
-    # memory://, a lock of this process (whose memory is the whole store).
+    # Conditional PUT and GET of the lease object: S3's If-None-Match / If-Match, or, elsewhere,
+    # a check then a write under a lock of this process: atomic on memory:// (whose store is this
+    # process's memory), not between processes on other stores.
 
     def storage_put(self, data: bytes, if_match: str | None) -> str | None:
         """PUT the lease if absent (``if_match`` None) or unchanged since read with tag

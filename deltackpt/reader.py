@@ -57,6 +57,11 @@ def list_steps(storage: Storage) -> list[int]:
     too, so that reading it reports what it is instead of the step
     vanishing from view.
     """
+    files = storage.list_files()
+    if files is not None:  # an object store: one listing, and no entry is other than an object
+        return sorted({int(match.group(1)) for step_dir, _, name in
+                       (path.partition("/") for path in files)
+                       if name == METADATA_FILE and (match := STEP_DIR_PATTERN.fullmatch(step_dir))})
     if not storage.is_dir(""):
         return []
     steps = []
@@ -186,6 +191,19 @@ class ChunkSource:
                     f"{step_dir_name(self.meta.step)}/{name}")
             return self._readers[index]
 
+    def prefetch(self, chunks: Iterable[Chunk]) -> None:
+        """Tell the readers of the step's files which chunks will be read, in about that order
+        (a remote reader starts fetching them)."""
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for chunk in chunks:
+            by_file.setdefault(chunk.file, []).append((chunk.offset, chunk.length))
+        for index, ranges in by_file.items():
+            try:
+                reader = self._reader(index)
+            except DeltackptError:  # missing or not a file: each read of its chunks says so
+                continue
+            reader.prefetch(ranges)
+
     def stored(self, record: TensorRecord, chunk: Chunk) -> memoryview:
         """The chunk's stored bytes, checked against their checksum."""
         try:
@@ -306,6 +324,7 @@ def read_tensors(storage: Storage, meta: StepMetadata, names: Iterable[str] | No
                                          first // tensor.element_size(), inter, tensor, box[0]))
     source = ChunkSource(storage, meta)
     try:
+        source.prefetch(t.chunk for t in tasks)
         run_chunk_tasks(tasks, lambda t: source.decode(t.record, t.chunk, t.out), workers,
              f"restore step {meta.step}", progress)
     finally:
@@ -387,6 +406,7 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
 
     tasks = [_Task(r, c, np.empty(0, np.uint8)) for r, c in _all_chunks(meta)]
     try:
+        source.prefetch(t.chunk for t in tasks)
         run_chunk_tasks(tasks, check, workers, f"verify step {meta.step}", progress)
     finally:
         source.close()

@@ -19,7 +19,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import urlparse
@@ -30,9 +30,16 @@ LOCK_FILE = ".writer.lock"
 
 
 class RangeReader(Protocol):
-    """Reads byte ranges of one stored file; safe to call from several threads."""
+    """Reads byte ranges of one stored file; safe to call from several threads.
+
+    ``prefetch`` tells it the ranges (offset, length) a caller is about to
+    read, in about the order it will: a remote reader starts fetching them
+    (few large requests, in parallel); a local one needs no hint.
+    """
 
     def read(self, offset: int, length: int) -> bytes: ...
+
+    def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -52,8 +59,9 @@ class Storage(Protocol):
     def exists(self, rel: str) -> bool: ...
     def is_dir(self, rel: str) -> bool: ...
     def listdir(self, rel: str = "") -> list[str]: ...
+    def list_files(self, rel: str = "") -> list[str] | None: ...
     def size(self, rel: str) -> int: ...
-    def identity(self, rel: str) -> tuple[int, ...] | None: ...
+    def identity(self, rel: str) -> tuple[int | str, ...] | None: ...
     def makedirs(self, rel: str = "", *, durable: bool = True) -> bool: ...
     def sync_dir(self, rel: str = "") -> None: ...
     def read_bytes(self, rel: str) -> bytes: ...
@@ -79,6 +87,9 @@ class _FileRangeReader:
             raise CorruptionError(f"{self.path}: file is truncated (wanted bytes {offset}.."
                                   f"{offset + length}, it has {size})")
         return data
+
+    def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Nothing to start: a local read is served at once (the kernel reads ahead)."""
 
     def close(self) -> None:
         os.close(self.fd)
@@ -196,6 +207,11 @@ class LocalStorage:
     def listdir(self, rel: str = "") -> list[str]:
         with self._dir(rel) as fd:
             return sorted(os.listdir(fd))
+
+    def list_files(self, rel: str = "") -> None:
+        """None: a directory tree is listed one directory at a time (:meth:`listdir`), which
+        costs no more here."""
+        return None
 
     def size(self, rel: str) -> int:
         """Bytes of ``rel`` (of a link: of the link itself)."""

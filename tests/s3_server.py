@@ -16,6 +16,8 @@ import logging
 import random
 import re
 import socket
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -25,9 +27,41 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
              b"<Message>Please reduce your request rate.</Message></Error>")
 
 
+# Runs the server in a process of its own until its standard input closes; prints its endpoint.
+_SERVER_PROCESS = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """A moto S3 server on a free loopback port; yields its endpoint URL."""
+def moto_server(*, own_process: bool = False) -> Iterator[str]:
+    """A moto S3 server on a free loopback port; yields its endpoint URL.
+
+    ``own_process``: run it in a child process, so that its request handling
+    does not share this process's interpreter lock with the client under test
+    (as a real S3 endpoint does not): what benchmarks time.
+    """
+    if own_process:
+        child = subprocess.Popen([sys.executable, "-c", _SERVER_PROCESS], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            yield child.stdout.readline().strip()
+        finally:
+            child.stdin.close()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        return
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
@@ -48,7 +82,13 @@ class FaultProxy:
     closed unanswered) with probability ``drop_rate``, else answered ``503
     SlowDown`` with probability ``error_rate``; the rest are forwarded.
     ``fetched`` and ``sent`` count the object bytes of forwarded GET
-    replies and PUT/POST bodies, per path.
+    replies and PUT/POST bodies, per path, ``requests`` the forwarded
+    requests by method.
+
+    Conditional PUTs (``If-Match``, ``If-None-Match``) are forwarded one at a
+    time: moto checks the condition and then writes, where S3 does both as
+    one atomic step, so two writers racing for one object would otherwise
+    both succeed there.
     """
 
     def __init__(self, upstream: str, *, seed: int = 0) -> None:
@@ -59,9 +99,11 @@ class FaultProxy:
         self.fetched: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
+        self.requests: Counter[str] = Counter()  # forwarded, by method
         self.part_puts = 0  # parts of multipart uploads forwarded
         self._random = random.Random(seed)
         self._lock = threading.Lock()
+        self._conditional = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -89,6 +131,7 @@ class FaultProxy:
             self.fetched.clear()
             self.sent.clear()
             self.faults.clear()
+            self.requests.clear()
             self.part_puts = 0
 
     def close(self) -> None:
@@ -120,11 +163,21 @@ class FaultProxy:
             return
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("expect", "connection", "keep-alive", "transfer-encoding")}
+        conditional = request.command == "PUT" and any(
+            k.lower() in ("if-match", "if-none-match") for k in headers)
         upstream = http.client.HTTPConnection(self.upstream, timeout=60)
         try:
-            upstream.request(request.command, request.path, body=body, headers=headers)
-            reply = upstream.getresponse()
-            data = reply.read()
+            with self._conditional if conditional else contextlib.nullcontext():
+                upstream.request(request.command, request.path, body=body, headers=headers)
+                reply = upstream.getresponse()
+                data = reply.read()
+            with self._lock:  # counted before the client has its answer, and can reset them
+                self.requests[request.command] += 1
+                if request.command == "GET" and reply.status < 300:
+                    self.fetched[path] += len(data)
+                elif request.command in ("PUT", "POST"):
+                    self.sent[path] += len(body)
+                    self.part_puts += "partNumber=" in request.path
             request.send_response(reply.status, reply.reason)
             for key, value in reply.getheaders():
                 if key.lower() not in ("connection", "keep-alive", "transfer-encoding",
@@ -137,9 +190,3 @@ class FaultProxy:
                 request.wfile.write(data)
         finally:
             upstream.close()
-        with self._lock:
-            if request.command == "GET" and reply.status < 300:
-                self.fetched[path] += len(data)
-            elif request.command in ("PUT", "POST"):
-                self.sent[path] += len(body)
-                self.part_puts += "partNumber=" in request.path

@@ -529,3 +529,147 @@ def test_cache_tier_upload_failure_is_raised_and_retried(endpoint: str, proxy: F
         assert mgr.steps() == [0, 1]
         assert torch.equal(mgr.restore(1).extra["w"], torch.arange(1000.0) + 1)
     assert CheckpointManager(tmp_path / "cache", read_only=True).steps() == []
+
+
+def _fsdp_mlp(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 MLP (the same weights on every rank) with AdamW state."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.ReLU(), torch.nn.Linear(384, 64))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optimizer)
+    return model, optimizer
+
+
+def test_4_to_2_resharded_load_fetches_only_its_chunks(endpoint: str, proxy: FaultProxy,
+                                                       tmp_path: Path) -> None:
+    """A step saved by 4 FSDP ranks and loaded on 2: the data bytes the 2 ranks GET are at most
+    1.1x the stored bytes of the chunks they decode, and, each loading half the rows, together
+    about the step's stored bytes once (not once per rank)."""
+    from remote_ranks import save_on_4_load_on_2
+
+    url = f"s3://{new_bucket(endpoint)}/run"
+    fetched, needed, stored = save_on_4_load_on_2(url, options(proxy.url), proxy, _fsdp_mlp,
+                                                  chunk_bytes=16 << 10, report=tmp_path / "needed")
+    assert 0 < fetched <= 1.1 * needed
+    assert fetched <= 1.1 * stored
+
+
+RACER = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    from deltackpt import CheckpointManager, WriterLockedError
+    from deltackpt.objectstore import _Lease
+
+    url, opts, meeting = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    read = _Lease.storage_get
+
+    def read_then_meet(self):  # both racers read the expired lease before either takes it over
+        found = read(self)
+        (meeting / str(os.getpid())).touch()
+        deadline = time.time() + 30
+        while len(list(meeting.iterdir())) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        return found
+
+    _Lease.storage_get = read_then_meet
+    mgr = CheckpointManager(url, storage_options=opts)
+    try:
+        mgr.acquire()
+    except WriterLockedError as exc:
+        print("refused", exc, flush=True)
+    else:
+        print("won", flush=True)
+        sys.stdin.read()  # hold the lease until the test has seen both outcomes
+        mgr.save(1, extra={"pid": os.getpid()}, rng=False)
+        mgr.close()
+''')
+
+
+def test_two_processes_racing_for_an_expired_lease(endpoint: str, proxy: FaultProxy,
+                                                   tmp_path: Path) -> None:
+    """Two processes that both read a crashed writer's expired lease and take it over at once:
+    exactly one wins (its conditional PUT's ETag matches; S3 applies it atomically); the other
+    is refused with WriterLockedError naming the winner's process and host."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    opts = options(proxy.url)
+    CheckpointManager(url, storage_options=opts).close()
+    fs, root = fsspec.core.url_to_fs(url, **options(endpoint))
+    fs.pipe_file(f"{root}/{LEASE_OBJECT}", json.dumps(
+        {"owner": "0" * 32, "host": "crashed-host", "pid": 1, "expires": time.time() - 1,
+         "seconds": 60.0}).encode())
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    script = tmp_path / "racer.py"
+    script.write_text(RACER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    racers = [subprocess.Popen([sys.executable, str(script), url, json.dumps(opts), str(meeting)],
+                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        first = [racer.stdout.readline().strip() for racer in racers]
+        assert sorted(line.split()[0] for line in first) == ["refused", "won"], first
+        winner = racers[[line.split()[0] for line in first].index("won")]
+        refusal = next(line for line in first if line.startswith("refused"))
+        assert f"held by process {winner.pid} on {socket.gethostname()}" in refusal
+        assert len(list(meeting.iterdir())) == 2  # both had read the expired lease
+        for racer in racers:
+            _, err = racer.communicate("", timeout=120)
+            assert racer.returncode == 0, err
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+    restored = CheckpointManager(url, storage_options=opts, read_only=True).restore(1)
+    assert restored.extra == {"pid": winner.pid}
+
+
+def test_steps_are_one_listing_and_kept_metadata_one_head(endpoint: str, proxy: FaultProxy) -> None:
+    """On S3, listing the steps is one request however many steps there are; a manager keeps
+    the metadata it wrote while the object's ETag stays the same (a HEAD, no GET), and reads it
+    again once another writer replaced it; a step's "directory" costs no request."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    opts = options(proxy.url)
+    with CheckpointManager(url, storage_options=opts, full_every=100) as mgr:
+        for step in range(6):
+            mgr.save(step, extra={"w": torch.arange(100.0) + step}, rng=False)
+        proxy.reset_counts()
+        assert mgr.steps() == list(range(6))
+        assert sum(proxy.requests.values()) == 1
+        proxy.reset_counts()
+        assert mgr.storage.makedirs("step-000000000009") is False
+        assert sum(proxy.requests.values()) == 0
+        kept = mgr.metadata(5)
+        assert proxy.requests["GET"] == 0 and not any("metadata" in p for p in proxy.fetched)
+        identity = mgr.storage.identity("step-000000000005/metadata.json")
+        assert identity is not None and identity == mgr.storage.identity(
+            "step-000000000005/metadata.json")
+        assert mgr.storage.identity("step-000000000005/no-such-object") is None
+    with CheckpointManager(url, storage_options=opts) as other:
+        other.save(5, extra={"w": torch.zeros(100)}, rng=False, overwrite=True)
+    assert mgr.storage.identity("step-000000000005/metadata.json") != identity
+    assert mgr.metadata(5).save_id != kept.save_id  # read again
+
+
+def test_restore_fetches_adjacent_chunks_in_few_gets(endpoint: str, proxy: FaultProxy) -> None:
+    """A restore GETs adjacent chunks together (ranged GETs of up to RUN_BYTES, streamed), not
+    one GET per chunk: a step of 250 chunks in one data object restores exactly, with one
+    decoding thread, in one GET of its data (and at most three of metadata and RNG state);
+    data fetched = data stored."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    values = torch.randn(250 * 1024)  # 1 MB in chunks of 4 KiB
+    with CheckpointManager(url, storage_options=options(proxy.url), chunk_bytes=4096,
+                           workers=1, compression="lossless") as mgr:
+        mgr.save(0, extra={"v": values}, rng=False)
+        meta = mgr.metadata(0)
+        assert len(meta.files) == 1 and sum(len(f.chunks) for t in meta.tensors
+                                            for f in t.fragments) >= 250
+        proxy.reset_counts()
+        assert torch.equal(mgr.restore(0).extra["v"], values)
+    data = [path for path in proxy.fetched if "/d-" in path]
+    assert len(data) == 1 and proxy.fetched[data[0]] == meta.files[0].size
+    assert proxy.requests["GET"] <= 4
