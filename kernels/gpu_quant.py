@@ -23,8 +23,8 @@ the device, with no host synchronisation between them:
    each block's width and byte length and the block statistics (the
    ``STAT_*`` columns of the Numba kernel).
 2. ``torch.cumsum`` of the byte lengths: each block's offset in the stream.
-3. ``_pack_kernel``: one program per block writes its width byte and its
-   packed bits; each output byte gathers the (at most ``7 // width + 2``)
+3. ``_pack_kernel``: on the same tiles, writes each block's width byte and
+   its packed bits; each output byte gathers the (at most ``7 // width + 2``)
    symbols whose bits it holds.
 
 The stream is packed on the device, so only the compressed stream and the
@@ -227,32 +227,35 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
     tl.store(row + 6, bad.to(tl.float64), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _pack_kernel(sym_ptr, widths_ptr, offsets_ptr, stream_ptr, n, BLOCK: tl.constexpr,
-                 TILE: tl.constexpr):
-    """Block ``pid``'s width byte and its symbols packed LSB first at its width from its offset:
-    output byte ``i`` ORs the bits of the symbols ``8i // w ...`` that overlap it."""
-    b = tl.program_id(0).to(tl.int64)
-    w = tl.load(widths_ptr + b).to(tl.int32)
-    tl.store(stream_ptr + b, w.to(tl.uint8))
-    if w > 0:
-        base = b * BLOCK
-        count = tl.minimum(n - base, BLOCK).to(tl.int32)
-        n_bytes = (count * w + 7) // 8
-        pos = tl.load(offsets_ptr + b)
-        for i0 in range(0, n_bytes, TILE):
-            i = i0 + tl.arange(0, TILE)
-            bit0 = i * 8
-            j0 = bit0 // w
-            byte = tl.zeros([TILE], tl.int32)
-            for t in range(0, 7 // w + 2):
-                j = j0 + t
-                shift = j * w - bit0  # where symbol j's bit 0 falls in byte i: in (-w, 8)
-                take = (i < n_bytes) & (j < count) & (shift < 8)
-                z = tl.load(sym_ptr + base + j, mask=take, other=0).to(tl.int32)
-                part = tl.where(shift >= 0, z << tl.maximum(shift, 0), z >> tl.maximum(-shift, 0))
-                byte |= tl.where(take, part & 0xFF, 0)
-            tl.store(stream_ptr + pos + i, byte.to(tl.uint8), mask=i < n_bytes)
+@triton.jit(do_not_specialize=["n", "n_blocks"])
+def _pack_kernel(sym_ptr, widths_ptr, offsets_ptr, stream_ptr, n, n_blocks, BLOCK: tl.constexpr,
+                 ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """Blocks ``pid * ROWS ...``: each one's width byte and its symbols packed LSB first at its
+    width from its offset. Output byte ``i`` ORs the bits of the symbols ``8i // w ...`` (at
+    most ``7 // w + 2``) that overlap it."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_blocks
+    w = tl.load(widths_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    tl.store(stream_ptr + rows, w.to(tl.uint8), mask=row_ok)
+    count = tl.minimum(n - rows * BLOCK, BLOCK).to(tl.int32)
+    n_bytes = tl.where(row_ok, (count * w + 7) // 8, 0)
+    pos = tl.load(offsets_ptr + rows, mask=row_ok, other=0)
+    w1 = tl.maximum(w, 1)[:, None]
+    overlaps = tl.max(tl.where(w > 0, 7 // tl.maximum(w, 1) + 2, 0))
+    for i0 in range(0, tl.max(n_bytes), BYTES):
+        i = i0 + tl.arange(0, BYTES)[None, :]
+        inside = i < n_bytes[:, None]
+        bit0 = i * 8
+        j0 = bit0 // w1
+        byte = tl.zeros([ROWS, BYTES], tl.int32)
+        for t in range(0, overlaps):
+            j = j0 + t
+            shift = j * w1 - bit0  # where symbol j's bit 0 falls in byte i: in (-w, 8)
+            take = inside & (j < count[:, None]) & (shift < 8)
+            z = tl.load(sym_ptr + rows[:, None] * BLOCK + j, mask=take, other=0).to(tl.int32)
+            part = tl.where(shift >= 0, z << tl.maximum(shift, 0), z >> tl.maximum(-shift, 0))
+            byte |= tl.where(take, part & 0xFF, 0)
+        tl.store(stream_ptr + pos[:, None] + i, byte.to(tl.uint8), mask=inside)
 
 
 @triton.jit(do_not_specialize=["n", "n_blocks", "n_steps", "first", "eps"])
@@ -395,8 +398,9 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
         USE_PRED=pred is not None, DITHERED=bool(seed >= 0), SCALED=scale is not None,
         **_launch_options())
     ends = torch.cumsum(lengths, 0) + n_blocks
-    _pack_kernel[(n_blocks,)](sym, widths, ends - lengths, stream, n, BLOCK=block,
-                              TILE=2 * cols, **_launch_options())
+    _pack_kernel[(triton.cdiv(n_blocks, rows),)](sym, widths, ends - lengths, stream, n, n_blocks,
+                                                 BLOCK=block, ROWS=rows, BYTES=2 * cols,
+                                                 **_launch_options())
     return DeviceStream(stream, ends[-1], stats)
 
 
