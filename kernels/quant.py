@@ -397,6 +397,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
                     qf32 = np.rint(np.float32(np.float32(r32 / st) + u))
+                    ok &= qf32 == qf32  # NaN (0 / 0: a scaled step that underflows) has no symbol
                     q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
                 s = _reconstruct(p, q, ordinal, st, step_k, u)
                 if not ordinal:  # a linear reconstruction can overflow, with absurd steps
