@@ -163,15 +163,10 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
         idx = rows[:, None] * BLOCK + cols[None, :]
         valid = row_ok[:, None] & (cols[None, :] < BLOCK) & (idx < n)
         x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
-        if USE_PRED:
-            p = tl.load(pred_ptr + idx, mask=valid, other=0.0)
-        else:
-            p = tl.zeros([ROWS, COLS], tl.float32)
+        p = tl.load(pred_ptr + idx, mask=valid, other=0.0) if USE_PRED else \
+            tl.zeros([ROWS, COLS], tl.float32)
         ok = _finite(x) & _finite(p)
-        if DITHERED:
-            u = _dither(first + idx, seed32)
-        else:
-            u = tl.zeros([ROWS, COLS], tl.float32)
+        u = _dither(first + idx, seed32) if DITHERED else tl.zeros([ROWS, COLS], tl.float32)
         if SCALED:
             st = _element_step(step_f, tl.load(scale_ptr + idx, mask=valid, other=1.0), eps)
         else:
@@ -288,7 +283,7 @@ def _decode_kernel(streams_ptr, bounds_ptr, offsets_ptr, ordinal_ptr, step_f_ptr
             z = ((b0 | (b1 << 8) | (b2 << 16)) >> (bit % 8)) & ((1 << w) - 1)
             q = (z >> 1) ^ -(z & 1)
             seed = tl.load(seeds_ptr + t)
-            if seed >= 0:
+            if seed >= 0:  # noqa: SIM108 (a run-time condition: a branch, not a select)
                 u = _dither(first + idx, seed.to(tl.uint32))
             else:
                 u = tl.zeros([ROWS, COLS], tl.float32)
