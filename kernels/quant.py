@@ -31,6 +31,10 @@ in a block-sized buffer through every step and are written once, instead of
 one pass over the whole state per step. The ``numpy_*`` functions are the
 executable spec the tests hold the kernels to, bit for bit.
 
+The arithmetic is FORMAT.md 3.2's *Decode arithmetic*, defined there once;
+:mod:`deltackpt.kernels.gpu_quant` implements it again in Triton, for CUDA
+tensors, and the tests hold the two to the same bits.
+
 Every kernel is serial and releases the GIL: a save or restore runs one
 chunk (a few MB) per task on its thread pool, so chunks are coded in
 parallel on every core. Parallelism across chunks needs no synchronisation
