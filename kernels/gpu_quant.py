@@ -47,6 +47,8 @@ ones on machines without a GPU).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,7 +145,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
                    stats_ptr, n, n_blocks, first, seed, step_f, step_i, eps,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                    ORDINAL: tl.constexpr, USE_PRED: tl.constexpr, DITHERED: tl.constexpr,
-                   SCALED: tl.constexpr):
+                   SCALED: tl.constexpr, X_BF16: tl.constexpr):
     """Quantize blocks ``pid * ROWS ...`` of ``x``: symbols, reconstruction, widths, byte lengths
     and statistics, as ``kernels.quant._make_encoder``'s loop."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -162,7 +164,11 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
         cols = c0 + tl.arange(0, COLS)
         idx = rows[:, None] * BLOCK + cols[None, :]
         valid = row_ok[:, None] & (cols[None, :] < BLOCK) & (idx < n)
-        x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+        if X_BF16:  # widened by its bits (exact; the interpreter's .to flushes subnormals)
+            x = tl.load(x_ptr + idx, mask=valid, other=0).to(tl.int32) << 16
+            x = x.to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
         p = tl.load(pred_ptr + idx, mask=valid, other=0.0) if USE_PRED else \
             tl.zeros([ROWS, COLS], tl.float32)
         ok = _finite(x) & _finite(p)
@@ -314,13 +320,19 @@ def _tile(block: int) -> tuple[int, int]:
     return max(1, _TILE // cols), cols
 
 
-def _check_tensor(name: str, t: torch.Tensor, device: torch.device, n: int,
+def _check_tensor(name: str, t: torch.Tensor, device: torch.device | None, n: int,
                   dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    """Raise ``ValueError`` unless ``t`` is a contiguous 1-d tensor of ``n`` elements of one of
+    ``dtypes`` on ``device`` (any device for None)."""
     if t.dtype not in dtypes or t.dim() != 1 or t.shape[0] != n or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-d tensor of {n} elements of "
                          f"{' or '.join(map(str, dtypes))}, got {t.dtype} {tuple(t.shape)}")
-    if t.device != device:
+    if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, the kernel runs on {device}")
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return t if t is None or t.device == device else t.to(device, non_blocking=True)
 
 
 def _device(x: torch.Tensor) -> torch.device:
@@ -332,6 +344,15 @@ def _device(x: torch.Tensor) -> torch.device:
 
 def _launch_options() -> dict:
     return {"enable_fp_fusion": False, "num_warps": 4}
+
+
+_interpreter_lock = threading.Lock()
+
+
+def _launching() -> contextlib.AbstractContextManager:
+    """Held while kernels are launched: a lock in the interpreter, which patches
+    ``triton.language`` while a kernel runs (one at a time); nothing on a GPU."""
+    return _interpreter_lock if interpreted() else contextlib.nullcontext()
 
 
 @dataclass
@@ -358,25 +379,32 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     """:func:`deltackpt.kernels.quant.encode_block_stream` on ``x``'s device, without waiting.
 
     ``x`` is float32, bfloat16 or float16 (its values exactly as float32);
-    ``pred``, ``out`` and ``scale`` are float32 on ``x``'s device, ``out`` may
-    be ``pred`` (updated in place). Same arguments, same stream bytes, same
+    ``pred``, ``out`` and ``scale`` are float32, ``out`` may be ``pred``
+    (updated in place). Same arguments, same stream bytes, same
     reconstruction, same statistics (sums to float tolerance: the Numba
-    kernel reassociates them).
+    kernel reassociates them). ``pred``, ``out`` and ``scale`` normally live
+    on ``x``'s device; those on another (the host: a running reconstruction
+    kept in host memory) are copied to it, and the reconstruction back into
+    ``out`` (complete once :meth:`DeviceStream.to_host` returns), at 8 bytes
+    an element over PCIe.
     """
     device = _device(x)
     n = x.shape[0]
     _check_tensor("x", x, device, n, _INPUT_DTYPES)
-    _check_tensor("out", out, device, n)
+    _check_tensor("out", out, None, n)
     if pred is not None:
-        _check_tensor("pred", pred, device, n)
+        _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step)
     if scale is not None:
         if ordinal or pred is not None:
             raise ValueError("a scale applies to the linear domain, without prediction")
-        _check_tensor("scale", scale, device, n)
+        _check_tensor("scale", scale, None, n)
         if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
             raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
+    pred_on, scale_on = _to(pred, device), _to(scale, device)
+    out_on = pred_on if out is pred else out if out.device == device else \
+        torch.empty(n, dtype=torch.float32, device=device)
     n_blocks = n_blocks_of(n, block)
     stats = torch.empty((n_blocks, N_STATS), dtype=torch.float64, device=device)
     stream = torch.empty(n_blocks + 2 * n, dtype=torch.uint8, device=device)
@@ -386,16 +414,21 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     widths = torch.empty(n_blocks, dtype=torch.uint8, device=device)
     lengths = torch.empty(n_blocks, dtype=torch.int64, device=device)
     rows, cols = _tile(block)
-    _encode_kernel[(triton.cdiv(n_blocks, rows),)](
-        x, out if pred is None else pred, out, x if scale is None else scale, sym, widths,
-        lengths, stats, n, n_blocks, first, int(seed) & 0xFFFFFFFF, float(step_f), int(step_i),
-        float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols, ORDINAL=ordinal,
-        USE_PRED=pred is not None, DITHERED=bool(seed >= 0), SCALED=scale is not None,
-        **_launch_options())
-    ends = torch.cumsum(lengths, 0) + n_blocks
-    _pack_kernel[(triton.cdiv(n_blocks, rows),)](sym, widths, ends - lengths, stream, n, n_blocks,
-                                                 BLOCK=block, ROWS=rows, BYTES=2 * cols,
-                                                 **_launch_options())
+    with _launching():
+        bf16 = x.dtype == torch.bfloat16
+        _encode_kernel[(triton.cdiv(n_blocks, rows),)](
+            x.view(torch.int16) if bf16 else x, out_on if pred_on is None else pred_on, out_on,
+            x if scale_on is None else scale_on, sym, widths,
+            lengths, stats, n, n_blocks, first, int(seed) & 0xFFFFFFFF, float(step_f),
+            int(step_i), float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
+            ORDINAL=ordinal, USE_PRED=pred is not None, DITHERED=bool(seed >= 0),
+            SCALED=scale is not None, X_BF16=bf16, **_launch_options())
+        ends = torch.cumsum(lengths, 0) + n_blocks
+        _pack_kernel[(triton.cdiv(n_blocks, rows),)](
+            sym, widths, ends - lengths, stream, n, n_blocks, BLOCK=block, ROWS=rows,
+            BYTES=2 * cols, **_launch_options())
+    if out_on is not out:
+        out.copy_(out_on, non_blocking=True)
     return DeviceStream(stream, ends[-1], stats)
 
 
@@ -459,13 +492,14 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
         return torch.from_numpy(a).to(device, non_blocking=True)
 
     rows, cols = _tile(block)
-    _decode_kernel[(triton.cdiv(n_blocks, rows),)](
-        upload(flat), upload(bounds), upload(offsets),
-        upload(np.array(ordinal, np.int32)), upload(np.array([f for f, _ in coded], np.float32)),
-        upload(np.array([i for _, i in coded], np.int64)), upload(np.array(seeds, np.int64)),
-        len(streams), out if pred is None else pred, out, out if scale is None else scale, n,
-        n_blocks, first, float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
-        ZERO_START=zero_start, SCALED=scale is not None, **_launch_options())
+    with _launching():
+        _decode_kernel[(triton.cdiv(n_blocks, rows),)](
+            upload(flat), upload(bounds), upload(offsets), upload(np.array(ordinal, np.int32)),
+            upload(np.array([f for f, _ in coded], np.float32)),
+            upload(np.array([i for _, i in coded], np.int64)), upload(np.array(seeds, np.int64)),
+            len(streams), out if pred is None else pred, out, out if scale is None else scale,
+            n, n_blocks, first, float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
+            ZERO_START=zero_start, SCALED=scale is not None, **_launch_options())
 
 
 def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torch.Tensor, *,
