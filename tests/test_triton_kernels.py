@@ -80,6 +80,9 @@ def _interpreter() -> Iterator[None]:
             patch.setenv("TRITON_INTERPRET", "1")
         yield
 
+# The interpreter computes in numpy, which warns where IEEE arithmetic meets inf and NaN.
+pytestmark = [pytest.mark.filterwarnings(f"ignore:{what} encountered:RuntimeWarning")
+              for what in ("overflow", "invalid value", "divide by zero")]
 BIG = DEVICE == "cuda"  # compiled kernels: also test sizes the interpreter would take minutes on
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (ordinal, with prediction, dithered, scaled): every kernel variant
