@@ -36,8 +36,10 @@ than copying them to the host to pack there.
 ``_decode_kernel`` decodes one stream, or the streams of consecutive steps
 of a chunk (the end of a restore chain): a tile's running values stay in
 registers through every step and are written once. Streams are checked on
-the host (:func:`deltackpt.kernels.quant.check_stream`'s rules) before any
-byte is read on the device, so a damaged stream never indexes out of bounds.
+the host (:func:`deltackpt.kernels.quant.check_stream`'s rules) as they are
+uploaded (:func:`upload_streams`, only their bytes cross PCIe), so a damaged
+stream never indexes out of bounds; :func:`apply_streams` decodes uploaded
+streams.
 
 Kernels run on CUDA tensors; CPU tensors run them through Triton's
 interpreter, which Triton chooses when this module is imported with
@@ -442,31 +444,73 @@ def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.T
                             dither=dither, first=first, scale=scale, eps=eps).to_host()
 
 
-def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal: list[bool],
-                        steps: list[float | int], block: int, zero_start: bool,
-                        dithers: list[int | None] | None = None, first: int = 0,
-                        pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                        eps: float = 0.0) -> None:
-    """:func:`deltackpt.kernels.quant.decode_step_streams` into the float32 tensor ``out``: the
-    host streams (uint8) are checked, then copied to ``out``'s device and applied in one pass.
+@dataclass(frozen=True)
+class DeviceStreams:
+    """The checked packed streams of consecutive steps of one chunk of ``n`` elements, on a
+    device: ``data`` holds them one after another (and 8 spare bytes), stream ``t`` from
+    ``bounds[t]``, the bits of its block ``b`` from ``offsets[t, b]``."""
+
+    data: torch.Tensor
+    bounds: torch.Tensor
+    offsets: torch.Tensor
+    n: int
+    block: int
+
+
+def upload_streams(streams: list[np.ndarray], n: int, block: int,
+                   device: torch.device) -> DeviceStreams:
+    """Check the host streams (uint8) of ``n`` elements, then copy them to ``device`` without
+    waiting (through pinned memory on a GPU: only the streams' bytes cross PCIe).
+
+    Raises ``ValueError`` naming the first damaged stream (the rules of
+    :func:`deltackpt.kernels.quant.check_stream`), so the kernels never read
+    out of bounds.
+    """
+    pinned = device.type == "cuda"
+    n_blocks = n_blocks_of(n, block)
+    bounds = np.zeros(len(streams) + 1, np.int64)
+    np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
+    # The kernel reads up to 2 bytes past a block.
+    data = torch.zeros(int(bounds[-1]) + 8, dtype=torch.uint8, pin_memory=pinned)
+    offsets = torch.empty((len(streams), n_blocks), dtype=torch.int64, pin_memory=pinned)
+    flat = data.numpy()
+    for t, (stream, lo, hi) in enumerate(zip(streams, bounds[:-1], bounds[1:], strict=True)):
+        flat[lo:hi] = stream
+        o, status = _check_stream(flat, lo, hi, n, block)
+        if status != STREAM_OK:
+            raise ValueError(f"stream {t}: {_stream_problem(status, stream, n, block)}")
+        offsets[t] = torch.from_numpy(o[:n_blocks])
+    return DeviceStreams(data.to(device, non_blocking=True),
+                         torch.from_numpy(bounds).to(device, non_blocking=True),
+                         offsets.to(device, non_blocking=True), n, block)
+
+
+def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bool],
+                  steps: list[float | int], zero_start: bool,
+                  dithers: list[int | None] | None = None, first: int = 0,
+                  pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  eps: float = 0.0) -> None:
+    """Apply uploaded streams in order to the float32 tensor ``out`` on their device: one pass,
+    each tile's running values kept through every step.
 
     The running values before the first step are ``pred`` (default: ``out``
-    itself) unless ``zero_start``; a single linear stream predicted from zero
-    may be ``scale``d (as :func:`deltackpt.kernels.quant.decode_block_stream`).
-    Raises ``ValueError`` naming the first damaged stream before anything is
-    written.
+    itself) unless ``zero_start``; ``ordinal``, ``steps`` and ``dithers``
+    give each stream's domain, step and dither seed (as
+    :func:`deltackpt.kernels.quant.decode_step_streams`); a single linear
+    stream predicted from zero may be ``scale``d (as
+    :func:`deltackpt.kernels.quant.decode_block_stream`).
     """
     device = _device(out)
-    n = out.shape[0]
+    n, n_steps = streams.n, streams.bounds.shape[0] - 1
     _check_tensor("out", out, device, n)
     if pred is not None:
         _check_tensor("pred", pred, device, n)
-    dithers = [None] * len(streams) if dithers is None else dithers
-    if not len(streams) == len(ordinal) == len(steps) == len(dithers):
-        raise ValueError(f"{len(streams)} streams, {len(ordinal)} domains, {len(steps)} steps "
+    dithers = [None] * n_steps if dithers is None else dithers
+    if not n_steps == len(ordinal) == len(steps) == len(dithers):
+        raise ValueError(f"{n_steps} streams, {len(ordinal)} domains, {len(steps)} steps "
                          f"and {len(dithers)} dithers")
     if scale is not None:
-        if len(streams) != 1 or ordinal[0] or not zero_start:
+        if n_steps != 1 or ordinal[0] or not zero_start:
             raise ValueError("a scale applies to one stream of the linear domain, without "
                              "prediction")
         _check_tensor("scale", scale, device, n)
@@ -474,32 +518,37 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
             raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
     seeds = [_seed(o, d, s) for o, d, s in zip(ordinal, dithers, steps, strict=True)]
-    n_blocks = n_blocks_of(n, block)
-    bounds = np.zeros(len(streams) + 1, np.int64)
-    np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
-    flat = np.zeros(bounds[-1] + 8, np.uint8)  # the kernel reads up to 2 bytes past a block
-    offsets = np.empty((len(streams), n_blocks), np.int64)
-    for t, (stream, lo, hi) in enumerate(zip(streams, bounds[:-1], bounds[1:], strict=True)):
-        flat[lo:hi] = stream
-        o, status = _check_stream(flat, lo, hi, n, block)
-        if status != STREAM_OK:
-            raise ValueError(f"stream {t}: {_stream_problem(status, stream, n, block)}")
-        offsets[t] = o[:n_blocks]
-    if n == 0 or not streams:
+    if n == 0 or not n_steps:
         return
 
-    def upload(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+    def upload(values: list, dtype: np.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype)).to(device, non_blocking=True)
 
-    rows, cols = _tile(block)
+    n_blocks = n_blocks_of(n, streams.block)
+    rows, cols = _tile(streams.block)
     with _launching():
         _decode_kernel[(triton.cdiv(n_blocks, rows),)](
-            upload(flat), upload(bounds), upload(offsets), upload(np.array(ordinal, np.int32)),
-            upload(np.array([f for f, _ in coded], np.float32)),
-            upload(np.array([i for _, i in coded], np.int64)), upload(np.array(seeds, np.int64)),
-            len(streams), out if pred is None else pred, out, out if scale is None else scale,
-            n, n_blocks, first, float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
-            ZERO_START=zero_start, SCALED=scale is not None, **_launch_options())
+            streams.data, streams.bounds, streams.offsets, upload(ordinal, np.int32),
+            upload([f for f, _ in coded], np.float32), upload([i for _, i in coded], np.int64),
+            upload(seeds, np.int64), n_steps, out if pred is None else pred, out,
+            out if scale is None else scale, n, n_blocks, first, float(np.float32(eps)),
+            BLOCK=streams.block, ROWS=rows, COLS=cols, ZERO_START=zero_start,
+            SCALED=scale is not None, **_launch_options())
+
+
+def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal: list[bool],
+                        steps: list[float | int], block: int, zero_start: bool,
+                        dithers: list[int | None] | None = None, first: int = 0,
+                        pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                        eps: float = 0.0) -> None:
+    """:func:`deltackpt.kernels.quant.decode_step_streams` into the float32 tensor ``out``: the
+    host streams (uint8) checked and uploaded (:func:`upload_streams`), then applied in one
+    pass (:func:`apply_streams`, whose arguments the others are). Raises ``ValueError`` naming
+    the first damaged stream before anything is written.
+    """
+    apply_streams(upload_streams(streams, out.shape[0], block, _device(out)), out,
+                  ordinal=ordinal, steps=steps, zero_start=zero_start, dithers=dithers,
+                  first=first, pred=pred, scale=scale, eps=eps)
 
 
 def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torch.Tensor, *,
