@@ -6,11 +6,12 @@ state: a step coded on a GPU restores on a CPU-only machine, and the
 writer's running reconstruction equals what every reader decodes. Both
 implementations follow the decode arithmetic of docs/FORMAT.md 3.2 ("Decode
 arithmetic"): float32 operations rounded to nearest one at a time, correctly
-rounded division and square root (``tl.div_rn``, ``tl.sqrt_rn``), no fused
-multiply-add (every launch passes ``enable_fp_fusion=False``), the ordinal
-key arithmetic in float64 (exact: integers below 2**53) and the dither hash
-in unsigned 32-bit integers that wrap as the spec's. ``np.rint`` (half to
-even) is :func:`_rint`, built from ``floor``, which is exact everywhere.
+rounded division and square root (``tl.div_rn``, ``tl.sqrt_rn``; float64
+division lowers to ``div.rn.f64``), no fused multiply-add (every launch
+passes ``enable_fp_fusion=False``), the ordinal key arithmetic in float64
+(exact: integers below 2**53) and the dither hash in unsigned 32-bit
+integers that wrap as the spec's. ``np.rint`` (half to even) is
+:func:`_rint`, built from ``floor``, which is exact everywhere.
 
 Design. A stream is coded by three launches and a few torch operations on
 the device, with no host synchronisation between them:
@@ -183,7 +184,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
             kx = _key_of(x).to(tl.float64)
             kp = _key_of(p).to(tl.float64)
             off = _key_offset(u, step_k)
-            qf = _rint(tl.fdiv(kx - kp - off, step_k, ieee_rounding=True))
+            qf = _rint((kx - kp - off) / step_k)  # float64: div.rn.f64, correctly rounded
             k = kp + qf * step_k + off  # no sign flips
             qf += ((kx >= 0) & (k < 0)).to(tl.float64) - ((kx < 0) & (k > 0)).to(tl.float64)
             q = tl.minimum(tl.maximum(qf, -32768.0), 32767.0).to(tl.int32)
@@ -317,9 +318,10 @@ def interpreted() -> bool:
 
 def _tile(block: int) -> tuple[int, int]:
     """``(ROWS, COLS)`` of a program's tile: whole blocks of up to ``_TILE`` elements (several
-    to a program when small), or ``_TILE`` columns at a time of a larger block."""
-    cols = min(triton.next_power_of_2(block), _TILE)
-    return max(1, _TILE // cols), cols
+    to a program when small; at least 16 columns), or ``_TILE`` columns at a time of a larger
+    block."""
+    cols = min(max(triton.next_power_of_2(block), 16), _TILE)
+    return _TILE // cols, cols
 
 
 def _check_tensor(name: str, t: torch.Tensor, device: torch.device | None, n: int,
