@@ -11,7 +11,9 @@ interpreter is slow: tensors here are small.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,6 +340,77 @@ def test_reconstruction_kept_on_the_host() -> None:
                                               block=1024, dither=1)
     np.testing.assert_array_equal(stream2, stream)
     np.testing.assert_array_equal(_bits(host), _bits(expected))
+
+
+# -- compiled for a GPU --------------------------------------------------------------------------
+
+# Compiles every kernel (each variant that changes its arithmetic) for an H100/H200 (sm_90) and
+# reports, per kernel, the PTX's fused multiply-adds and its division and square root
+# instructions. Needs no GPU: Triton and its ptxas compile for a target given.
+COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deltackpt.kernels import gpu_quant as g
+
+ENCODE = {"x_ptr": "*fp32", "pred_ptr": "*fp32", "out_ptr": "*fp32", "scale_ptr": "*fp32",
+          "sym_ptr": "*u16", "widths_ptr": "*u8", "lengths_ptr": "*i64", "stats_ptr": "*fp64",
+          "n": "i64", "n_blocks": "i64", "first": "i64", "seed": "u32", "step_f": "fp32",
+          "step_i": "i32", "eps": "fp32"}
+PACK = {"sym_ptr": "*u16", "widths_ptr": "*u8", "offsets_ptr": "*i64", "stream_ptr": "*u8",
+        "n": "i64", "n_blocks": "i64"}
+DECODE = {"streams_ptr": "*u8", "bounds_ptr": "*i64", "offsets_ptr": "*i64",
+          "ordinal_ptr": "*i32", "step_f_ptr": "*fp32", "step_i_ptr": "*i64",
+          "seeds_ptr": "*i64", "n_steps": "i32", "pred_ptr": "*fp32", "out_ptr": "*fp32",
+          "scale_ptr": "*fp32", "n": "i64", "n_blocks": "i64", "first": "i64", "eps": "fp32"}
+
+
+def ptx(fn, types, **constants):
+    rows, cols = g._tile(constants["BLOCK"])
+    constants = {"ROWS": rows, "COLS": cols, "BYTES": 2 * cols, **constants}
+    constants = {k: v for k, v in constants.items() if k in fn.arg_names}
+    signature = {**types, **{k: "constexpr" for k in constants}}
+    kernel = triton.compile(ASTSource(fn, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options=g._launch_options())
+    code = kernel.asm["ptx"]
+    return {"fma": len(re.findall(r"\bfma\.", code)),
+            "ops": sorted(set(re.findall(r"\b(?:div|sqrt|rcp|rsqrt)\.[a-z0-9.]+", code)))}
+
+
+out = {}
+for ordinal, pred, dither, scaled, bf16, block in [
+        (False, True, True, False, False, 1024), (True, True, True, False, False, 1024),
+        (False, False, True, True, False, 3000), (True, False, False, False, True, 7)]:
+    types = {**ENCODE, "x_ptr": "*i16"} if bf16 else ENCODE
+    out[f"encode ordinal={ordinal} scaled={scaled} bf16={bf16}"] = ptx(
+        g._encode_kernel, types, BLOCK=block, ORDINAL=ordinal, USE_PRED=pred,
+        DITHERED=dither, SCALED=scaled, X_BF16=bf16)
+out["pack"] = ptx(g._pack_kernel, PACK, BLOCK=1024)
+for scaled in (False, True):
+    out[f"decode scaled={scaled}"] = ptx(g._decode_kernel, DECODE, BLOCK=64, ZERO_START=scaled,
+                                         SCALED=scaled)
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
+    """Compiled for sm_90 (no GPU needed), the kernels hold no fused multiply-add and only
+    correctly rounded division and square root: what bit identity on the device needs, and
+    what the interpreter cannot show."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout.splitlines()[-1])
+    assert len(kernels) == 7
+    for name, code in kernels.items():
+        assert code["fma"] == 0, f"{name}: {code['fma']} fused multiply-adds"
+        floats = [op for op in code["ops"] if op.endswith(("f32", "f64"))]
+        assert set(floats) <= {"div.rn.f32", "div.rn.f64", "sqrt.rn.f32"}, f"{name}: {floats}"
+    assert "div.rn.f64" in kernels["encode ordinal=True scaled=False bf16=False"]["ops"]
+    assert "sqrt.rn.f32" in kernels["decode scaled=True"]["ops"]
 
 
 # -- dispatch and a whole step --------------------------------------------------------------
