@@ -43,9 +43,10 @@ stream never indexes out of bounds; :func:`apply_streams` decodes uploaded
 streams.
 
 Kernels run on CUDA tensors; CPU tensors run them through Triton's
-interpreter, which Triton chooses when this module is imported with
-``TRITON_INTERPRET=1`` (the tests do so, to hold these kernels to the Numba
-ones on machines without a GPU).
+interpreter, which Triton chooses when triton and this module are imported
+with ``TRITON_INTERPRET=1`` in the environment, and which reads it again as
+kernels run (the tests do so, to hold these kernels to the Numba ones on
+machines without a GPU). The interpreter runs one kernel at a time.
 """
 
 from __future__ import annotations
@@ -342,7 +343,7 @@ def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 def _device(x: torch.Tensor) -> torch.device:
     if x.device.type == "cpu" and not interpreted():
         raise RuntimeError("Triton kernels run CPU tensors only in its interpreter: set "
-                           "TRITON_INTERPRET=1 before deltackpt.kernels.gpu_quant is imported")
+                           "TRITON_INTERPRET=1 before triton is imported")
     return x.device
 
 

@@ -19,8 +19,8 @@ arrays (numpy, or CPU tensors) by the Numba kernels of
 :mod:`deltackpt.kernels.quant`; both follow FORMAT.md 3.2's arithmetic and
 give the same bytes. The environment variable ``DELTACKPT_KERNELS=triton``
 routes host arrays through the Triton kernels too, which then run in
-Triton's interpreter (``TRITON_INTERPRET=1`` must be set when they are
-first imported): how the tests code a whole step through them on a machine
+Triton's interpreter (set ``TRITON_INTERPRET=1`` too, before triton is
+imported): how the tests code a whole step through them on a machine
 without a GPU. ``auto`` (the default) is the rule above.
 """
 
