@@ -4,8 +4,10 @@ With CUDA they run compiled on the GPU (bench/gpu.sh runs this file there);
 without, on the CPU in Triton's interpreter: ``TRITON_INTERPRET=1`` is set
 while triton and ``gpu_quant`` are first imported (Triton chooses when a
 kernel, its own library's included, is defined) and while this module's
-tests run (Triton reads it again then), so no other test sees it. The
-interpreter is slow: tensors here are small.
+tests run (Triton reads it again then), so no other test sees it. Where
+another module imported triton before (bitsandbytes does, so in the whole
+suite), this file runs in a fresh process instead. The interpreter is slow:
+tensors here are small.
 """
 
 from __future__ import annotations
@@ -46,16 +48,15 @@ from deltackpt.kernels.quant import (
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IN_PROCESS = DEVICE == "cuda" or "triton" not in sys.modules \
+    or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _import_kernels():
     """``deltackpt.kernels.gpu_quant``, interpreted on a machine without CUDA."""
-    if DEVICE == "cuda":
+    if not IN_PROCESS or DEVICE == "cuda":
         from deltackpt.kernels import gpu_quant
         return gpu_quant
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module, and "
-                    "there is no GPU", allow_module_level=True)
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -69,9 +70,16 @@ def _import_kernels():
 
 
 gpu = _import_kernels()
-if DEVICE == "cpu" and not gpu.interpreted():
-    pytest.skip("deltackpt.kernels.gpu_quant was imported without TRITON_INTERPRET=1 before "
-                "this module, and there is no GPU", allow_module_level=True)
+
+if not IN_PROCESS:
+    def test_in_a_fresh_process() -> None:
+        """triton was imported without its interpreter before this module: run this file in a
+        fresh process, where it is imported with it."""
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
+            capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -472,3 +480,9 @@ def test_step_coded_by_triton_restores_through_numba(tmp_path: Path,
             [f.read_bytes() for f in data_files(tmp_path / "numba", step)]
         assert_state_dicts_equal(restored[step], numba_states[step], f"step {step}")
         assert_state_dicts_equal(triton_states[step], numba_states[step], f"step {step}")
+
+
+if not IN_PROCESS:  # the tests above run in the fresh process: not here too
+    for _name in [name for name in globals() if name.startswith("test_")]:
+        if _name != "test_in_a_fresh_process":
+            del globals()[_name]
