@@ -59,8 +59,6 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-
 from deltackpt.kernels.quant import (
     N_STATS,
     STREAM_OK,
@@ -70,6 +68,7 @@ from deltackpt.kernels.quant import (
     _stream_problem,
     n_blocks_of,
 )
+from triton.runtime.interpreter import InterpretedFunction
 
 _TILE = 1024  # elements a program codes at a time
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -23,12 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_state_dicts_equal, data_files
-from torch import nn
-
-from deltackpt import CheckpointManager
-from deltackpt.codecs import quant as quant_codec
-from deltackpt.errors import ConfigError
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -44,6 +38,12 @@ from deltackpt.kernels.quant import (
     encode_block_stream,
     n_blocks_of,
 )
+from helpers import assert_state_dicts_equal, data_files
+from torch import nn
+
+from deltackpt import CheckpointManager
+from deltackpt.codecs import quant as quant_codec
+from deltackpt.errors import ConfigError
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -347,6 +347,7 @@ def test_reconstruction_kept_on_the_host() -> None:
     stream2, stats2 = gpu.encode_block_stream(_tensor(x), host, host, ordinal=False, step=0.01,
                                               block=1024, dither=1)
     np.testing.assert_array_equal(stream2, stream)
+    np.testing.assert_array_equal(stats2[:, STAT_MAX_ABS], stats[:, STAT_MAX_ABS])
     np.testing.assert_array_equal(_bits(host), _bits(expected))
 
 
