@@ -79,7 +79,8 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _rint(v):
     """``v`` rounded to the nearest integer, ties to even (``np.rint``), for float32 and float64:
-    ``a - floor(a)`` is exact for ``a >= 0``, so the tie test is exact too."""
+    ``a - floor(a)`` is exact for ``a >= 0``, so the tie test is exact too. (NVIDIA's float32
+    floor flushes subnormal inputs to zero, which for ``a >= 0`` gives floor's result, 0.)"""
     a = tl.abs(v)
     f = tl.floor(a)
     d = a - f

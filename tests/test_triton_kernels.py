@@ -354,8 +354,9 @@ def test_reconstruction_kept_on_the_host() -> None:
 # -- compiled for a GPU --------------------------------------------------------------------------
 
 # Compiles every kernel (each variant that changes its arithmetic) for an H100/H200 (sm_90) and
-# reports, per kernel, the PTX's fused multiply-adds and its division and square root
-# instructions. Needs no GPU: Triton and its ptxas compile for a target given.
+# reports, per kernel, the PTX's fused multiply-adds, its division and square root instructions
+# and those that flush subnormals to zero. Needs no GPU: Triton and its ptxas compile for a
+# target given.
 COMPILE = r"""
 import json, re
 import triton
@@ -384,7 +385,8 @@ def ptx(fn, types, **constants):
                             target=GPUTarget("cuda", 90, 32), options=g._launch_options())
     code = kernel.asm["ptx"]
     return {"fma": len(re.findall(r"\bfma\.", code)),
-            "ops": sorted(set(re.findall(r"\b(?:div|sqrt|rcp|rsqrt)\.[a-z0-9.]+", code)))}
+            "ops": sorted(set(re.findall(r"\b(?:div|sqrt|rcp|rsqrt)\.[a-z0-9.]+", code))),
+            "ftz": sorted(set(re.findall(r"\b[a-z0-9.]+\.ftz\.[a-z0-9.]+", code)))}
 
 
 out = {}
@@ -404,9 +406,9 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
-    """Compiled for sm_90 (no GPU needed), the kernels hold no fused multiply-add and only
-    correctly rounded division and square root: what bit identity on the device needs, and
-    what the interpreter cannot show."""
+    """Compiled for sm_90 (no GPU needed), the kernels hold no fused multiply-add, only
+    correctly rounded division and square root, and flush no subnormal but where it cannot
+    matter: what bit identity on the device needs, and what the interpreter cannot show."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
@@ -418,6 +420,8 @@ def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
         assert code["fma"] == 0, f"{name}: {code['fma']} fused multiply-adds"
         floats = [op for op in code["ops"] if op.endswith(("f32", "f64"))]
         assert set(floats) <= {"div.rn.f32", "div.rn.f64", "sqrt.rn.f32"}, f"{name}: {floats}"
+        # floor flushes subnormal inputs: harmless for _rint's non-negative ones (floor is 0)
+        assert set(code["ftz"]) <= {"cvt.rmi.ftz.f32.f32"}, f"{name}: {code['ftz']}"
     assert "div.rn.f64" in kernels["encode ordinal=True scaled=False bf16=False"]["ops"]
     assert "sqrt.rn.f32" in kernels["decode scaled=True"]["ops"]
 
