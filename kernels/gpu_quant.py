@@ -367,24 +367,38 @@ def _launching() -> contextlib.AbstractContextManager:
 class DeviceStream:
     """A packed stream and its block statistics, still on the device: ``stream[:length]`` is
     the stream (``length`` a 0-d int64 tensor, so that reading it is the caller's choice of
-    synchronisation point), ``stats`` the ``float64[n_blocks, N_STATS]`` statistics."""
+    synchronisation point), ``stats`` the ``float64[n_blocks, N_STATS]`` statistics; ``done``
+    (on a GPU) is recorded on the stream the work was queued on, after all of it."""
 
     stream: torch.Tensor
     length: torch.Tensor
     stats: torch.Tensor
+    done: torch.cuda.Event | None
 
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
-        """The stream (uint8) and statistics as host arrays: waits for the kernels, copies only
-        the stream's own bytes."""
+        """The stream (uint8) and statistics as host arrays: waits for the work (from any
+        thread or stream), then copies only the stream's own bytes."""
+        if self.done is not None:
+            self.done.synchronize()
         length = int(self.length)
         return self.stream[:length].cpu().numpy(), self.stats.cpu().numpy()
+
+
+def _done(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on ``device``'s current stream (None off a GPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                      ordinal: bool, step: float | int, block: int, dither: int | None = None,
                      first: int = 0, scale: torch.Tensor | None = None,
                      eps: float = 0.0) -> DeviceStream:
-    """:func:`deltackpt.kernels.quant.encode_block_stream` on ``x``'s device, without waiting.
+    """:func:`deltackpt.kernels.quant.encode_block_stream` on ``x``'s device, queued on its
+    current stream without waiting (the caller orders it after the work that writes ``x``).
 
     ``x`` is float32, bfloat16 or float16 (its values exactly as float32);
     ``pred``, ``out`` and ``scale`` are float32, ``out`` may be ``pred``
@@ -417,7 +431,8 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     stats = torch.empty((n_blocks, N_STATS), dtype=torch.float64, device=device)
     stream = torch.empty(n_blocks + 2 * n, dtype=torch.uint8, device=device)
     if n == 0:
-        return DeviceStream(stream, torch.zeros((), dtype=torch.int64, device=device), stats)
+        return DeviceStream(stream, torch.zeros((), dtype=torch.int64, device=device), stats,
+                            _done(device))
     sym = torch.empty(n, dtype=torch.uint16, device=device)
     widths = torch.empty(n_blocks, dtype=torch.uint8, device=device)
     lengths = torch.empty(n_blocks, dtype=torch.int64, device=device)
@@ -437,7 +452,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
             BYTES=2 * cols, **_launch_options())
     if out_on is not out:
         out.copy_(out_on, non_blocking=True)
-    return DeviceStream(stream, ends[-1], stats)
+    return DeviceStream(stream, ends[-1], stats, _done(device))
 
 
 def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
