@@ -249,6 +249,20 @@ def test_extreme_steps(ordinal: bool, step: float | int, dither: int | None) -> 
     _assert_same_coding(numba, triton, n, block, ordinal)
 
 
+@pytest.mark.parametrize("ordinal", [False, True])
+def test_dither_index_wraps_at_2_32(ordinal: bool) -> None:
+    """Element indices past 2**32 in a huge tensor: the dither hashes ``index mod 2**32``, in
+    a chunk that crosses the wrap."""
+    x, pred = _values(600, 21), _near(_values(600, 21), 21)
+    kwargs = {"ordinal": ordinal, "step": _step(ordinal, True), "block": 64,
+              "dither": 2**32 - 1, "first": 2**32 - 300}
+    numba, triton = _encode_both(_tensor(x), pred, **kwargs)
+    _assert_same_coding(numba, triton, 600, 64, ordinal)
+    out = _tensor(pred)
+    gpu.decode_block_stream(numba[0], out, out, **kwargs)
+    np.testing.assert_array_equal(_bits(out), _bits(numba[2]))
+
+
 def test_scaled_steps_that_underflow_or_overflow() -> None:
     """Scales of 0 with a step * eps that underflows (a quotient 0 / 0: BAD), huge scales and
     infinities (steps of inf)."""
