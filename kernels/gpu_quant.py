@@ -20,19 +20,25 @@ the device, with no host synchronisation between them:
    columns (several blocks per program for small blocks, a loop over
    columns for blocks over 1024 elements), loads coalesced along a block.
    It quantizes, writes the reconstruction (in place into the prediction
-   buffer when they are one), the zigzag symbols (uint16, one per element),
-   each block's width and byte length and the block statistics (the
-   ``STAT_*`` columns of the Numba kernel).
+   buffer when they are one), each block's width and byte length, the block
+   statistics (the ``STAT_*`` columns of the Numba kernel) and the symbols:
+   a block of at most 1024 elements (the default block) is one tile, whose
+   symbols the kernel packs in registers into the block's slot (eight
+   symbols make ``width`` bytes: byte ``k`` of every group of eight at a
+   time); a larger block's zigzag symbols go to device memory (uint16).
 2. ``torch.cumsum`` of the byte lengths: each block's offset in the stream.
 3. ``_pack_kernel``: on the same tiles, writes each block's width byte and
-   its packed bits; each output byte gathers the (at most ``7 // width + 2``)
+   its packed bits from its offset: copied from its slot, or packed from
+   the symbols, each output byte gathering the (at most ``7 // width + 2``)
    symbols whose bits it holds.
 
 The stream is packed on the device, so only the compressed stream and the
 statistics cross PCIe (:func:`encode_block_stream` reads its length, the one
-synchronisation, then copies exactly that many bytes); the symbols make one
-round trip through device memory (2 bytes an element each way), cheaper
-than copying them to the host to pack there.
+synchronisation, then copies exactly that many bytes). Device memory
+traffic of an encode against a prediction: 12 bytes an element (read ``x``
+and the prediction, write the reconstruction) and three times the packed
+bytes (``width / 8`` an element); 4 more for blocks over 1024 elements (the
+symbols written and read back).
 
 ``_decode_kernel`` decodes one stream, or the streams of consecutive steps
 of a chunk (the end of a restore chain): a tile's running values stay in
@@ -145,13 +151,15 @@ def _element_step(step_f, scale, eps):
 # -- kernels -------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["n", "n_blocks", "first", "seed", "step_f", "step_i", "eps"])
-def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, lengths_ptr,
+def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, lengths_ptr,
                    stats_ptr, n, n_blocks, first, seed, step_f, step_i, eps,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                    ORDINAL: tl.constexpr, USE_PRED: tl.constexpr, DITHERED: tl.constexpr,
-                   SCALED: tl.constexpr, X_BF16: tl.constexpr):
-    """Quantize blocks ``pid * ROWS ...`` of ``x``: symbols, reconstruction, widths, byte lengths
-    and statistics, as ``kernels.quant._make_encoder``'s loop."""
+                   SCALED: tl.constexpr, X_BF16: tl.constexpr, FUSED: tl.constexpr):
+    """Quantize blocks ``pid * ROWS ...`` of ``x``: reconstruction, widths, byte lengths and
+    statistics, as ``kernels.quant._make_encoder``'s loop, and the symbols: ``FUSED`` (a block
+    is one tile), each block's packed bytes from ``packed[b * 2 * BLOCK]``; else the zigzag
+    symbols (uint16) at ``packed[i]``, for ``_pack_kernel`` to pack."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_blocks
     step_k = step_i.to(tl.float64)
@@ -164,6 +172,8 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
     sum_sq = tl.zeros([ROWS], tl.float64)
     nonzero = tl.zeros([ROWS], tl.int32)
     clipped = tl.zeros([ROWS], tl.int32)
+    if FUSED:
+        tile = tl.zeros([ROWS, COLS], tl.int32)
     for c0 in range(0, BLOCK, COLS):
         cols = c0 + tl.arange(0, COLS)
         idx = rows[:, None] * BLOCK + cols[None, :]
@@ -200,7 +210,10 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
             ok &= _finite(s)
         tl.store(out_ptr + idx, s, mask=valid)
         z = tl.where(valid, (q << 1) ^ (q >> 31), 0)
-        tl.store(sym_ptr + idx, z.to(tl.uint16), mask=valid)
+        if FUSED:  # the block's symbols stay in registers, packed below
+            tile = z
+        else:
+            tl.store(packed_ptr + idx, z.to(tl.uint16), mask=valid)
         bad += tl.sum((valid & ~ok).to(tl.int32), axis=1)
         zmax = tl.maximum(zmax, tl.max(tl.where(ok, z, 0), axis=1))
         err = tl.where(valid, s - x, 0.0)
@@ -222,6 +235,18 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
     count = tl.minimum(n - rows * BLOCK, BLOCK)
     tl.store(widths_ptr + rows, width.to(tl.uint8), mask=row_ok)
     tl.store(lengths_ptr + rows, (count * width + 7) // 8, mask=row_ok)
+    if FUSED:  # eight symbols make ``width`` bytes: byte k of each group of eight in turn
+        n_bytes = ((count * width + 7) // 8).to(tl.int32)[:, None]
+        groups = tl.reshape(tile, [ROWS, COLS // 8, 8])
+        w3 = width[:, None, None]
+        at = tl.arange(0, 8)[None, None, :] * w3  # each symbol's first bit in its group
+        first_byte = tl.arange(0, COLS // 8)[None, :] * width[:, None]
+        for k in range(0, tl.max(width)):
+            shift = at - 8 * k
+            byte = tl.sum(_byte_part(groups, shift, (shift > -w3) & (shift < 8)), axis=2)
+            pos = first_byte + k
+            tl.store(packed_ptr + rows[:, None] * (2 * BLOCK) + pos, byte.to(tl.uint8),
+                     mask=(k < width[:, None]) & (pos < n_bytes))
     row = stats_ptr + rows * 7
     tl.store(row + 0, max_abs.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
     tl.store(row + 1, max_rel.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
@@ -232,12 +257,23 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, sym_ptr, widths_ptr, len
     tl.store(row + 6, bad.to(tl.float64), mask=row_ok)
 
 
+@triton.jit
+def _byte_part(z, shift, take):
+    """The bits of symbols ``z`` in an output byte, a symbol's bit 0 falling at bit ``shift`` of
+    the byte (in ``(-width, 8)``); 0 where not ``take``. Symbols' bits are disjoint: a byte is
+    the sum of its parts."""
+    part = tl.where(shift >= 0, z << tl.maximum(shift, 0), z >> tl.maximum(-shift, 0))
+    return tl.where(take, part & 0xFF, 0)
+
+
 @triton.jit(do_not_specialize=["n", "n_blocks"])
-def _pack_kernel(sym_ptr, widths_ptr, offsets_ptr, stream_ptr, n, n_blocks, BLOCK: tl.constexpr,
-                 ROWS: tl.constexpr, BYTES: tl.constexpr):
-    """Blocks ``pid * ROWS ...``: each one's width byte and its symbols packed LSB first at its
-    width from its offset. Output byte ``i`` ORs the bits of the symbols ``8i // w ...`` (at
-    most ``7 // w + 2``) that overlap it."""
+def _pack_kernel(packed_ptr, widths_ptr, offsets_ptr, stream_ptr, n, n_blocks,
+                 BLOCK: tl.constexpr, ROWS: tl.constexpr, BYTES: tl.constexpr,
+                 FUSED: tl.constexpr):
+    """Blocks ``pid * ROWS ...``: each one's width byte and packed symbols, written to the
+    stream from its offset. ``FUSED``: copied from where ``_encode_kernel`` packed them; else
+    packed here from its zigzag symbols, LSB first at the block's width: output byte ``i`` ORs
+    the bits of the symbols ``8i // w ...`` (at most ``7 // w + 2``) that overlap it."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_blocks
     w = tl.load(widths_ptr + rows, mask=row_ok, other=0).to(tl.int32)
@@ -250,16 +286,16 @@ def _pack_kernel(sym_ptr, widths_ptr, offsets_ptr, stream_ptr, n, n_blocks, BLOC
     for i0 in range(0, tl.max(n_bytes), BYTES):
         i = i0 + tl.arange(0, BYTES)[None, :]
         inside = i < n_bytes[:, None]
-        bit0 = i * 8
-        j0 = bit0 // w1
-        byte = tl.zeros([ROWS, BYTES], tl.int32)
-        for t in range(0, overlaps):
-            j = j0 + t
-            shift = j * w1 - bit0  # where symbol j's bit 0 falls in byte i: in (-w, 8)
-            take = inside & (j < count[:, None]) & (shift < 8)
-            z = tl.load(sym_ptr + rows[:, None] * BLOCK + j, mask=take, other=0).to(tl.int32)
-            part = tl.where(shift >= 0, z << tl.maximum(shift, 0), z >> tl.maximum(-shift, 0))
-            byte |= tl.where(take, part & 0xFF, 0)
+        if FUSED:
+            byte = tl.load(packed_ptr + rows[:, None] * (2 * BLOCK) + i, mask=inside, other=0)
+        else:
+            j0 = i * 8 // w1
+            byte = tl.zeros([ROWS, BYTES], tl.int32)
+            for t in range(0, overlaps):
+                j = j0 + t
+                take = inside & (j < count[:, None])
+                z = tl.load(packed_ptr + rows[:, None] * BLOCK + j, mask=take, other=0)
+                byte |= _byte_part(z.to(tl.int32), j * w1 - i * 8, take)
         tl.store(stream_ptr + pos[:, None] + i, byte.to(tl.uint8), mask=inside)
 
 
@@ -433,7 +469,9 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     if n == 0:
         return DeviceStream(stream, torch.zeros((), dtype=torch.int64, device=device), stats,
                             _done(device))
-    sym = torch.empty(n, dtype=torch.uint16, device=device)
+    fused = block <= _TILE  # a block is one tile: packed in the encoder
+    packed = torch.empty(n_blocks * 2 * block, dtype=torch.uint8, device=device) if fused \
+        else torch.empty(n, dtype=torch.uint16, device=device)
     widths = torch.empty(n_blocks, dtype=torch.uint8, device=device)
     lengths = torch.empty(n_blocks, dtype=torch.int64, device=device)
     rows, cols = _tile(block)
@@ -441,15 +479,15 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
         bf16 = x.dtype == torch.bfloat16
         _encode_kernel[(triton.cdiv(n_blocks, rows),)](
             x.view(torch.int16) if bf16 else x, out_on if pred_on is None else pred_on, out_on,
-            x if scale_on is None else scale_on, sym, widths,
+            x if scale_on is None else scale_on, packed, widths,
             lengths, stats, n, n_blocks, first, int(seed) & 0xFFFFFFFF, float(step_f),
             int(step_i), float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
             ORDINAL=ordinal, USE_PRED=pred is not None, DITHERED=bool(seed >= 0),
-            SCALED=scale is not None, X_BF16=bf16, **_launch_options())
+            SCALED=scale is not None, X_BF16=bf16, FUSED=fused, **_launch_options())
         ends = torch.cumsum(lengths, 0) + n_blocks
         _pack_kernel[(triton.cdiv(n_blocks, rows),)](
-            sym, widths, ends - lengths, stream, n, n_blocks, BLOCK=block, ROWS=rows,
-            BYTES=2 * cols, **_launch_options())
+            packed, widths, ends - lengths, stream, n, n_blocks, BLOCK=block, ROWS=rows,
+            BYTES=2 * cols, FUSED=fused, **_launch_options())
     if out_on is not out:
         out.copy_(out_on, non_blocking=True)
     return DeviceStream(stream, ends[-1], stats, _done(device))

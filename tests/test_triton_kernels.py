@@ -379,10 +379,10 @@ from triton.compiler import ASTSource
 from deltackpt.kernels import gpu_quant as g
 
 ENCODE = {"x_ptr": "*fp32", "pred_ptr": "*fp32", "out_ptr": "*fp32", "scale_ptr": "*fp32",
-          "sym_ptr": "*u16", "widths_ptr": "*u8", "lengths_ptr": "*i64", "stats_ptr": "*fp64",
+          "packed_ptr": "*u8", "widths_ptr": "*u8", "lengths_ptr": "*i64", "stats_ptr": "*fp64",
           "n": "i64", "n_blocks": "i64", "first": "i64", "seed": "u32", "step_f": "fp32",
           "step_i": "i32", "eps": "fp32"}
-PACK = {"sym_ptr": "*u16", "widths_ptr": "*u8", "offsets_ptr": "*i64", "stream_ptr": "*u8",
+PACK = {"packed_ptr": "*u8", "widths_ptr": "*u8", "offsets_ptr": "*i64", "stream_ptr": "*u8",
         "n": "i64", "n_blocks": "i64"}
 DECODE = {"streams_ptr": "*u8", "bounds_ptr": "*i64", "offsets_ptr": "*i64",
           "ordinal_ptr": "*i32", "step_f_ptr": "*fp32", "step_i_ptr": "*i64",
@@ -392,7 +392,9 @@ DECODE = {"streams_ptr": "*u8", "bounds_ptr": "*i64", "offsets_ptr": "*i64",
 
 def ptx(fn, types, **constants):
     rows, cols = g._tile(constants["BLOCK"])
-    constants = {"ROWS": rows, "COLS": cols, "BYTES": 2 * cols, **constants}
+    fused = constants["BLOCK"] <= g._TILE
+    types = types if fused else {**types, "packed_ptr": "*u16"}
+    constants = {"ROWS": rows, "COLS": cols, "BYTES": 2 * cols, "FUSED": fused, **constants}
     constants = {k: v for k, v in constants.items() if k in fn.arg_names}
     signature = {**types, **{k: "constexpr" for k in constants}}
     kernel = triton.compile(ASTSource(fn, signature, constants),
@@ -411,7 +413,8 @@ for ordinal, pred, dither, scaled, bf16, block in [
     out[f"encode ordinal={ordinal} scaled={scaled} bf16={bf16}"] = ptx(
         g._encode_kernel, types, BLOCK=block, ORDINAL=ordinal, USE_PRED=pred,
         DITHERED=dither, SCALED=scaled, X_BF16=bf16)
-out["pack"] = ptx(g._pack_kernel, PACK, BLOCK=1024)
+for block in (1024, 3000):
+    out[f"pack block={block}"] = ptx(g._pack_kernel, PACK, BLOCK=block)
 for scaled in (False, True):
     out[f"decode scaled={scaled}"] = ptx(g._decode_kernel, DECODE, BLOCK=64, ZERO_START=scaled,
                                          SCALED=scaled)
@@ -429,7 +432,7 @@ def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(done.stdout.splitlines()[-1])
-    assert len(kernels) == 7
+    assert len(kernels) == 8
     for name, code in kernels.items():
         assert code["fma"] == 0, f"{name}: {code['fma']} fused multiply-adds"
         floats = [op for op in code["ops"] if op.endswith(("f32", "f64"))]
