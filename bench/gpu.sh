@@ -212,6 +212,8 @@ print(f"state {nbytes / 2**30:.1f} GiB; pinned device-to-host copy alone: {t_pin
       f"({nbytes / t_pin / 1e9:.1f} GB/s)")
 del pinned
 root = tempfile.mkdtemp(prefix="deltackpt-gpu-")
+base = torch.cuda.memory_allocated()
+torch.cuda.reset_peak_memory_stats()
 try:
     with CheckpointManager(os.path.join(root, "deltackpt"), full_every=10) as mgr:
         for step in range(3):
@@ -225,6 +227,9 @@ try:
             print(f"deltackpt save(blocking=False) step {step} ({mgr.metadata(step).kind}): caller "
                   f"blocked {stall:.2f} s ({stall / t_pin:.2f}x the pinned copy), then "
                   f"{time.perf_counter() - t0:.2f} s to commit; {str(info)[:300]}")
+        print(f"device memory the manager holds between saves (its reconstruction on the device): "
+              f"{(torch.cuda.memory_allocated() - base) / 2**30:.2f} GiB, peak during saves "
+              f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB above the training state")
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 

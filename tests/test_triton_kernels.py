@@ -355,10 +355,11 @@ def test_reconstruction_kept_on_the_host() -> None:
     x = _values(n, 12)
     pred = _near(x, 12)
     expected = pred.copy()
-    stream, stats = encode_block_stream(x, expected, expected, ordinal=False, step=0.01,
+    step = _step(False, True)
+    stream, stats = encode_block_stream(x, expected, expected, ordinal=False, step=step,
                                         block=1024, dither=1)
     host = torch.from_numpy(pred.copy()).pin_memory()
-    stream2, stats2 = gpu.encode_block_stream(_tensor(x), host, host, ordinal=False, step=0.01,
+    stream2, stats2 = gpu.encode_block_stream(_tensor(x), host, host, ordinal=False, step=step,
                                               block=1024, dither=1)
     np.testing.assert_array_equal(stream2, stream)
     np.testing.assert_array_equal(stats2[:, STAT_MAX_ABS], stats[:, STAT_MAX_ABS])
@@ -450,6 +451,26 @@ def test_kernels_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="DELTACKPT_KERNELS='cuda'"):
         quant_codec.encode_quant(np.ones(64, np.float32), None, np.empty(64, np.float32),
                                  ordinal=False, step=0.5, block=64)
+
+
+@pytest.mark.parametrize("switch", ["auto", "triton"])
+def test_codec_takes_tensors(switch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_quant and decode_quant take CPU tensors (Numba codes them, or Triton with the
+    switch) as numpy arrays: the same chunk, the same reconstruction, updated in place."""
+    monkeypatch.setenv(quant_codec.KERNELS_ENV, switch)
+    rng = np.random.default_rng(30)
+    x = rng.standard_normal(700).astype(np.float32)
+    pred = (x + 0.05 * rng.standard_normal(700)).astype(np.float32)
+    kwargs = {"ordinal": False, "step": _step(False, True), "block": 64, "dither": 5, "first": 64}
+    expected = pred.copy()
+    chunk, _ = quant_codec.encode_quant(x, expected, expected, **kwargs)
+    recon = torch.from_numpy(pred.copy())
+    got, _ = quant_codec.encode_quant(torch.from_numpy(x), recon, recon, **kwargs)
+    assert got.params == chunk.params and bytes(got.parts[0]) == bytes(chunk.parts[0])
+    np.testing.assert_array_equal(_bits(recon), _bits(expected))
+    decoded = torch.from_numpy(pred.copy())
+    quant_codec.decode_quant(memoryview(chunk.parts[0]), chunk.params, decoded, decoded, 64)
+    np.testing.assert_array_equal(_bits(decoded), _bits(expected))
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
