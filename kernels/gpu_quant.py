@@ -150,6 +150,15 @@ def _element_step(step_f, scale, eps):
 
 # -- kernels -------------------------------------------------------------------------------
 
+@triton.jit
+def _byte_part(z, shift, take):
+    """The bits of symbols ``z`` in an output byte, a symbol's bit 0 falling at bit ``shift`` of
+    the byte (in ``(-width, 8)``); 0 where not ``take``. Symbols' bits are disjoint: a byte is
+    the sum of its parts."""
+    part = tl.where(shift >= 0, z << tl.maximum(shift, 0), z >> tl.maximum(-shift, 0))
+    return tl.where(take, part & 0xFF, 0)
+
+
 @triton.jit(do_not_specialize=["n", "n_blocks", "first", "seed", "step_f", "step_i", "eps"])
 def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, lengths_ptr,
                    stats_ptr, n, n_blocks, first, seed, step_f, step_i, eps,
@@ -255,15 +264,6 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
     tl.store(row + 4, nonzero.to(tl.float64), mask=row_ok)
     tl.store(row + 5, clipped.to(tl.float64), mask=row_ok)
     tl.store(row + 6, bad.to(tl.float64), mask=row_ok)
-
-
-@triton.jit
-def _byte_part(z, shift, take):
-    """The bits of symbols ``z`` in an output byte, a symbol's bit 0 falling at bit ``shift`` of
-    the byte (in ``(-width, 8)``); 0 where not ``take``. Symbols' bits are disjoint: a byte is
-    the sum of its parts."""
-    part = tl.where(shift >= 0, z << tl.maximum(shift, 0), z >> tl.maximum(-shift, 0))
-    return tl.where(take, part & 0xFF, 0)
 
 
 @triton.jit(do_not_specialize=["n", "n_blocks"])
