@@ -31,6 +31,10 @@ in a block-sized buffer through every step and are written once, instead of
 one pass over the whole state per step. The ``numpy_*`` functions are the
 executable spec the tests hold the kernels to, bit for bit.
 
+The arithmetic is FORMAT.md 3.2's *Decode arithmetic*, defined there once;
+:mod:`deltackpt.kernels.gpu_quant` implements it again in Triton, for CUDA
+tensors, and the tests hold the two to the same bits.
+
 Every kernel is serial and releases the GIL: a save or restore runs one
 chunk (a few MB) per task on its thread pool, so chunks are coded in
 parallel on every core. Parallelism across chunks needs no synchronisation
@@ -397,6 +401,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 else:
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
                     qf32 = np.rint(np.float32(np.float32(r32 / st) + u))
+                    ok &= qf32 == qf32  # NaN (0 / 0: a scaled step that underflows) has no symbol
                     q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
                 s = _reconstruct(p, q, ordinal, st, step_k, u)
                 if not ordinal:  # a linear reconstruction can overflow, with absurd steps

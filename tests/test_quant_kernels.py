@@ -573,6 +573,20 @@ def test_linear_reconstruction_that_would_overflow_is_bad() -> None:
     assert stats[0, STAT_BAD] == 1
 
 
+def test_scaled_step_that_underflows_is_bad() -> None:
+    """A scaled step that underflows to 0 makes a zero residual's quotient 0 / 0 = NaN: the
+    element has no symbol and its block is bad, other blocks code normally. (The NaN used to
+    become a 32-bit symbol: a width of 32 that overran the block's slot.)"""
+    x = np.zeros(16, np.float32)
+    scale = np.ones(16, np.float32)
+    scale[:8] = 0.0  # step * (0 + eps) = 1e-30 * 1e-30: 0 in float32
+    step = eps = float(np.float32(1e-30))
+    stream, stats = encode_block_stream(x, None, np.empty(16, np.float32), ordinal=False, step=step,
+                                        block=8, scale=scale, eps=eps)
+    assert stats[:, STAT_BAD].tolist() == [8, 0]
+    assert stream.tolist() == [0, 0]
+
+
 # -- 6. non-finite inputs -----------------------------------------------------------------
 
 NONFINITE_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFFFFFFFF, 0x7F800000, 0xFF800000]

@@ -12,12 +12,24 @@ reconstruction rounded to its dtype.
 :func:`decode_quant` decodes one chunk; a restore chain checks each step's
 chunk with :func:`quant_stream` and applies all of them at once with
 :func:`apply_quant_streams`.
+
+Kernels: arrays (``x``, ``out``) that are CUDA tensors are coded on their
+device by the Triton kernels of :mod:`deltackpt.kernels.gpu_quant`, host
+arrays (numpy, or CPU tensors) by the Numba kernels of
+:mod:`deltackpt.kernels.quant`; both follow FORMAT.md 3.2's arithmetic and
+give the same bytes. The environment variable ``DELTACKPT_KERNELS=triton``
+routes host arrays through the Triton kernels too, which then run in
+Triton's interpreter (set ``TRITON_INTERPRET=1`` too, before triton is
+imported): how the tests code a whole step through them on a machine
+without a GPU. ``auto`` (the default) is the rule above.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -25,7 +37,7 @@ import zstandard
 
 from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
-from deltackpt.errors import CorruptionError, FormatError
+from deltackpt.errors import ConfigError, CorruptionError, FormatError
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -39,6 +51,34 @@ from deltackpt.kernels.quant import (
 
 NAME = "quant"
 PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "scale", "eps"})
+KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
+
+
+def _triton_kernels(*arrays: Any) -> ModuleType | None:
+    """:mod:`deltackpt.kernels.gpu_quant` when it codes ``arrays`` (one is a CUDA tensor, or
+    ``DELTACKPT_KERNELS=triton``), else None: the Numba kernels."""
+    choice = os.environ.get(KERNELS_ENV, "auto")
+    if choice not in ("auto", "triton"):
+        raise ConfigError(f"{KERNELS_ENV}={choice!r}: expected 'auto' or 'triton'")
+    if choice == "auto" and not any(getattr(a, "is_cuda", False) for a in arrays):
+        return None
+    from deltackpt.kernels import gpu_quant  # imports triton: only where it is used
+
+    return gpu_quant
+
+
+def _tensor(a: Any) -> Any:
+    """``a`` as a torch tensor for the Triton kernels (a numpy array shares its memory)."""
+    if a is None or not isinstance(a, np.ndarray):
+        return a
+    import torch
+
+    return torch.from_numpy(np.require(a, requirements="W"))  # read-only arrays: a copy
+
+
+def _array(a: Any) -> Any:
+    """``a`` as a numpy array for the Numba kernels (a CPU tensor shares its memory)."""
+    return a if a is None or isinstance(a, np.ndarray) else a.numpy()
 
 
 def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, ordinal: bool,
@@ -46,7 +86,9 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
                  scale: Scale | None = None) -> tuple[EncodedChunk | None, np.ndarray]:
     """Quantize float32 ``x`` against ``pred`` (or zero), writing the reconstruction to ``recon``;
     dithered with seed ``dither`` (``first``: index of the chunk's first element in its tensor),
-    or with steps scaled element by element by ``scale``.
+    or with steps scaled element by element by ``scale``. Arrays are numpy arrays or torch
+    tensors; CUDA tensors are coded on their device (module docstring), where ``x`` may also
+    be bfloat16 or float16, and ``recon`` stays (or, given on the host, is copied back).
 
     Returns the chunk and its per-block statistics (``kernels.quant.STAT_*``),
     or ``None`` for the chunk when an element cannot be coded within half a
@@ -54,9 +96,17 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     e.g. a sign flip in the ordinal domain); ``recon`` then holds garbage
     and the caller stores ``x`` exactly.
     """
-    stream, stats = encode_block_stream(
-        x, pred, recon, ordinal=ordinal, step=step, block=block, dither=dither, first=first,
-        scale=None if scale is None else scale.values, eps=0.0 if scale is None else scale.eps)
+    values = None if scale is None else scale.values
+    gpu = _triton_kernels(x, recon)
+    if gpu is None:
+        x, pred, recon, values = (_array(a) for a in (x, pred, recon, values))
+        encode = encode_block_stream
+    else:
+        x, pred, recon, values = (_tensor(a) for a in (x, pred, recon, values))
+        encode = gpu.encode_block_stream
+    stream, stats = encode(x, pred, recon, ordinal=ordinal, step=step, block=block,
+                           dither=dither, first=first, scale=values,
+                           eps=0.0 if scale is None else scale.eps)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     params = {"domain": "ordinal" if ordinal else "linear",
@@ -71,10 +121,11 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
 @dataclass(frozen=True)
 class Scale:
     """The per-element scale of a quant chunk (FORMAT.md 3.2): the decoded ``values`` of the
-    elements of tensor ``tensor`` in the same step, and ``eps`` (a positive float32 value)."""
+    elements of tensor ``tensor`` in the same step (an array as the chunk's), and ``eps`` (a
+    positive float32 value)."""
 
     tensor: str
-    values: np.ndarray
+    values: Any
     eps: float
 
 
@@ -147,17 +198,20 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
                  out: np.ndarray, first: int, scale: np.ndarray | None = None) -> None:
     """Decode a quant chunk into float32 ``out`` (may be ``pred``: updated in place);
     ``first`` is the index of the chunk's first element in its tensor, ``scale`` the values of
-    the same elements of the tensor the chunk's ``scale`` param names."""
+    the same elements of the tensor the chunk's ``scale`` param names. Arrays as
+    :func:`encode_quant`'s: a CUDA ``out`` is decoded on its device."""
     stream = quant_stream(stored, params, out.shape[0])
     if stream.with_base and pred is None:
         raise FormatError("quant chunk is coded against its base step, which was not given")
     if (stream.eps is None) != (scale is None):
         raise FormatError("quant chunk is scaled by another tensor, whose values were not given"
                           if scale is None else "quant chunk has no scale, yet one was given")
-    decode_block_stream(stream.data, pred if stream.with_base else None, out,
-                        ordinal=stream.ordinal, step=stream.step, block=stream.block,
-                        dither=stream.dither, first=first, scale=scale,
-                        eps=stream.eps or 0.0)
+    gpu = _triton_kernels(out)
+    convert, decode = (_array, decode_block_stream) if gpu is None else \
+        (_tensor, gpu.decode_block_stream)
+    decode(stream.data, convert(pred) if stream.with_base else None, convert(out),
+           ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
+           first=first, scale=convert(scale), eps=stream.eps or 0.0)
 
 
 def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:
@@ -167,17 +221,20 @@ def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: i
     ``values`` (float32) holds the running values before the first step
     (unused when that step predicts from zero) and is updated in place: the
     result is bit for bit that of :func:`decode_quant` once per step. Runs of
-    steps with one block size are decoded in a single pass.
+    steps with one block size are decoded in a single pass (on the device of a
+    CUDA ``values``).
     """
+    gpu = _triton_kernels(values)
+    values, decode = (_array(values), decode_step_streams) if gpu is None else \
+        (_tensor(values), gpu.decode_step_streams)
     start = 0
     for i in range(1, len(streams) + 1):
         if i == len(streams) or streams[i].block != streams[start].block \
                 or not streams[i].with_base:
             run = streams[start:i]
-            decode_step_streams([s.data for s in run], values, ordinal=[s.ordinal for s in run],
-                                steps=[s.step for s in run], block=run[0].block,
-                                zero_start=not run[0].with_base,
-                                dithers=[s.dither for s in run], first=first)
+            decode([s.data for s in run], values, ordinal=[s.ordinal for s in run],
+                   steps=[s.step for s in run], block=run[0].block,
+                   zero_start=not run[0].with_base, dithers=[s.dither for s in run], first=first)
             start = i
 
 

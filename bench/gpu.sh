@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# The GPU checks of deltackpt, in one run on a machine with an NVIDIA GPU (about 5-10 minutes):
+#
+#  1. the environment: $PYTHON if it imports torch with CUDA and triton, else a virtual
+#     environment (.venv-gpu) with torch==$TORCH_VERSION (PyPI's Linux wheels are CUDA builds),
+#     triton==3.9.0 and this package with its dev extras;
+#  2. tests/test_triton_kernels.py compiled on the GPU, not in the interpreter: the Triton
+#     kernels against the Numba ones on the same data, bit for bit, on CUDA tensors;
+#  3. the Triton encode and decode timed against a device-to-device copy of the same bytes
+#     (goal: at least 0.5x the copy's bandwidth), medians of CUDA-event timings;
+#  4. where CheckpointManager.save has a `blocking` parameter (asynchronous saves): the time the
+#     caller is blocked by an async save of a >= 1B-parameter model with Adam on the GPU, beside
+#     the pinned device-to-host copy of the same state alone and torch's dcp.async_save.
+#
+# Figures go to stdout and, when $OUT is set, to $OUT/gpu.txt, with the date and the GPU.
+# Usage: bench/gpu.sh   (env: PYTHON, TORCH_VERSION, GPU_BENCH_ELEMENTS, GPU_BENCH_PARAMS, OUT)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+report=${OUT:+$OUT/gpu.txt}
+if [ -n "$report" ]; then mkdir -p "$OUT" && : > "$report"; fi
+emit() { if [ -n "$report" ]; then tee -a "$report"; else cat; fi; }  # stdin to stdout and report
+log() { echo "$@" | emit; }
+
+log "deltackpt GPU bench, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+log "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not found')"
+
+# -- 1. environment ------------------------------------------------------------------------
+PYTHON=${PYTHON:-python3}
+ready() {
+    "$1" -c "import os, torch, triton, numba, deltackpt
+assert torch.cuda.is_available() or os.environ.get('GPU_BENCH_DRY_RUN')" 2>/dev/null
+}
+if ! ready "$PYTHON"; then
+    if [ ! -x .venv-gpu/bin/python ]; then
+        "$PYTHON" -m venv .venv-gpu
+        .venv-gpu/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}" "triton==3.9.0"
+        .venv-gpu/bin/pip install -q -e '.[dev]'
+    fi
+    PYTHON=.venv-gpu/bin/python
+    ready "$PYTHON" || { log "no usable environment: torch with CUDA, triton, deltackpt"; exit 1; }
+fi
+log "python: $("$PYTHON" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)')"
+
+# -- 2. bit identity on the GPU ---------------------------------------------------------------
+log "== tests/test_triton_kernels.py on the GPU (compiled, no interpreter)"
+set +e
+env -u TRITON_INTERPRET -u DELTACKPT_KERNELS timeout 300 "$PYTHON" -m pytest tests/test_triton_kernels.py \
+    -q -x -p no:cacheprovider 2>&1 | tail -n 40 | emit
+tests=${PIPESTATUS[0]}
+log "tests: exit status $tests"
+
+# -- 3 and 4. timings ----------------------------------------------------------------------------
+# GPU_BENCH_DRY_RUN=1: the kernel timings on the CPU, in the interpreter, on a few elements (a
+# check of this script on a machine without a GPU; its figures mean nothing).
+if [ -n "${GPU_BENCH_DRY_RUN:-}" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
+DELTACKPT_KERNELS= timeout 420 "$PYTHON" - <<'EOF' 2>&1 | emit
+import inspect
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from deltackpt.kernels import gpu_quant
+from deltackpt.kernels.quant import STAT_BAD
+
+dry_run = bool(os.environ.get("GPU_BENCH_DRY_RUN"))
+dev = torch.device("cpu" if dry_run else "cuda")
+n = int(os.environ.get("GPU_BENCH_ELEMENTS", 5000 if dry_run else 1 << 28))  # 1 GiB of float32
+block = 1024
+
+
+def timed(fn, rounds=7):
+    """Median seconds of ``fn()`` over ``rounds`` runs (after one warm-up), by CUDA events."""
+    fn()
+    if dry_run:
+        return statistics.median(timed_on_host(fn) for _ in range(2))
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
+
+
+def timed_on_host(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+print(f"== kernels: {n:,} float32 elements ({n * 4 / 2**30:.2f} GiB), block {block}")
+g = torch.Generator(device=dev).manual_seed(0)
+x = torch.randn(n, device=dev, generator=g) * 0.02
+pred = x + torch.randn(n, device=dev, generator=g) * 2e-4  # the last save's reconstruction
+v = (torch.rand(n, device=dev, generator=g) * 1e-3) ** 2  # Adam's exp_avg_sq
+m = v.sqrt() * torch.randn(n, device=dev, generator=g) * 0.3  # and exp_avg
+copy_dst = torch.empty_like(x)
+t_copy = timed(lambda: copy_dst.copy_(x))
+print(f"device-to-device copy of x: {t_copy * 1e3:.2f} ms, {2 * n * 4 / t_copy / 1e9:.0f} GB/s "
+      "(read + write)")
+
+cases = {  # as the writer codes weights, exp_avg_sq and exp_avg
+    "weights (linear, pred, dither)": dict(x=x, pred=pred, ordinal=False, step=float(np.float32(1e-4)),
+                                           dither=1),
+    "exp_avg_sq (ordinal, pred)": dict(x=v, pred=v * 1.01, ordinal=True, step=1 << 16),
+    "exp_avg (linear, scaled)": dict(x=m, pred=None, ordinal=False,
+                                     step=float(np.float32(0.05)), scale=v,
+                                     eps=float(np.float32(1e-8))),
+}
+for name, case in cases.items():
+    case = dict(case)
+    xx, pp = case.pop("x"), case.pop("pred")
+    out = torch.empty_like(xx)
+    work = None if pp is None else pp.clone()
+
+    def encode():
+        if work is not None:
+            work.copy_(pp)  # the same prediction every round (timed apart, subtracted below)
+        return gpu_quant.encode_on_device(xx, work, work if work is not None else out,
+                                          block=block, **case)
+
+    t_reset = timed(lambda: work.copy_(pp)) if work is not None else 0.0
+    t_enc = timed(encode) - t_reset
+    enc = encode()
+    stream, stats = enc.to_host()
+    enc_recon = (work if work is not None else out).clone()
+    assert stats[:, STAT_BAD].sum() == 0
+    t_host = timed(lambda: encode().to_host()) - t_reset
+    recon = torch.empty_like(xx)
+    uploaded = gpu_quant.upload_streams([stream], n, block, dev)
+    decode = dict(ordinal=[case["ordinal"]], steps=[case["step"]], dithers=[case.get("dither")],
+                  zero_start=pp is None, pred=pp, scale=case.get("scale"), eps=case.get("eps", 0.0))
+    t_dec = timed(lambda: gpu_quant.apply_streams(uploaded, recon, **decode))
+    t_dec_host = timed(lambda: gpu_quant.decode_block_stream(stream, pp, recon, block=block,
+                                                             **case))
+    assert torch.equal(recon.view(torch.int32), enc_recon.view(torch.int32)), "decode differs"
+    print(f"{name}: stream {stream.nbytes / n:.2f} bytes/element; "
+          f"encode {t_enc * 1e3:.2f} ms ({t_copy / t_enc:.2f}x copy), "
+          f"+ stream to host {t_host * 1e3:.2f} ms ({t_copy / t_host:.2f}x); "
+          f"decode {t_dec * 1e3:.2f} ms ({t_copy / t_dec:.2f}x), "
+          f"from host bytes {t_dec_host * 1e3:.2f} ms ({t_copy / t_dec_host:.2f}x)")
+
+# the end of a restore chain: 5 consecutive steps' streams applied in one pass
+streams, running = [], pred.clone()
+for i in range(5):
+    target = running + torch.randn(n, device=dev, generator=g) * 2e-4
+    streams.append(gpu_quant.encode_block_stream(target, running, running, ordinal=False,
+                                                 step=float(np.float32(1e-4)), block=block)[0])
+chain_out = torch.empty_like(x)
+uploaded = gpu_quant.upload_streams(streams, n, block, dev)
+t_chain = timed(lambda: gpu_quant.apply_streams(
+    uploaded, chain_out, ordinal=[False] * 5, steps=[float(np.float32(1e-4))] * 5,
+    zero_start=False, pred=pred), rounds=5)
+print(f"chain decode of 5 uploaded steps: {t_chain * 1e3:.2f} ms ({t_copy / t_chain:.2f}x one copy)")
+assert torch.equal(chain_out.view(torch.int32), running.view(torch.int32)), "chain decode differs"
+del x, pred, v, m, copy_dst, streams, uploaded, running, chain_out
+if dry_run:
+    raise SystemExit(0)
+torch.cuda.empty_cache()
+
+# -- async save stall ------------------------------------------------------------------------
+from deltackpt import CheckpointManager  # noqa: E402
+
+if "blocking" not in inspect.signature(CheckpointManager.save).parameters:
+    print("== async save: skipped, CheckpointManager.save has no `blocking` parameter here")
+    raise SystemExit(0)
+params = int(os.environ.get("GPU_BENCH_PARAMS", 1_000_000_000))
+width = 8192
+layers = -(-params // (width * (width + 1)))
+print(f"== async save: {layers} x Linear({width}, {width}) = {layers * width * (width + 1):,} "
+      "fp32 parameters + Adam on the GPU")
+model = nn.Sequential(*(nn.Linear(width, width, device=dev) for _ in range(layers)))
+opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def train_step():
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+
+
+train_step()
+state = [t for t in [*model.parameters(), *(s for st in opt.state.values() for s in st.values()
+                                           if torch.is_tensor(s) and s.numel() > 1)]]
+nbytes = sum(t.numel() * t.element_size() for t in state)
+pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in state]
+side = torch.cuda.Stream()
+
+
+def pinned_copy():
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for dst, src in zip(pinned, state):
+            dst.copy_(src, non_blocking=True)
+    side.synchronize()
+
+
+pinned_copy()
+t0 = time.perf_counter()
+pinned_copy()
+t_pin = time.perf_counter() - t0
+print(f"state {nbytes / 2**30:.1f} GiB; pinned device-to-host copy alone: {t_pin:.2f} s "
+      f"({nbytes / t_pin / 1e9:.1f} GB/s)")
+del pinned
+root = tempfile.mkdtemp(prefix="deltackpt-gpu-")
+base = torch.cuda.memory_allocated()
+torch.cuda.reset_peak_memory_stats()
+try:
+    with CheckpointManager(os.path.join(root, "deltackpt"), full_every=10) as mgr:
+        for step in range(3):
+            train_step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            handle = mgr.save(step, model=model, optimizer=opt, blocking=False)
+            stall = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            info = handle.wait()
+            print(f"deltackpt save(blocking=False) step {step} ({mgr.metadata(step).kind}): caller "
+                  f"blocked {stall:.2f} s ({stall / t_pin:.2f}x the pinned copy), then "
+                  f"{time.perf_counter() - t0:.2f} s to commit; {str(info)[:300]}")
+        print(f"device memory the manager holds between saves (its reconstruction on the device): "
+              f"{(torch.cuda.memory_allocated() - base) / 2**30:.2f} GiB, peak during saves "
+              f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB above the training state")
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1,
+                                init_method=f"file://{os.path.join(root, 'pg')}")
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    for step in range(2):
+        train_step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        future = dcp.async_save(sd, checkpoint_id=os.path.join(root, f"dcp-{step}"))
+        stall = time.perf_counter() - t0
+        future.result()
+        print(f"dcp.async_save {step}: caller blocked {stall:.2f} s ({stall / t_pin:.2f}x the "
+              "pinned copy)")
+        shutil.rmtree(os.path.join(root, f"dcp-{step}"), ignore_errors=True)
+    dist.destroy_process_group()
+finally:
+    shutil.rmtree(root, ignore_errors=True)
+EOF
+timings=${PIPESTATUS[0]}
+set -e
+log "timings: exit status $timings; done $(date -u '+%H:%M:%S UTC')"
+[ "$tests" -eq 0 ] && [ "$timings" -eq 0 ]
