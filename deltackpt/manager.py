@@ -411,6 +411,8 @@ class CheckpointManager(CheckpointDirectory):
         """
         started = time.perf_counter()
         step = check_step(step)
+        if self._queue is not None:
+            self._queue.admit(step)
         if not (self.blocking if blocking is None else blocking):
             return self._save_async(step, model, optimizer, extra, rng=rng, overwrite=overwrite,
                                     progress=progress, started=started)
@@ -432,7 +434,6 @@ class CheckpointManager(CheckpointDirectory):
             self._queue = SaveQueue(self.max_in_flight)
         queue = self._queue
         queue.raise_failure()
-        queue.admit(step)
         self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
         buffers, waited = queue.snapshots.acquire()
         try:
