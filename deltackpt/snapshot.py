@@ -13,7 +13,7 @@ device kind changed), so saving allocates nothing of the state's size once
 running. A manager keeps at most ``max_in_flight`` sets (:class:`SnapshotPool`):
 its snapshot memory is bounded by that many copies of the state.
 
-CPU tensors are copied with ``Tensor.copy_``. CUDA tensors are copied into
+CPU tensors are copied with a plain memory copy. CUDA tensors are copied into
 pinned host buffers on a side stream of their device, after the training
 stream's pending work (an event recorded on the training stream, which the
 side stream waits for); the training stream in turn waits on the device
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltackpt.distributed import is_dtensor
@@ -56,6 +57,22 @@ class Snapshot:
 def _allocate(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """A host buffer for one tensor; pinned for copies from a CUDA device."""
     return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+
+def _copy_on_host(buffer: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy CPU tensor ``source`` into ``buffer`` (same shape and dtype): a plain memory copy on
+    this thread where its bytes are contiguous. (``Tensor.copy_`` shares large copies out
+    between torch's threads, which is many times slower on a machine whose cores are busy,
+    as they are while saves encode in the background.)"""
+    if source.is_contiguous() and not (source.is_conj() or source.is_neg()):
+        np.copyto(_bytes(buffer), _bytes(source))
+    else:
+        buffer.copy_(source)
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, as a numpy array sharing its memory."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 class HostBuffers:
@@ -102,7 +119,7 @@ class HostBuffers:
             if source.is_cuda:
                 from_device.setdefault(source.device, []).append((source, buffer))
             else:
-                buffer.copy_(source)
+                _copy_on_host(buffer, source)
         for name in self._buffers.keys() - copies.keys():  # tensors the state no longer holds
             del self._buffers[name]
             self._pinned.discard(name)
