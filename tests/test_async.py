@@ -331,3 +331,27 @@ def test_a_process_exiting_with_a_save_in_flight_finishes_it(tmp_path: Path) -> 
         assert reader.steps() == [7]
         assert torch.equal(reader.restore(7).extra["w"], torch.arange(1000.0))
         assert reader.verify(deep=True) == {7: []}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_copied_before_the_training_stream_changes_them(tmp_path: Path) -> None:
+    """CUDA state is copied into pinned buffers on a side stream; kernels queued on the training
+    stream right after the call (in-place updates) run after the copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 16)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(64, 1024, device="cuda")).pow(2).mean().backward()
+        optimizer.step()
+    expected = _expected(model, optimizer, {})
+    with CheckpointManager(tmp_path / "ckpt", blocking=False) as mgr:
+        handle = mgr.save(0, model, optimizer, rng=False)
+        with torch.no_grad():
+            for _ in range(20):  # long enough to overtake an unordered copy
+                for p in model.parameters():
+                    p.mul_(-1.5).add_(p.square())
+        info = handle.wait()
+        assert info.snapshot_bytes == info.raw_bytes
+        restored = mgr.restore(0)
+    assert_state_dicts_equal(restored.model, {k: v.cpu() for k, v in expected[0].items()},
+                             "full step")
