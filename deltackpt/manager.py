@@ -187,6 +187,7 @@ class CheckpointManager(CheckpointDirectory):
         self.blocking = blocking
         self.max_in_flight = max_in_flight
         self._queue: SaveQueue | None = None  # the asynchronous saves, from the first one
+        self._background_group: Group | None = None  # their collectives' group
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
         self._pool: WorkerPool | None = None
         # The metadata of the steps of the chain last saved or restored, with the identity of
@@ -404,7 +405,12 @@ class CheckpointManager(CheckpointDirectory):
         shards against that rank's reconstruction of them. ``rng`` and
         ``extra`` are rank 0's, and plain (non-DTensor) tensors must be equal
         on every rank. Any rank's failure raises :class:`DistributedError`
-        on every rank and leaves no step. Distributed saves block.
+        on every rank and leaves no step. An asynchronous distributed save
+        snapshots each rank's shards, and its collectives run in the
+        background on a gloo process group the manager creates at its first
+        one, never on the training's group; every rank must make the same
+        saves in the same order, and wait for them (``wait`` or ``close``)
+        before the process group is destroyed.
 
         Returns the kind, raw and stored bytes, ratio and seconds of the save
         (:class:`SaveInfo`), or the :class:`SaveHandle` of an asynchronous one.
@@ -424,17 +430,20 @@ class CheckpointManager(CheckpointDirectory):
                     optimizer: torch.optim.Optimizer | None, extra: Any, *, rng: bool,
                     overwrite: bool, progress: bool, started: float) -> SaveHandle:
         """Capture and snapshot the state here, then plan, encode, write and commit it on the
-        save thread (:mod:`deltackpt.pipeline`)."""
-        if Group.current() is not None:
-            raise ValueError(f"{self.path}: asynchronous saves run in a single process; under "
-                             "torch.distributed save with blocking=True")
+        save thread (:mod:`deltackpt.pipeline`). Under torch.distributed the save's
+        collectives run there, on a gloo group of their own (:meth:`Group.background`), and
+        whether the step may be written is decided there, by every rank together."""
         if self.read_only:
             raise PermissionError(f"{self.path}: this manager was opened read_only")
+        group = Group.current()
+        if group is not None and self._background_group is None:
+            self._background_group = group.background()
         if self._queue is None:
             self._queue = SaveQueue(self.max_in_flight)
         queue = self._queue
         queue.raise_failure()
-        self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
+        if group is None:
+            self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
         buffers, waited = queue.snapshots.acquire()
         try:
             queue.raise_failure()  # a save that failed while this one waited
@@ -446,7 +455,8 @@ class CheckpointManager(CheckpointDirectory):
 
         def run() -> SaveInfo:
             snapshot.ready()
-            info = self._save_now(step, snapshot.captured, overwrite, progress)
+            info = self._save_now(step, snapshot.captured, overwrite, progress,
+                                  self._background_group if group is not None else None)
             return dataclasses.replace(info, blocked_seconds=blocked, waited_seconds=waited,
                                        snapshot_bytes=snapshot.nbytes)
 
@@ -458,13 +468,12 @@ class CheckpointManager(CheckpointDirectory):
         :meth:`save` and :meth:`UniversalCheckpoint.save_universal`)."""
         step = check_step(step)
         self.wait()
-        return self._save_now(step, captured, overwrite, progress)
+        return self._save_now(step, captured, overwrite, progress, Group.current())
 
-    def _save_now(self, step: int, captured: CapturedState, overwrite: bool,
-                  progress: bool) -> SaveInfo:
+    def _save_now(self, step: int, captured: CapturedState, overwrite: bool, progress: bool,
+                  group: Group | None) -> SaveInfo:
         """Plan, encode, write and commit ``captured`` as ``step`` (on the caller's thread for a
-        blocking save, on the save thread for an asynchronous one)."""
-        group = Group.current()
+        blocking save, on the save thread for an asynchronous one), with ``group``'s ranks."""
         if group is not None:
             if self._cache is not None:
                 raise ValueError(f"{self.path}: cache= serves single-process saves; under "

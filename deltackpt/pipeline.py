@@ -10,7 +10,9 @@ writes its chunks on the manager's encoding threads
 (:func:`deltackpt.writer.write_data`) and commits it. Saves run one after
 another in the order they were made, each planned once the one before it
 is committed or failed, so a delta is always coded against what a reader
-of its base decodes.
+of its base decodes. Under torch.distributed the save thread of every rank
+runs the save's collectives on a gloo group of their own
+(:meth:`deltackpt.distributed.Group.background`).
 
 A save's failure in the background is kept until the caller hears of it:
 by its :class:`SaveHandle` (``wait`` raises it, ``exception`` returns it),

@@ -349,9 +349,50 @@ def _save_fsdp_deltas(rank: int, world: int, path: str, expected: str) -> None:
         torch.save(states, expected)
 
 
-def test_fsdp_ranks_save_deltas_of_their_shards(tmp_path: Path) -> None:
+def _save_fsdp_async(rank: int, world: int, path: str, expected: str) -> None:
+    """Asynchronous saves of FSDP2 shards, each followed at once by training steps (whose
+    collectives run on the default group while the save's run on the manager's own)."""
+    import threading
+
+    import deltackpt.distributed
+
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
+    calls = []  # (thread, group) of each object collective deltackpt made
+
+    def recording(collective):
+        def recorded(*args, **kwargs):
+            calls.append((threading.current_thread().name, kwargs.get("group")))
+            return collective(*args, **kwargs)
+        return recorded
+
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
+        setattr(deltackpt.distributed.dist, name, recording(getattr(dist, name)))
+    states = []
+    with CheckpointManager(path, full_every=3, blocking=False) as mgr:
+        for step in range(1, 4):
+            states.append(_full_state(model, optimizer))
+            handle = mgr.save(step, model, optimizer, rng=False)
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            for _ in range(5):
+                model(torch.randn(4, 8, generator=generator)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            info = handle.wait()
+            assert (info.kind, info.step) == ("full" if step == 1 else "delta", step), info
+            assert info.snapshot_bytes > 0
+    # every collective of the saves ran on their thread, on the manager's gloo group
+    assert calls and all(thread.startswith("deltackpt-save") and group is not None
+                         for thread, group in calls), calls
+    if rank == 0:
+        torch.save(states, expected)
+
+
+@pytest.mark.parametrize("save", [_save_fsdp_deltas, _save_fsdp_async])
+def test_fsdp_ranks_save_deltas_of_their_shards(tmp_path: Path, save) -> None:
+    """Blocking and asynchronous saves: every rank codes its shards; the steps restore whole
+    in one process and load on 2 ranks (resharded)."""
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
-    run_ranks(_save_fsdp_deltas, 4, str(path), str(expected))
+    run_ranks(save, 4, str(path), str(expected))
     mgr = CheckpointManager(path, read_only=True)
     saved = torch.load(expected, weights_only=True)
     for step, want in zip((1, 2, 3), saved, strict=True):
