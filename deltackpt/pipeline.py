@@ -21,13 +21,15 @@ or else by the manager's next ``save``, ``wait`` or ``close``, which raise
 
 A process that exits with saves in flight finishes them first: the queue
 waits for them before Python stops the thread pools at exit (a process
-killed meanwhile leaves no partial step: docs/FORMAT.md 1.1).
+killed meanwhile leaves no partial step: docs/FORMAT.md 1.1). A child
+forked meanwhile (a DataLoader worker) has none of them in flight.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -172,6 +174,14 @@ class SaveQueue:
             executor.shutdown(wait=True)
         self._thread_ids.clear()
 
+    def _forget_after_fork(self) -> None:
+        """In a forked child (a DataLoader worker, say): the parent's saves are not in flight
+        here, and none of its locks or threads exist."""
+        self._changed = threading.Condition()
+        self._in_flight, self._unreported = [], []
+        self._executor, self._thread_ids = None, set()
+        self.snapshots = SnapshotPool(self.snapshots.slots)
+
     def finish_at_exit(self) -> None:
         """At interpreter exit: wait for the saves in flight, and log the failures no caller
         heard of."""
@@ -185,6 +195,15 @@ class SaveQueue:
 
 
 _queues: weakref.WeakSet[SaveQueue] = weakref.WeakSet()
+
+
+def _forget_saves_after_fork() -> None:
+    for queue in list(_queues):
+        queue._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_saves_after_fork)
 
 
 def _finish_saves_at_exit() -> None:

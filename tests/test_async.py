@@ -355,3 +355,28 @@ def test_cuda_tensors_are_copied_before_the_training_stream_changes_them(tmp_pat
         restored = mgr.restore(0)
     assert_state_dicts_equal(restored.model, {k: v.cpu() for k, v in expected[0].items()},
                              "full step")
+
+
+def _exit_child(mgr: CheckpointManager) -> None:
+    assert mgr._queue.in_flight() == []  # the parent's save is not in flight here
+    # ... and the child exits (threading's exit hooks wait for no save of the parent's)
+
+
+def test_a_child_forked_while_a_save_is_in_flight_exits(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader worker forked during a save neither waits for it nor inherits it."""
+    import multiprocessing
+
+    model, optimizer = _model()
+    release = _hold_saves(monkeypatch)
+    with CheckpointManager(tmp_path / "ckpt", blocking=False) as mgr:
+        handle = mgr.save(0, model, optimizer)
+        child = multiprocessing.get_context("fork").Process(target=_exit_child, args=(mgr,))
+        child.start()
+        child.join(30)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        release.set()
+        assert handle.wait().step == 0
+    assert not alive and child.exitcode == 0
