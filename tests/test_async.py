@@ -380,3 +380,22 @@ def test_a_child_forked_while_a_save_is_in_flight_exits(tmp_path: Path,
         release.set()
         assert handle.wait().step == 0
     assert not alive and child.exitcode == 0
+
+
+def test_async_saves_through_a_cache_upload_in_order(tmp_path: Path) -> None:
+    """With ``cache=``, the save thread commits each step in the cache and its upload follows;
+    a restore waits for both, and reads the remote's steps."""
+    import uuid
+
+    model, optimizer = _model()
+    url = f"memory://t{uuid.uuid4().hex[:12]}/run"
+    states = []
+    with CheckpointManager(url, full_every=3, blocking=False, cache=tmp_path / "cache") as mgr:
+        for step in range(3):
+            _train(model, optimizer, 2)
+            states.append(copy.deepcopy(model.state_dict()))
+            mgr.save(step, model, optimizer, rng=False)
+        assert mgr.steps() == [0, 1, 2]
+    with CheckpointManager(url, read_only=True) as remote:
+        assert [remote.info(s).kind for s in remote.steps()] == ["full", "delta", "delta"]
+        assert_state_dicts_equal(remote.restore(0).model, states[0], "step 0")
