@@ -9,7 +9,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,12 +80,12 @@ class SaveInfo:
     seconds: float
     target_ratio: float | None = None
     at_max_error: bool = False  # the target needed errors beyond max_error: steps at that floor
-    # How long the caller's ``save`` call took: for an asynchronous save, waiting for a save in
-    # flight at the max_in_flight limit, capturing and copying the state; for a blocking one,
-    # the whole save.
-    blocked_seconds: float = 0.0
-    waited_seconds: float = 0.0  # of which waiting at the max_in_flight limit
-    snapshot_bytes: int = 0  # host memory of the snapshot of an asynchronous save
+    # What the call that saved it cost the caller (not compared: the step's record is the same):
+    # how long ``save`` blocked it, for an asynchronous save waiting for a save in flight at the
+    # max_in_flight limit, capturing and copying the state, for a blocking one the whole save;
+    blocked_seconds: float = field(default=0.0, compare=False)
+    waited_seconds: float = field(default=0.0, compare=False)  # of which waiting at the limit
+    snapshot_bytes: int = field(default=0, compare=False)  # host memory of the async snapshot
 
     @property
     def ratio(self) -> float:
@@ -220,9 +220,9 @@ class CheckpointManager(CheckpointDirectory):
 
     def close(self) -> None:
         """Wait for the saves in flight and the upload of the last step saved through a cache
-        (raising their failure), release the writer lock, if this manager holds it, and stop
-        its threads. A later save takes the lock again, and a later save or restore starts new
-        threads."""
+        (raising their failure), release the writer lock, if this manager holds it, stop its
+        threads and free its snapshot buffers. A later save takes the lock again, and a later
+        save or restore starts new threads."""
         try:
             self.wait()
         finally:

@@ -166,10 +166,12 @@ class SaveQueue:
                 "before are intact") from first
 
     def close(self) -> None:
-        """Wait for every save in flight and stop the save thread (a later save starts one)."""
+        """Wait for every save in flight, stop the save thread and free the snapshot buffers (a
+        later save starts and allocates them again)."""
         self.wait_all()
         with self._changed:
             executor, self._executor = self._executor, None
+            self.snapshots = SnapshotPool(self.snapshots.slots)
         if executor is not None:
             executor.shutdown(wait=True)
         self._thread_ids.clear()

@@ -299,6 +299,7 @@ def test_close_and_exit_wait_for_the_saves_in_flight(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "ckpt", blocking=False) as mgr:
         handle = mgr.save(0, model, optimizer)
     assert handle.done() and handle.wait().kind == "full"
+    assert mgr.snapshot_bytes == 0  # closing freed the snapshot buffers
     assert CheckpointManager(tmp_path / "ckpt").steps() == [0]
 
 
