@@ -60,6 +60,11 @@ def _mutate_everything(model: nn.Module, optimizer: torch.optim.Optimizer, extra
     optimizer.param_groups[0]["lr"] = 123.0
     optimizer.param_groups[0]["betas"] = (0.1, 0.2)
     optimizer.zero_grad()
+    other = copy.deepcopy(optimizer.state_dict())  # state tensors replaced, the old ones freed
+    for state in other["state"].values():
+        for key, value in state.items():
+            state[key] = value * 2 + 1
+    optimizer.load_state_dict(other)
     extra["epoch"] += 1
     extra["history"].append(99)
 
@@ -165,7 +170,7 @@ def test_a_save_blocks_only_at_max_in_flight(tmp_path: Path, monkeypatch: pytest
         with pytest.raises(TimeoutError):
             first.wait(timeout=0.05)
         thread, out = _in_thread(lambda: mgr.save(1, model, optimizer))
-        thread.join(0.5)
+        thread.join(0.5 if max_in_flight == 1 else 30)
         assert thread.is_alive() == (max_in_flight == 1)  # waits for the save in flight
         release.set()
         thread.join(30)
