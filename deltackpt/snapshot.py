@@ -71,11 +71,12 @@ def _allocate(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> torch.Tens
 
 
 def _copy_on_host(buffer: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy CPU tensor ``source`` into ``buffer`` (same shape and dtype): a plain memory copy on
-    this thread where its bytes are contiguous. (``Tensor.copy_`` shares large copies out
-    between torch's threads, which is many times slower on a machine whose cores are busy,
-    as they are while saves encode in the background.)"""
-    if source.is_contiguous() and not (source.is_conj() or source.is_neg()):
+    """Copy ``source`` (not on a CUDA device) into host ``buffer`` of its shape and dtype: a
+    plain memory copy on this thread where it is a contiguous CPU tensor. (``Tensor.copy_``
+    shares large copies out between torch's threads, which is many times slower on a machine
+    whose cores are busy, as they are while saves encode in the background.)"""
+    if source.device.type == "cpu" and source.is_contiguous() \
+            and not (source.is_conj() or source.is_neg()):
         np.copyto(_bytes(buffer), _bytes(source))
     else:
         buffer.copy_(source)
