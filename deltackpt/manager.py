@@ -21,6 +21,7 @@ from deltackpt.delta import StepEncoder, captured_layout
 from deltackpt.directory import CheckpointDirectory, check_step
 from deltackpt.distributed import (
     Group,
+    Part,
     check_same_state,
     local_box,
     shard_like,
@@ -558,7 +559,7 @@ class CheckpointManager(CheckpointDirectory):
         try:
             parts = shard_parts(captured, group)
             local = {name: p[0].values for name, p in parts.items() if p}
-            base = self._delta_base(step, captured, local)
+            base = self._delta_base(step, captured, parts, group)
             if group.rank == 0:
                 self._prepare_save(step, overwrite)
                 self.storage.makedirs(step_dir_name(step))
@@ -570,29 +571,34 @@ class CheckpointManager(CheckpointDirectory):
         if None in bases or len(set(bases)) > 1:  # every rank codes against one step, or none
             base = None
         save_id = group.broadcast(save_id)
-        self._recon = None  # a failed save leaves it half updated; the next save is then full
         encoder, written, stats, error = None, None, None, None
         try:
-            encoder = StepEncoder(captured, self.compression, base, self._controller,
-                                  keep=self.compression.deltas and self.full_every > 1,
-                                  local=local)
-            written = write_data(self.storage, step, save_id, captured, parts=parts,
-                                 rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
-                                 chunk_bytes=self.chunk_bytes, workers=pool,
-                                 progress=progress and group.rank == 0)
-            stats = encoder.class_stats
-        except Exception as exc:  # reported to every rank below, then raised there
-            error = f"{type(exc).__name__}: {exc}"
-        everyone = group.gather((written, stats, error))
-        outcome: SaveInfo | str | None = None
-        if group.rank == 0:
-            outcome = self._commit_distributed(step, save_id, captured, base, encoder, everyone,
-                                               started)
-        outcome = group.broadcast(outcome)
-        if isinstance(outcome, str):
-            raise DistributedError(outcome)
+            try:
+                encoder = StepEncoder(captured, self.compression, base, self._controller,
+                                      keep=self.compression.deltas and self.full_every > 1,
+                                      local=local)
+                written = write_data(self.storage, step, save_id, captured, parts=parts,
+                                     rank=group.rank, encoder=encoder,
+                                     coded_last=encoder.coded_last, chunk_bytes=self.chunk_bytes,
+                                     workers=pool, progress=progress and group.rank == 0)
+                stats = encoder.class_stats
+            except Exception as exc:  # reported to every rank below, then raised there
+                error = f"{type(exc).__name__}: {exc}"
+            everyone = group.gather((written, stats, error))
+            outcome: SaveInfo | str | None = None
+            if group.rank == 0:
+                outcome = self._commit_distributed(step, save_id, captured, base, encoder,
+                                                   everyone, started)
+            outcome = group.broadcast(outcome)
+            if isinstance(outcome, str):
+                raise DistributedError(outcome)
+        except BaseException:
+            # as in a single process: the next delta reads its base's values again
+            self._stale_values = self._stale_values or base is not None
+            raise
         encoder.learn()
         self._recon = encoder.reconstruction(step, save_id)
+        self._stale_values = False
         return outcome
 
     def _commit_distributed(self, step: int, save_id: str, captured: CapturedState,
@@ -668,10 +674,14 @@ class CheckpointManager(CheckpointDirectory):
         return report
 
     def _delta_base(self, step: int, captured: CapturedState,
-                    local: dict[str, torch.Tensor] | None = None) -> Reconstruction | None:
+                    parts: dict[str, list[Part]] | None = None,
+                    group: Group | None = None) -> Reconstruction | None:
         """The reconstruction to code ``step`` against, or None when it must be a full step
-        (``local``: the parts of the tensors this rank writes, in a distributed save)."""
+        (``parts``: the boxes of the tensors this rank writes, in ``group``'s distributed
+        save)."""
         recon = self._recon
+        local = {name: p[0].values for name, p in parts.items() if p} \
+            if parts is not None else None
         if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
                 or step <= recon.step or recon.layout != captured_layout(captured, local)):
             return None
@@ -681,13 +691,18 @@ class CheckpointManager(CheckpointDirectory):
         if save_id != recon.save_id or not all(
                 self.storage.exists(_metadata_file(s)) for s in recon.chain[:-1]):
             return None
-        return self._committed_values(recon) if self._stale_values else recon
+        return self._committed_values(recon, parts, group) if self._stale_values else recon
 
-    def _committed_values(self, recon: Reconstruction) -> Reconstruction | None:
-        """``recon`` with the values a reader decodes from its step, read again because a delta
-        coded against it failed after changing them; None (a full step) if they cannot be."""
+    def _committed_values(self, recon: Reconstruction, parts: dict[str, list[Part]] | None,
+                          group: Group | None) -> Reconstruction | None:
+        """``recon`` with the values a reader decodes from its step (of this rank's ``parts``),
+        read again because a delta coded against it failed after changing them; None (a full
+        step) if they cannot be."""
+        boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p} \
+            if parts is not None else None
         try:
-            _, decoded = self._restore_chain(self.metadata(recon.step), workers=self._workers())
+            _, decoded = self._restore_chain(self.metadata(recon.step), boxes=boxes,
+                                             workers=self._workers(group))
         except DeltackptError as exc:
             log.warning("%s: step %d, the base of the next delta, cannot be read again after "
                         "a failed save (%s); the next save is a full step", self.path,
