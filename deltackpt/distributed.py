@@ -268,6 +268,11 @@ def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
 def shard_parts(captured: CapturedState, group: Group | None) -> dict[str, list[Part]]:
     """The boxes of each stored tensor this rank writes (:func:`parts_to_write`; without a
     group, every tensor whole), by name; a tensor has at most one, whose values its delta
-    encoder codes."""
+    encoder codes. This is the rank's layout, an input of a save's plan."""
     return {t.name: parts_to_write(t.name, t.role, t.tensor, group)
             for t in captured.tensors if t.alias_of is None}
+
+
+def local_parts(parts: dict[str, list[Part]]) -> dict[str, torch.Tensor]:
+    """The values of the one box of each tensor the rank writes (of :func:`shard_parts`)."""
+    return {name: p[0].values for name, p in parts.items() if p}

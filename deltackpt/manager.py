@@ -24,6 +24,7 @@ from deltackpt.distributed import (
     Part,
     check_same_state,
     local_box,
+    local_parts,
     shard_like,
     shard_parts,
     sharded_targets,
@@ -484,12 +485,14 @@ class CheckpointManager(CheckpointDirectory):
         self._prepare_save(step, overwrite)
         if self._cache is not None:
             self._cache.open()
-        base = self._delta_base(step, captured)
+        parts = shard_parts(captured, None)  # this process's layout: every tensor whole
+        base = self._delta_base(step, captured, parts, None)
         encoder = StepEncoder(captured, self.compression, base, self._controller,
-                              keep=self.compression.deltas and self.full_every > 1)
+                              keep=self.compression.deltas and self.full_every > 1,
+                              local=local_parts(parts))
         try:
             meta = write_step(self.storage if self._cache is None else self._cache.storage,
-                              step, captured, kind="delta" if base else "full",
+                              step, captured, parts=parts, kind="delta" if base else "full",
                               base_step=base.step if base else None, encoder=encoder,
                               summary=encoder.summary, coded_last=encoder.coded_last,
                               chunk_bytes=self.chunk_bytes,
@@ -558,7 +561,7 @@ class CheckpointManager(CheckpointDirectory):
         parts, local, base, save_id, error = {}, {}, None, None, None
         try:
             parts = shard_parts(captured, group)
-            local = {name: p[0].values for name, p in parts.items() if p}
+            local = local_parts(parts)
             base = self._delta_base(step, captured, parts, group)
             if group.rank == 0:
                 self._prepare_save(step, overwrite)
@@ -673,17 +676,14 @@ class CheckpointManager(CheckpointDirectory):
                 self._recon = dataclasses.replace(recon, chain=[m.step for m in chain])
         return report
 
-    def _delta_base(self, step: int, captured: CapturedState,
-                    parts: dict[str, list[Part]] | None = None,
-                    group: Group | None = None) -> Reconstruction | None:
+    def _delta_base(self, step: int, captured: CapturedState, parts: dict[str, list[Part]],
+                    group: Group | None) -> Reconstruction | None:
         """The reconstruction to code ``step`` against, or None when it must be a full step
-        (``parts``: the boxes of the tensors this rank writes, in ``group``'s distributed
-        save)."""
+        (``parts``: the boxes of the tensors this rank writes, of ``group``)."""
         recon = self._recon
-        local = {name: p[0].values for name, p in parts.items() if p} \
-            if parts is not None else None
         if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
-                or step <= recon.step or recon.layout != captured_layout(captured, local)):
+                or step <= recon.step
+                or recon.layout != captured_layout(captured, local_parts(parts))):
             return None
         # The base must still be the step this reconstruction came from, with its chain below.
         known = self._kept_metadata(recon.step)  # the very file this manager wrote or read
@@ -693,13 +693,12 @@ class CheckpointManager(CheckpointDirectory):
             return None
         return self._committed_values(recon, parts, group) if self._stale_values else recon
 
-    def _committed_values(self, recon: Reconstruction, parts: dict[str, list[Part]] | None,
+    def _committed_values(self, recon: Reconstruction, parts: dict[str, list[Part]],
                           group: Group | None) -> Reconstruction | None:
         """``recon`` with the values a reader decodes from its step (of this rank's ``parts``),
         read again because a delta coded against it failed after changing them; None (a full
         step) if they cannot be."""
-        boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p} \
-            if parts is not None else None
+        boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p}
         try:
             _, decoded = self._restore_chain(self.metadata(recon.step), boxes=boxes,
                                              workers=self._workers(group))
