@@ -4,8 +4,9 @@ A save runs capture -> snapshot -> plan -> encode -> write -> commit. The
 caller's thread captures the state (:mod:`deltackpt.state`) and, for
 ``save(..., blocking=False)``, copies it into host buffers
 (:mod:`deltackpt.snapshot`); a :class:`SaveQueue` then hands the save to one
-background thread, which plans it (full or delta, against the last
-committed reconstruction: :class:`deltackpt.delta.StepEncoder`), encodes and
+background thread, which plans it (from the rank's layout,
+:func:`deltackpt.distributed.shard_parts`: full or delta, against the last
+committed reconstruction, :class:`deltackpt.delta.StepEncoder`), encodes and
 writes its chunks on the manager's encoding threads
 (:func:`deltackpt.writer.write_data`) and commits it. Saves run one after
 another in the order they were made, each planned once the one before it
