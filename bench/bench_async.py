@@ -3,7 +3,8 @@ state, and what saving in the background costs a training run (issue 16, item 8)
 
 ``python bench/bench_async.py`` (CPU) runs each method in a process of its own, on the same
 state (a TinyGPT trained with AdamW, seeded), and prints one table (the README's figures:
-``--saves 5 --train-steps 30 --train-rounds 2``, 13 minutes on a shared 2-core machine):
+``--saves 5 --train-steps 30 --train-rounds 2``, 9 to 13 minutes on a shared 2-core machine,
+and ``--methods none --train-rounds 4`` for the training run):
 
 * the time the caller is blocked per save (median over ``--saves`` saves, one training step
   between them): a blocking deltackpt save, an asynchronous one (``blocking=False``: waiting
@@ -165,6 +166,25 @@ def _child(args: list[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _print_methods(args: argparse.Namespace, methods: list[str]) -> None:
+    """Time the save ``methods`` (the snapshot copy first: the others are given against it)."""
+    print(f"TinyGPT {args.size}, one training step before each save, {args.saves} saves "
+          f"(median of all but the first); {os.cpu_count()} CPUs")
+    rows = {m: _child(["method", m, args.size, str(args.saves)]) for m in methods}
+    raw = rows["snapshot"]["raw_bytes"]
+    snapshot = statistics.median(rows["snapshot"]["blocked"])
+    print(f"state: {raw / 2**20:.1f} MiB (weights and AdamW moments)\n")
+    print(f"{'method':<16} {'blocked ms':>11} {'vs snapshot':>12} {'first ms':>9} "
+          f"{'MiB written/save':>17} {'peak RSS MiB':>13} {'RSS growth MiB':>15}")
+    for method in methods:
+        r = rows[method]
+        median = statistics.median(r["blocked"])
+        written = statistics.mean(r["written"]) / 2**20 if r["written"] else 0.0
+        print(f"{method:<16} {1e3 * median:>11.1f} {median / snapshot:>11.2f}x "
+              f"{1e3 * r['first_blocked']:>9.1f} {written:>17.2f} {r['peak_rss'] / 2**20:>13.0f} "
+              f"{r['rss_growth'] / 2**20:>15.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="medium", choices=sorted(SIZES),
@@ -175,6 +195,9 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=40, help="[%(default)s]")
     parser.add_argument("--train-rounds", type=int, default=3,
                         help="alternated runs with and without saves [%(default)s]")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="the save methods timed, comma-separated; none: only the training "
+                             "run [%(default)s]")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,21 +210,9 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    print(f"TinyGPT {args.size}, one training step before each save, {args.saves} saves "
-          f"(median of all but the first); {os.cpu_count()} CPUs")
-    rows = {m: _child(["method", m, args.size, str(args.saves)]) for m in METHODS}
-    raw = rows["snapshot"]["raw_bytes"]
-    snapshot = statistics.median(rows["snapshot"]["blocked"])
-    print(f"state: {raw / 2**20:.1f} MiB (weights and AdamW moments)\n")
-    print(f"{'method':<16} {'blocked ms':>11} {'vs snapshot':>12} {'first ms':>9} "
-          f"{'MiB written/save':>17} {'peak RSS MiB':>13} {'RSS growth MiB':>15}")
-    for method in METHODS:
-        r = rows[method]
-        median = statistics.median(r["blocked"])
-        written = statistics.mean(r["written"]) / 2**20 if r["written"] else 0.0
-        print(f"{method:<16} {1e3 * median:>11.1f} {median / snapshot:>11.2f}x "
-              f"{1e3 * r['first_blocked']:>9.1f} {written:>17.2f} {r['peak_rss'] / 2**20:>13.0f} "
-              f"{r['rss_growth'] / 2**20:>15.0f}")
+    methods = [m for m in args.methods.split(",") if m in METHODS]
+    if methods:
+        _print_methods(args, ["snapshot", *(m for m in methods if m != "snapshot")])
     print(f"\ntraining TinyGPT {args.train_size}, {args.train_steps} steps, an asynchronous "
           f"save every {SAVE_EVERY} steps against none, {args.train_rounds} alternated rounds:")
     with_saves, without = [], []
