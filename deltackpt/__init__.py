@@ -12,12 +12,14 @@ __version__ = "0.1.0"
 from typing import TYPE_CHECKING
 
 from deltackpt.errors import (
+    BackgroundSaveError,
     ConfigError,
     CorruptionError,
     DeltackptError,
     DistributedError,
     FormatError,
     NotACheckpointError,
+    SaveInFlightError,
     StateMismatchError,
     StepExistsError,
     StepNotFoundError,
@@ -36,6 +38,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "Quantizer": "deltackpt.compression",
     "LoadReport": "deltackpt.loading",
     "CheckpointManager": "deltackpt.manager",
+    "SaveHandle": "deltackpt.pipeline",
     "SaveInfo": "deltackpt.manager",
     "GCReport": "deltackpt.retention",
     "RetentionPolicy": "deltackpt.retention",
@@ -47,11 +50,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from deltackpt.compression import EXACT, CompressionConfig, Quantizer
     from deltackpt.loading import LoadReport
     from deltackpt.manager import CheckpointManager, SaveInfo
+    from deltackpt.pipeline import SaveHandle
     from deltackpt.retention import GCReport, RetentionPolicy
     from deltackpt.universal import UniversalCheckpoint, load_universal
 
 __all__ = [
     "EXACT",
+    "BackgroundSaveError",
     "CheckpointManager",
     "CompressionConfig",
     "ConfigError",
@@ -64,6 +69,8 @@ __all__ = [
     "NotACheckpointError",
     "Quantizer",
     "RetentionPolicy",
+    "SaveHandle",
+    "SaveInFlightError",
     "SaveInfo",
     "StateMismatchError",
     "StepExistsError",

@@ -23,7 +23,7 @@ import math
 import os
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,10 +45,12 @@ RANK0_ROLES = frozenset({"rng", "extra"})
 
 @dataclass(frozen=True)
 class Group:
-    """The default process group of a run with more than one rank."""
+    """The ranks of a run with more than one rank, and the process group their collectives run
+    on (``pg``; None: the default group)."""
 
     rank: int
     world_size: int
+    pg: Any = field(default=None, compare=False)
 
     @staticmethod
     def current() -> Group | None:
@@ -56,6 +58,12 @@ class Group:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return Group(dist.get_rank(), dist.get_world_size())
+
+    def background(self) -> Group:
+        """The same ranks on a new gloo process group, for the collectives of saves that run in
+        the background: never interleaved with the training's collectives on the default group
+        (NCCL's, say). Creating it is a collective of the default group."""
+        return Group(self.rank, self.world_size, dist.new_group(backend="gloo"))
 
     def ranks_on_this_host(self) -> int:
         """How many ranks of the group run on this machine (they share its CPUs): torchrun's
@@ -70,21 +78,21 @@ class Group:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.rank == 0 else None
         with _collective("gather"):
-            dist.gather_object(obj, out, dst=0)
+            dist.gather_object(obj, out, dst=0, group=self.pg)
         return out
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj]
         with _collective("broadcast"):
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank."""
         out: list[Any] = [None] * self.world_size
         with _collective("all_gather"):
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.pg)
         return out
 
     def check(self, error: str | None, what: str) -> None:
@@ -260,6 +268,11 @@ def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
 def shard_parts(captured: CapturedState, group: Group | None) -> dict[str, list[Part]]:
     """The boxes of each stored tensor this rank writes (:func:`parts_to_write`; without a
     group, every tensor whole), by name; a tensor has at most one, whose values its delta
-    encoder codes."""
+    encoder codes. This is the rank's layout, an input of a save's plan."""
     return {t.name: parts_to_write(t.name, t.role, t.tensor, group)
             for t in captured.tensors if t.alias_of is None}
+
+
+def local_parts(parts: dict[str, list[Part]]) -> dict[str, torch.Tensor]:
+    """The values of the one box of each tensor the rank writes (of :func:`shard_parts`)."""
+    return {name: p[0].values for name, p in parts.items() if p}

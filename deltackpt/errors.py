@@ -52,6 +52,16 @@ class DistributedError(DeltackptError):
     """A collective save or load failed on some rank; raised on every rank, naming it."""
 
 
+class SaveInFlightError(DeltackptError, ValueError):
+    """Saving a step that an asynchronous save of the same manager is still writing, or a step
+    older than one it is writing (a delta is coded against the save before it); names both."""
+
+
+class BackgroundSaveError(DeltackptError):
+    """An asynchronous save failed in the background; raised by the manager's next ``save``,
+    ``wait`` or ``close``, naming the step, with the original error chained (``__cause__``)."""
+
+
 class ConversionError(DeltackptError):
     """A checkpoint of another format that cannot be read or converted; names the file and entry."""
 

@@ -9,7 +9,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,8 +21,10 @@ from deltackpt.delta import StepEncoder, captured_layout
 from deltackpt.directory import CheckpointDirectory, check_step
 from deltackpt.distributed import (
     Group,
+    Part,
     check_same_state,
     local_box,
+    local_parts,
     shard_like,
     shard_parts,
     sharded_targets,
@@ -43,6 +45,7 @@ from deltackpt.format import (
     layout_of,
     step_dir_name,
 )
+from deltackpt.pipeline import SaveHandle, SaveQueue
 from deltackpt.pool import WorkerPool, default_workers
 from deltackpt.reader import chain_of, read_metadata, read_save_id
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
@@ -79,6 +82,12 @@ class SaveInfo:
     seconds: float
     target_ratio: float | None = None
     at_max_error: bool = False  # the target needed errors beyond max_error: steps at that floor
+    # What the call that saved it cost the caller (not compared: the step's record is the same):
+    # how long ``save`` blocked it, for an asynchronous save waiting for a save in flight at the
+    # max_in_flight limit, capturing and copying the state, for a blocking one the whole save;
+    blocked_seconds: float = field(default=0.0, compare=False)
+    waited_seconds: float = field(default=0.0, compare=False)  # of which waiting at the limit
+    snapshot_bytes: int = field(default=0, compare=False)  # host memory of the async snapshot
 
     @property
     def ratio(self) -> float:
@@ -151,6 +160,11 @@ class CheckpointManager(CheckpointDirectory):
             restores read it where it holds the same steps.
         cache_keep: uploaded steps the cache keeps (the newest), besides the steps their
             chains need; a step leaves the cache only once its upload is committed.
+        blocking: the default of :meth:`save`'s ``blocking``: ``False`` makes every save
+            asynchronous unless it says otherwise.
+        max_in_flight: asynchronous saves that may be in flight at once; a further one waits
+            for the oldest to end. Each holds a copy of the state in host memory
+            (:attr:`snapshot_bytes`) from its call until it is written.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
@@ -159,15 +173,23 @@ class CheckpointManager(CheckpointDirectory):
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
                  read_only: bool = False,
                  storage_options: Mapping[str, Any] | None = None,
-                 cache: str | os.PathLike[str] | None = None, cache_keep: int = 1) -> None:
+                 cache: str | os.PathLike[str] | None = None, cache_keep: int = 1,
+                 blocking: bool = True, max_in_flight: int = 1) -> None:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) \
+                or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
         self.full_every = full_every
         self.compression = as_config(compression)
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None
         self.chunk_bytes = chunk_bytes
+        self.blocking = blocking
+        self.max_in_flight = max_in_flight
+        self._queue: SaveQueue | None = None  # the asynchronous saves, from the first one
+        self._background_group: Group | None = None  # their collectives' group
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
         self._pool: WorkerPool | None = None
         # The metadata of the steps of the chain last saved or restored, with the identity of
@@ -176,6 +198,9 @@ class CheckpointManager(CheckpointDirectory):
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
+        # _recon's values were changed by a delta that failed: the next delta reads them again
+        # from its step (what a reader decodes) before coding against it
+        self._stale_values = False
         target = self.compression.target_ratio
         self._controller = ScaleController(target, self.compression.max_scale) \
             if target is not None else None
@@ -196,16 +221,36 @@ class CheckpointManager(CheckpointDirectory):
         self.close()
 
     def close(self) -> None:
-        """Wait for the upload of the last step saved through a cache (raising its failure),
-        release the writer lock, if this manager holds it, and stop its threads. A later save
-        takes the lock again, and a later save or restore starts new threads."""
+        """Wait for the saves in flight and the upload of the last step saved through a cache
+        (raising their failure), release the writer lock, if this manager holds it, stop its
+        threads and free its snapshot buffers. A later save takes the lock again, and a later
+        save or restore starts new threads."""
         try:
-            if self._cache is not None:
-                self._cache.close()
+            self.wait()
         finally:
-            self._release()
+            try:
+                if self._cache is not None:
+                    self._cache.close()
+            finally:
+                self._release()
+
+    def wait(self) -> None:
+        """Wait for every asynchronous save in flight. Raises :class:`BackgroundSaveError`,
+        with the original error chained, for one that failed and whose failure its handle has
+        not given (``handle.wait()`` or ``handle.exception()``)."""
+        if self._queue is not None:
+            self._queue.wait_all()
+            self._queue.raise_failure()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory held for the snapshots of asynchronous saves: at most ``max_in_flight``
+        copies of the state, allocated by the first saves and reused by the next."""
+        return self._queue.snapshots.nbytes if self._queue is not None else 0
 
     def _release(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
@@ -276,8 +321,12 @@ class CheckpointManager(CheckpointDirectory):
     # -- queries -----------------------------------------------------------------------
 
     def _settle(self) -> None:
-        """Wait for the step uploading from the cache, if any: every operation but a save's
-        return sees the remote with it (or raises its upload's failure)."""
+        """Wait for the saves in flight (whose failures the next save, wait or close raises),
+        then for the step uploading from the cache, if any: every operation but a save's
+        return sees the directory with them (or raises the upload's failure). On the thread
+        that runs the saves, only the upload is waited for."""
+        if self._queue is not None and not self._queue.on_save_thread():
+            self._queue.wait_all()
         if self._cache is not None:
             self._cache.wait()
 
@@ -313,7 +362,8 @@ class CheckpointManager(CheckpointDirectory):
 
     def save(self, step: int, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, extra: Any = None, *,
-             rng: bool = True, overwrite: bool = False, progress: bool = False) -> SaveInfo:
+             rng: bool = True, overwrite: bool = False, progress: bool = False,
+             blocking: bool | None = None) -> SaveInfo | SaveHandle:
         """Save the training state as ``step``.
 
         Args:
@@ -328,6 +378,28 @@ class CheckpointManager(CheckpointDirectory):
             rng: also save torch (CPU and CUDA), numpy and ``random`` RNG states.
             overwrite: replace an existing step (atomically) instead of refusing.
             progress: show a progress bar.
+            blocking: ``True``: return once the step is committed. ``False``: return once the
+                state is copied (the snapshot) and save it in the background; see below.
+                Default: the manager's ``blocking`` (``True`` unless it was made with
+                ``blocking=False``).
+
+        An asynchronous save (``blocking=False``) returns a :class:`SaveHandle`
+        (``done()``, ``wait(timeout) -> SaveInfo``, ``exception()``) as soon
+        as every tensor is copied into host buffers that the manager keeps and
+        reuses (pinned ones for CUDA tensors, copied on a side stream), and
+        the optimizer's param groups, ``extra`` and the RNG states are
+        captured: training may then change every tensor in place at once.
+        The step written is the state at the call (a full step bit for bit,
+        a delta within its recorded error). Encoding, checksums and writes
+        run on background threads, one save after another; at most
+        ``max_in_flight`` saves are in flight, and a save beyond that waits
+        for the oldest (``SaveInfo.waited_seconds``). A failure in the
+        background commits no step and is raised by the handle, or else by
+        the next ``save``, :meth:`wait` or :meth:`close` as
+        :class:`BackgroundSaveError`. Restoring, loading, listing steps and
+        gc wait for the saves in flight first, and so does a process that
+        exits. Saving a step in flight, or older than one, raises
+        :class:`SaveInFlightError`.
 
         Under torch.distributed with several ranks, every rank calls ``save``
         (collective): each writes the shards it holds, with no gather of
@@ -335,19 +407,75 @@ class CheckpointManager(CheckpointDirectory):
         shards against that rank's reconstruction of them. ``rng`` and
         ``extra`` are rank 0's, and plain (non-DTensor) tensors must be equal
         on every rank. Any rank's failure raises :class:`DistributedError`
-        on every rank and leaves no step.
+        on every rank and leaves no step. An asynchronous distributed save
+        snapshots each rank's shards, and its collectives run in the
+        background on a gloo process group the manager creates at its first
+        one, never on the training's group; every rank must make the same
+        saves in the same order, and wait for them (``wait`` or ``close``)
+        before the process group is destroyed.
 
-        Returns the kind, raw and stored bytes, ratio and seconds of the save.
+        Returns the kind, raw and stored bytes, ratio and seconds of the save
+        (:class:`SaveInfo`), or the :class:`SaveHandle` of an asynchronous one.
         """
-        captured = capture(model, optimizer, extra, rng)
-        return self.save_captured(step, captured, overwrite=overwrite, progress=progress)
+        started = time.perf_counter()
+        step = check_step(step)
+        if self._queue is not None:
+            self._queue.admit(step)
+        if not (self.blocking if blocking is None else blocking):
+            return self._save_async(step, model, optimizer, extra, rng=rng, overwrite=overwrite,
+                                    progress=progress, started=started)
+        info = self.save_captured(step, capture(model, optimizer, extra, rng),
+                                  overwrite=overwrite, progress=progress)
+        return dataclasses.replace(info, blocked_seconds=time.perf_counter() - started)
+
+    def _save_async(self, step: int, model: nn.Module | None,
+                    optimizer: torch.optim.Optimizer | None, extra: Any, *, rng: bool,
+                    overwrite: bool, progress: bool, started: float) -> SaveHandle:
+        """Capture and snapshot the state here, then plan, encode, write and commit it on the
+        save thread (:mod:`deltackpt.pipeline`). Under torch.distributed the save's
+        collectives run there, on a gloo group of their own (:meth:`Group.background`), and
+        whether the step may be written is decided there, by every rank together."""
+        if self.read_only:
+            raise PermissionError(f"{self.path}: this manager was opened read_only")
+        group = Group.current()
+        if group is not None and self._background_group is None:
+            self._background_group = group.background()
+        if self._queue is None:
+            self._queue = SaveQueue(self.max_in_flight)
+        queue = self._queue
+        queue.raise_failure()
+        if group is None:
+            self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
+        buffers, waited = queue.snapshots.acquire()
+        try:
+            queue.raise_failure()  # a save that failed while this one waited
+            snapshot = buffers.take(capture(model, optimizer, extra, rng))
+        except BaseException:
+            queue.snapshots.release(buffers)
+            raise
+        blocked = time.perf_counter() - started
+
+        def run() -> SaveInfo:
+            snapshot.ready()
+            info = self._save_now(step, snapshot.captured, overwrite, progress,
+                                  self._background_group if group is not None else None)
+            return dataclasses.replace(info, blocked_seconds=blocked, waited_seconds=waited,
+                                       snapshot_bytes=snapshot.nbytes)
+
+        return queue.submit(step, run, buffers)
 
     def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
                       progress: bool = False) -> SaveInfo:
-        """Write already captured state as ``step`` (used by :meth:`save` and
-        :meth:`UniversalCheckpoint.save_universal`)."""
+        """Write already captured state as ``step``, once the saves in flight ended (used by
+        :meth:`save` and :meth:`UniversalCheckpoint.save_universal`)."""
         step = check_step(step)
-        group = Group.current()
+        self.wait()
+        return self._save_now(step, captured, overwrite, progress, Group.current())
+
+    def _save_now(self, step: int, captured: CapturedState, overwrite: bool, progress: bool,
+                  group: Group | None) -> SaveInfo:
+        """Plan, encode, write and commit ``captured`` as ``step`` (on the caller's thread for a
+        blocking save, on the save thread for an asynchronous one), with ``group``'s ranks."""
         if group is not None:
             if self._cache is not None:
                 raise ValueError(f"{self.path}: cache= serves single-process saves; under "
@@ -357,16 +485,23 @@ class CheckpointManager(CheckpointDirectory):
         self._prepare_save(step, overwrite)
         if self._cache is not None:
             self._cache.open()
-        base = self._delta_base(step, captured)
+        parts = shard_parts(captured, None)  # this process's layout: every tensor whole
+        base = self._delta_base(step, captured, parts, None)
         encoder = StepEncoder(captured, self.compression, base, self._controller,
-                              keep=self.compression.deltas and self.full_every > 1)
-        self._recon = None  # a failed save leaves it half updated; the next save is then full
-        meta = write_step(self.storage if self._cache is None else self._cache.storage, step,
-                          captured, kind="delta" if base else "full",
-                          base_step=base.step if base else None, encoder=encoder,
-                          summary=encoder.summary, coded_last=encoder.coded_last,
-                          chunk_bytes=self.chunk_bytes,
-                          workers=self._workers(), progress=progress)
+                              keep=self.compression.deltas and self.full_every > 1,
+                              local=local_parts(parts))
+        try:
+            meta = write_step(self.storage if self._cache is None else self._cache.storage,
+                              step, captured, parts=parts, kind="delta" if base else "full",
+                              base_step=base.step if base else None, encoder=encoder,
+                              summary=encoder.summary, coded_last=encoder.coded_last,
+                              chunk_bytes=self.chunk_bytes,
+                              workers=self._workers(), progress=progress)
+        except BaseException:
+            # A delta updates its base's values in place: the next one reads them again. The
+            # reconstruction still is the last committed step's.
+            self._stale_values = self._stale_values or base is not None
+            raise
         identity = self.storage.identity(_metadata_file(step))
         chain = {s: self._known[s] for s in base.chain if s in self._known} if base else {}
         self._known = chain if identity is None else {**chain, step: (identity, meta)}
@@ -374,6 +509,7 @@ class CheckpointManager(CheckpointDirectory):
             self._cache.upload(meta)
         encoder.learn()
         self._recon = encoder.reconstruction(step, meta.save_id)
+        self._stale_values = False
         info = SaveInfo.of(meta)
         self._warn_target(info, encoder.scale)
         if self.keep is not None:
@@ -425,8 +561,8 @@ class CheckpointManager(CheckpointDirectory):
         parts, local, base, save_id, error = {}, {}, None, None, None
         try:
             parts = shard_parts(captured, group)
-            local = {name: p[0].values for name, p in parts.items() if p}
-            base = self._delta_base(step, captured, local)
+            local = local_parts(parts)
+            base = self._delta_base(step, captured, parts, group)
             if group.rank == 0:
                 self._prepare_save(step, overwrite)
                 self.storage.makedirs(step_dir_name(step))
@@ -438,29 +574,34 @@ class CheckpointManager(CheckpointDirectory):
         if None in bases or len(set(bases)) > 1:  # every rank codes against one step, or none
             base = None
         save_id = group.broadcast(save_id)
-        self._recon = None  # a failed save leaves it half updated; the next save is then full
         encoder, written, stats, error = None, None, None, None
         try:
-            encoder = StepEncoder(captured, self.compression, base, self._controller,
-                                  keep=self.compression.deltas and self.full_every > 1,
-                                  local=local)
-            written = write_data(self.storage, step, save_id, captured, parts=parts,
-                                 rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
-                                 chunk_bytes=self.chunk_bytes, workers=pool,
-                                 progress=progress and group.rank == 0)
-            stats = encoder.class_stats
-        except Exception as exc:  # reported to every rank below, then raised there
-            error = f"{type(exc).__name__}: {exc}"
-        everyone = group.gather((written, stats, error))
-        outcome: SaveInfo | str | None = None
-        if group.rank == 0:
-            outcome = self._commit_distributed(step, save_id, captured, base, encoder, everyone,
-                                               started)
-        outcome = group.broadcast(outcome)
-        if isinstance(outcome, str):
-            raise DistributedError(outcome)
+            try:
+                encoder = StepEncoder(captured, self.compression, base, self._controller,
+                                      keep=self.compression.deltas and self.full_every > 1,
+                                      local=local)
+                written = write_data(self.storage, step, save_id, captured, parts=parts,
+                                     rank=group.rank, encoder=encoder,
+                                     coded_last=encoder.coded_last, chunk_bytes=self.chunk_bytes,
+                                     workers=pool, progress=progress and group.rank == 0)
+                stats = encoder.class_stats
+            except Exception as exc:  # reported to every rank below, then raised there
+                error = f"{type(exc).__name__}: {exc}"
+            everyone = group.gather((written, stats, error))
+            outcome: SaveInfo | str | None = None
+            if group.rank == 0:
+                outcome = self._commit_distributed(step, save_id, captured, base, encoder,
+                                                   everyone, started)
+            outcome = group.broadcast(outcome)
+            if isinstance(outcome, str):
+                raise DistributedError(outcome)
+        except BaseException:
+            # as in a single process: the next delta reads its base's values again
+            self._stale_values = self._stale_values or base is not None
+            raise
         encoder.learn()
         self._recon = encoder.reconstruction(step, save_id)
+        self._stale_values = False
         return outcome
 
     def _commit_distributed(self, step: int, save_id: str, captured: CapturedState,
@@ -527,6 +668,7 @@ class CheckpointManager(CheckpointDirectory):
             errors = {name: recon.errors.get(name, 0.0) + replaced.errors.get(name, 0.0)
                       for name in {*recon.errors, *replaced.errors}}
             self._recon = dataclasses.replace(replaced, deltas=recon.deltas, errors=errors)
+            self._stale_values = False
         elif recon is not None and not dry_run and recon.step in report.kept:
             # its values stay, but steps of its chain may be gone (a full rewrite replaced them)
             with contextlib.suppress(DeltackptError):
@@ -534,13 +676,14 @@ class CheckpointManager(CheckpointDirectory):
                 self._recon = dataclasses.replace(recon, chain=[m.step for m in chain])
         return report
 
-    def _delta_base(self, step: int, captured: CapturedState,
-                    local: dict[str, torch.Tensor] | None = None) -> Reconstruction | None:
+    def _delta_base(self, step: int, captured: CapturedState, parts: dict[str, list[Part]],
+                    group: Group | None) -> Reconstruction | None:
         """The reconstruction to code ``step`` against, or None when it must be a full step
-        (``local``: the parts of the tensors this rank writes, in a distributed save)."""
+        (``parts``: the boxes of the tensors this rank writes, of ``group``)."""
         recon = self._recon
         if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
-                or step <= recon.step or recon.layout != captured_layout(captured, local)):
+                or step <= recon.step
+                or recon.layout != captured_layout(captured, local_parts(parts))):
             return None
         # The base must still be the step this reconstruction came from, with its chain below.
         known = self._kept_metadata(recon.step)  # the very file this manager wrote or read
@@ -548,7 +691,28 @@ class CheckpointManager(CheckpointDirectory):
         if save_id != recon.save_id or not all(
                 self.storage.exists(_metadata_file(s)) for s in recon.chain[:-1]):
             return None
-        return recon
+        return self._committed_values(recon, parts, group) if self._stale_values else recon
+
+    def _committed_values(self, recon: Reconstruction, parts: dict[str, list[Part]],
+                          group: Group | None) -> Reconstruction | None:
+        """``recon`` with the values a reader decodes from its step (of this rank's ``parts``),
+        read again because a delta coded against it failed after changing them; None (a full
+        step) if they cannot be."""
+        boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p}
+        try:
+            _, decoded = self._restore_chain(self.metadata(recon.step), boxes=boxes,
+                                             workers=self._workers(group))
+        except DeltackptError as exc:
+            log.warning("%s: step %d, the base of the next delta, cannot be read again after "
+                        "a failed save (%s); the next save is a full step", self.path,
+                        recon.step, exc)
+            return None
+        if not recon.values.keys() <= decoded.values.keys():
+            return None
+        self._recon = dataclasses.replace(recon, values={
+            name: decoded.values[name].reshape(-1) for name in recon.values})
+        self._stale_values = False
+        return self._recon
 
     # -- restore -----------------------------------------------------------------------
 
@@ -626,6 +790,7 @@ class CheckpointManager(CheckpointDirectory):
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
         if not self.read_only:  # the loaded tensors went to the optimizer: keep our own copies
             self._recon = _resumed(recon, meta, boxes, group, model, optimizer, report.extra)
+            self._stale_values = False
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],

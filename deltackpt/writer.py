@@ -343,6 +343,7 @@ def writing(storage: Storage, step: int, rel: str) -> Iterator[None]:
 
 
 def write_step(storage: Storage, step: int, captured: CapturedState, *,
+               parts: dict[str, list[Part]] | None = None,
                kind: str = "full", base_step: int | None = None,
                encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
                coded_last: Mapping[str, int] | None = None,
@@ -371,7 +372,7 @@ def write_step(storage: Storage, step: int, captured: CapturedState, *,
             # A new step directory's entry becomes durable while its data files are fsynced.
             created = storage.makedirs(step_dir, durable=False)
         save_id = new_save_id()
-        written = write_data(storage, step, save_id, captured, encoder=encoder,
+        written = write_data(storage, step, save_id, captured, parts=parts, encoder=encoder,
                              coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
                              progress=progress, sync_dirs=("",) if created else ())
         meta = step_metadata(step, save_id, written, captured.tree, kind=kind,

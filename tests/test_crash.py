@@ -77,6 +77,20 @@ def writer(command):
     # full steps only: the overwrite rounds replace steps that deltas would depend on
     mgr = CheckpointManager(ROOT, full_every=1, chunk_bytes=4096)
     say("ready")
+    if command[0] == "async":  # each save returns at its snapshot; the content then changes
+        step, pending = int(command[1]), None
+        while True:
+            state = content(step, 0)
+            say(f"begin {step} 0")
+            handle = mgr.save(step, extra=state, rng=False, blocking=False)
+            if pending is not None:  # ended: the save above waited for it (max_in_flight=1)
+                pending.wait()
+                say(f"done {pending.step} 0")
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+            state["meta"]["version"] = -1
+            pending, step = handle, step + 1
     if command[0] == "new":
         step = int(command[1])
         while True:
@@ -263,6 +277,32 @@ def test_sigkill_at_random_points(tmp_path: Path) -> None:
     finally:
         server.close()
     assert len(server.done) >= 8, "the writers hardly saved anything"
+    assert leftover_rounds >= 1, "no kill interrupted a save: the test did not exercise crashes"
+
+
+def test_sigkill_during_async_saves(tmp_path: Path) -> None:
+    """Writers saving with blocking=False, killed while a save runs in the background (its
+    caller already changing the state it saved) or between saves, leave every committed step
+    intact and whole, each the state at its call."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"kill points drawn with random.Random({seed})")
+    rng = random.Random(seed)
+    script = tmp_path / "writer_server.py"
+    script.write_text(SERVER_SOURCE)
+    root = tmp_path / "ckpt"
+    server = WriterServer(script, root)
+    leftover_rounds = 0
+    try:
+        for round_number in range(6):
+            start = (max(server.begun) + 1) if server.begun else 0
+            target = start + 1 + rng.randrange(2)
+            kill_after = "begin" if round_number % 3 else "done"
+            server.round(f"async {start}", lambda w, t=target, k=kill_after: w[:2] == [k, str(t)],
+                         rng.uniform(0, 0.03))
+            leftover_rounds += _check_after_crash(root, server)
+    finally:
+        server.close()
+    assert len(server.done) >= 6, "the writers hardly saved anything"
     assert leftover_rounds >= 1, "no kill interrupted a save: the test did not exercise crashes"
 
 

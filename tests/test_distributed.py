@@ -146,6 +146,50 @@ def test_a_failing_rank_fails_every_rank_and_leaves_no_step(tmp_path: Path) -> N
     assert not leftover.exists() or os.listdir(leftover) == []  # every rank's files deleted
 
 
+def _delta_after_a_failed_delta(rank: int, world: int, path: str, fail: bool) -> None:
+    """Steps 1 (full) and 3 saved alike; between them, with ``fail``, a delta save of step 2
+    whose writes fail on rank 1 after it coded a chunk (its reference then changed)."""
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
+    with CheckpointManager(path, full_every=10, chunk_bytes=1024) as mgr:
+        for step in (1, 2, 3):
+            if step == 2 and fail:
+                create = mgr.storage.create
+
+                def failing(rel, *args, create=create, **kwargs):
+                    if rank == 1 and rel.startswith("step-000000000002/"):
+                        raise OSError(28, "No space left on device")
+                    return create(rel, *args, **kwargs)
+
+                mgr.storage.create = failing
+                with pytest.raises(DistributedError, match="rank 1: WriteFailedError"):
+                    mgr.save(step, model, optimizer, rng=False)
+                mgr.storage.create = create
+            elif step != 2:
+                info = mgr.save(step, model, optimizer, rng=False)
+                assert (info.kind, info.base_step) == (("full", None) if step == 1 else
+                                                       ("delta", 1)), info
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            for _ in range(3):
+                model(torch.randn(4, 8, generator=generator)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def test_after_a_failed_delta_the_ranks_code_against_the_last_committed_step(
+        tmp_path: Path) -> None:
+    """Each rank's reference goes back to the last committed step's values of its shards: the
+    next delta is the one a run without the failed save writes."""
+    run_ranks(_delta_after_a_failed_delta, 2, str(tmp_path / "failed"), True)
+    run_ranks(_delta_after_a_failed_delta, 2, str(tmp_path / "reference"), False)
+    failed = CheckpointManager(tmp_path / "failed", read_only=True)
+    reference = CheckpointManager(tmp_path / "reference", read_only=True)
+    assert failed.steps() == reference.steps() == [1, 3]
+    got, want = failed.restore(3).tensors, reference.restore(3).tensors
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def _differing_plain_tensor(rank: int, world: int, path: str) -> None:
     model = nn.Linear(3, 2)
     with torch.no_grad():
@@ -349,9 +393,50 @@ def _save_fsdp_deltas(rank: int, world: int, path: str, expected: str) -> None:
         torch.save(states, expected)
 
 
-def test_fsdp_ranks_save_deltas_of_their_shards(tmp_path: Path) -> None:
+def _save_fsdp_async(rank: int, world: int, path: str, expected: str) -> None:
+    """Asynchronous saves of FSDP2 shards, each followed at once by training steps (whose
+    collectives run on the default group while the save's run on the manager's own)."""
+    import threading
+
+    import deltackpt.distributed
+
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
+    calls = []  # (thread, group) of each object collective deltackpt made
+
+    def recording(collective):
+        def recorded(*args, **kwargs):
+            calls.append((threading.current_thread().name, kwargs.get("group")))
+            return collective(*args, **kwargs)
+        return recorded
+
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
+        setattr(deltackpt.distributed.dist, name, recording(getattr(dist, name)))
+    states = []
+    with CheckpointManager(path, full_every=3, blocking=False) as mgr:
+        for step in range(1, 4):
+            states.append(_full_state(model, optimizer))
+            handle = mgr.save(step, model, optimizer, rng=False)
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            for _ in range(5):
+                model(torch.randn(4, 8, generator=generator)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            info = handle.wait()
+            assert (info.kind, info.step) == ("full" if step == 1 else "delta", step), info
+            assert info.snapshot_bytes > 0
+    # every collective of the saves ran on their thread, on the manager's gloo group
+    assert calls and all(thread.startswith("deltackpt-save") and group is not None
+                         for thread, group in calls), calls
+    if rank == 0:
+        torch.save(states, expected)
+
+
+@pytest.mark.parametrize("save", [_save_fsdp_deltas, _save_fsdp_async])
+def test_fsdp_ranks_save_deltas_of_their_shards(tmp_path: Path, save) -> None:
+    """Blocking and asynchronous saves: every rank codes its shards; the steps restore whole
+    in one process and load on 2 ranks (resharded)."""
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
-    run_ranks(_save_fsdp_deltas, 4, str(path), str(expected))
+    run_ranks(save, 4, str(path), str(expected))
     mgr = CheckpointManager(path, read_only=True)
     saved = torch.load(expected, weights_only=True)
     for step, want in zip((1, 2, 3), saved, strict=True):
