@@ -365,6 +365,13 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                eps):
         n = x.shape[0]
         step_k = np.float64(step_i)
+        # A division by a power-of-two step is a multiplication by its reciprocal, bit for bit:
+        # 2**-k is exact, and the quotient of the integer d (|d| < 2**33) by 2**k keeps d's
+        # significand (neither rounds, nor underflows), so both give the same float64 and the
+        # same rint (tests/test_quant_kernels.py: test_ordinal_power_of_two_steps_multiply).
+        # The division costs the ordinal loop about a tenth of its time.
+        pow2 = (step_i & (step_i - 1)) == 0
+        inv_k = 1.0 / step_k
         sym_block = np.empty(block, np.uint16)
         # Values go to a block buffer, then to out: when out is pred (in place, as a save codes),
         # a loop that writes out while reading pred fails LLVM's runtime overlap check and runs
@@ -388,7 +395,8 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 if ordinal:
                     kx, kp = np.float64(_key_of(xb[j])), np.float64(_key_of(p))
                     off = _key_offset(u, step_k)
-                    qf = np.rint((kx - kp - off) / step_k)
+                    d = kx - kp - off
+                    qf = np.rint(d * inv_k if pow2 else d / step_k)
                     # Never flip a sign: a positive moment (Adam's second) restored negative
                     # would be a NaN in its square root.
                     k = kp + qf * step_k + off

@@ -945,3 +945,30 @@ def test_ordinal_never_flips_sign() -> None:
             encode_block_stream(x, None, recon, ordinal=True, step=step, block=64, dither=dither)
             assert not (np.signbit(recon) & (x > 0)).any()
             assert not ((recon > 0) & (x < 0)).any()
+
+
+@pytest.mark.parametrize("dither", [None, 5])
+def test_ordinal_power_of_two_steps_multiply(dither: int | None) -> None:
+    """The ordinal encoder multiplies by the reciprocal of a power-of-two step instead of
+    dividing: the same float64 quotient, so the same symbols, at every tie (key differences of
+    an odd number of half steps, rounded half to even) and at the largest key differences. A
+    step that is not a power of two (3 * 2**k) is still divided: checked at its ties too."""
+    m = np.arange(-40, 41, dtype=np.int64)
+    for k in range(1, 31):
+        for step in {1 << k, 3 << (k - 1)} - {3 << 29}:  # steps of at most MAX_KEY
+            offsets = np.concatenate([(2 * m + 1) * step // 2, (2 * m + 1) * step // 2 + 1,
+                                      m * step])
+            pred = np.float32(1.5).view(np.int32) + np.zeros(offsets.size, np.int64)
+            keys = np.clip(pred + offsets, 1, MAX_KEY)
+            x, p = numpy_from_keys(keys), numpy_from_keys(pred)
+            recon = np.empty_like(x)
+            stream, _ = encode_block_stream(x, p, recon, ordinal=True, step=step, block=64,
+                                            dither=dither if step <= MAX_DITHERED_KEY_STEP
+                                            else None)
+            q, expected = numpy_quantize(x, p, ordinal=True, step=step, dither=dither
+                                         if step <= MAX_DITHERED_KEY_STEP else None)
+            assert_stream_equal(stream, numpy_pack(q, 64))
+            assert_bits_equal(recon, expected, f"reconstruction, step {step}")
+    d = np.concatenate([np.arange(-2**20, 2**20, 997), [-(2**33) + 1, 2**33 - 1]]).astype(np.float64)
+    for k in range(31):
+        assert np.array_equal(np.rint(d * (1.0 / 2**k)), np.rint(d / 2**k))
