@@ -41,6 +41,7 @@ process kept a core busy (as the training job beside a save does).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -747,6 +748,7 @@ def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: 
                          f"{_stream_problem(status, streams[bad], out.shape[0], block)}")
 
 
+@functools.lru_cache(maxsize=1024)  # a restore asks once per chunk and step, for a few steps
 def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
     if ordinal:
         if int(step) != step or not 1 <= step <= MAX_KEY:
