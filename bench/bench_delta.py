@@ -530,10 +530,13 @@ def _account(name: str, target, baseline, baseline_name: str, setup=None) -> Non
         for phase, count in accounting.faults.items():
             faults[phase] = faults.get(phase, 0) + count
     med = {key: statistics.median(values) for key, values in rows.items()}
-    mean = {phase: sum(values) / ACCOUNTING_ROUNDS for phase, values in phases.items()}
+    # Medians: on a loaded machine one round in several is stalled, and a mean would charge it
+    # to whatever phase it hit.
+    phase_med = {phase: statistics.median(values + [0.0] * (ACCOUNTING_ROUNDS - len(values)))
+                 for phase, values in phases.items()}
     cores = default_workers()
     note("")
-    note(f"CPU accounting: {name} (medians of {ACCOUNTING_ROUNDS} rounds; phases: mean thread CPU "
+    note(f"CPU accounting: {name} (medians of {ACCOUNTING_ROUNDS} rounds; phases: thread CPU "
          "time, exclusive of the phases they call; faults: minor page faults a round)")
     note(f"  wall {med['wall'] * 1e3:.1f} ms, CPU {med['cpu'] * 1e3:.1f} ms (system "
          f"{med['system'] * 1e3:.1f}), main thread {med['main'] * 1e3:.1f} ms; {baseline_name}: "
@@ -542,10 +545,10 @@ def _account(name: str, target, baseline, baseline_name: str, setup=None) -> Non
          f"{med['cpu'] / med['base cpu']:.2f}x; floor on {cores} idle cores (max of main thread "
          f"and CPU / cores, over {baseline_name}'s wall): "
          f"{max(med['main'], med['cpu'] / cores) / med['base wall']:.2f}x")
-    for phase, seconds in sorted(mean.items(), key=lambda item: -item[1]):
+    for phase, seconds in sorted(phase_med.items(), key=lambda item: -item[1]):
         note(f"  {phase:<40} {seconds * 1e3:8.2f} ms {faults.get(phase, 0) / ACCOUNTING_ROUNDS:9.0f} faults")
     note(f"  {'(not in a phase: pool, GIL, the rest)':<40} "
-         f"{(med['cpu'] - sum(mean.values())) * 1e3:8.2f} ms")
+         f"{(med['cpu'] - sum(phase_med.values())) * 1e3:8.2f} ms (medians: about)")
     if accounting.missing:
         note(f"  not timed (renamed?): {', '.join(accounting.missing)}")
 
