@@ -1,6 +1,7 @@
 """Delta steps: kernel speed against memcpy, save speed against ``torch.save``, chain restores.
 
-Targets, each reported beside a baseline measured in the same run:
+Targets, each reported beside a baseline measured in the same run (``-k accounting``: where
+the CPU time of a delta save and of a chain restore goes, by phase, see the end of this file):
 
 * (issue 3) fused encode kernel >= 0.3x memcpy into a preallocated buffer,
   decode >= 0.4x; restoring the step at the end of a 9-delta chain >= 1
@@ -21,14 +22,22 @@ GAP training steps apart. ``DELTACKPT_BENCH_DELTA_MODELS`` (default
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
 import os
+import resource
 import shutil
+import statistics
+import threading
+import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from conftest import CACHE, durable_torch_save, paired, record
+import xxhash
+from conftest import CACHE, durable_torch_save, note, paired, record
 from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
 
 from deltackpt import CheckpointManager
@@ -247,35 +256,48 @@ def test_full_save_fsync(benchmark, run, tmp_path) -> None:
     record(benchmark, "full save + fsync", infos[-1].raw_bytes, infos[-1].stored_bytes)
 
 
+class _DeltaSaves:
+    """Rounds of a delta step (balanced preset) on the state GAP training steps earlier: each
+    round's untimed :meth:`setup` makes a fresh directory holding the earlier state as a full
+    step, :meth:`save` saves the later one as a delta, :meth:`torch_save` the baseline."""
+
+    def __init__(self, run, tmp_path) -> None:
+        self.model, self.optimizer, self.states = run
+        self.tmp_path = tmp_path
+        self.managers: list[CheckpointManager] = []
+        self.infos = []
+
+    def setup(self) -> None:
+        self.close()
+        shutil.rmtree(self.tmp_path / "delta", ignore_errors=True)
+        _load(self.model, self.optimizer, self.states[-2])
+        self.managers.append(CheckpointManager(self.tmp_path / "delta"))
+        self.managers[-1].save(1, self.model, self.optimizer, rng=False)
+        _load(self.model, self.optimizer, self.states[-1])
+
+    def save(self) -> None:
+        self.infos.append(self.managers[-1].save(2, self.model, self.optimizer, rng=False))
+
+    def torch_save(self) -> None:
+        durable_torch_save({"model": self.model.state_dict(),
+                            "optimizer": self.optimizer.state_dict()}, self.tmp_path / "ckpt.pt")
+
+    def close(self) -> None:
+        for mgr in self.managers:
+            mgr.close()
+
+
 def test_delta_save_fsync(benchmark, run, tmp_path) -> None:
     """A delta step on the state GAP training steps earlier (balanced preset), fsynced, against
     ``torch.save`` + fsync of the same state in the same rounds."""
-    model, optimizer, states = run
-    directory = tmp_path / "delta"
-    managers, infos = [], []
-
-    def setup() -> None:  # untimed: a fresh directory holding the earlier state as a full step
-        for mgr in managers:
-            mgr.close()
-        shutil.rmtree(directory, ignore_errors=True)
-        _load(model, optimizer, states[-2])
-        managers.append(CheckpointManager(directory))
-        managers[-1].save(1, model, optimizer, rng=False)
-        _load(model, optimizer, states[-1])
-
-    def save() -> None:
-        infos.append(managers[-1].save(2, model, optimizer, rng=False))
-
-    def torch_save() -> None:
-        durable_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                           tmp_path / "ckpt.pt")
-
-    raw = sum(a.nbytes for _, a in _tensors(states[-1]))
-    baseline = paired(benchmark, save, torch_save, setup=setup, rounds=_rounds(raw))
-    managers[-1].close()
-    assert infos[-1].kind == "delta"
-    record(benchmark, "delta save + fsync (balanced)", infos[-1].raw_bytes, infos[-1].stored_bytes,
-           baseline=("torch.save + fsync", baseline))
+    saves = _DeltaSaves(run, tmp_path)
+    raw = sum(a.nbytes for _, a in _tensors(run[2][-1]))
+    baseline = paired(benchmark, saves.save, saves.torch_save, setup=saves.setup,
+                      rounds=_rounds(raw))
+    saves.close()
+    assert saves.infos[-1].kind == "delta"
+    record(benchmark, "delta save + fsync (balanced)", saves.infos[-1].raw_bytes,
+           saves.infos[-1].stored_bytes, baseline=("torch.save + fsync", baseline))
 
 
 @pytest.fixture(scope="module")
@@ -332,3 +354,227 @@ def test_restore_end_of_short_chain_new_manager(benchmark, run, chain, tmp_path)
 
     _restore_against_torch_load(benchmark, run, chain, tmp_path, restore,
                                 f"restore end of {SHORT_CHAIN}-delta chain (new mgr)")
+
+
+# -- CPU accounting -------------------------------------------------------------------------
+#
+# Where the CPU time of a delta save and of a chain restore goes, phase by phase, summed over
+# every thread: what bounds the ratios above from below. ``pytest bench/bench_delta.py -k
+# accounting`` prints it for each model, beside torch.save + fsync and torch.load measured in
+# the same rounds, and the floor a perfectly parallel run on this machine's cores would reach.
+
+# (module, attribute, phase) of the functions timed. Each phase's time is exclusive: a timed
+# function's time leaves out that of the timed functions it calls. Encode and decode kernel
+# variants are timed one by one (``_ENCODERS``/``_DECODERS``, by variant).
+PHASES = [
+    ("deltackpt.manager", "capture", "capture (main)"),
+    ("deltackpt.manager.CheckpointManager", "_delta_base", "base check (main)"),
+    ("deltackpt.delta.StepEncoder", "_plan", "plan: steps from samples (main)"),
+    ("deltackpt.delta.StepEncoder", "__call__", "chunk coding, Python"),
+    ("deltackpt.delta.StepEncoder", "_count", "statistics"),
+    ("deltackpt.delta", "_error_stats", "statistics"),
+    ("deltackpt.delta", "encode_lossless", "lossless encode (exact chunks)"),
+    ("deltackpt.kernels.quant", "_compact", "stream compaction"),
+    ("deltackpt.codecs.quant", "zstd_compress", "zstd, quant streams"),
+    ("deltackpt.writer", "_encode_and_write", "writer task, Python"),
+    ("deltackpt.writer._DataFiles", "append", "file writes"),
+    ("deltackpt.storage.LocalStorage", "finish", "fsync"),
+    ("deltackpt.storage.LocalStorage", "sync_dir", "fsync"),
+    ("deltackpt.delta.StepEncoder", "summary", "metadata: build"),
+    ("deltackpt.writer", "step_metadata", "metadata: build"),
+    ("deltackpt.format.StepMetadata", "to_json", "metadata: serialize + seal"),
+    ("deltackpt.writer", "metadata_bytes", "metadata: zstd"),
+    ("deltackpt.writer", "commit_step", "commit"),
+    ("deltackpt.manager", "restore_chain", "restore planning (main)"),
+    ("deltackpt.reader", "parse_step_metadata", "metadata: parse + validate"),
+    ("deltackpt.reader", "check_chunks_readable", "chunk checks"),
+    ("deltackpt.reader.ChunkSource", "stored", "chunk reads"),
+    ("deltackpt.reader.ChunkSource", "decode", "lossless decode, Python"),
+    ("deltackpt.codecs.lossless", "huffman_decode", "lossless decode: huffman"),
+    ("deltackpt.codecs.lossless", "merge_planes", "lossless decode: merge planes"),
+    ("deltackpt.codecs.lossless", "zstd_decompress", "lossless decode: zstd"),
+    ("deltackpt.chain", "_restore_range", "range task, Python"),
+    ("deltackpt.chain", "_restore_derived", "derived task, Python"),
+    ("deltackpt.codecs.quant", "zstd_decompress_bounded", "zstd, quant streams"),
+    ("deltackpt.codecs.quant", "check_stream", "stream check"),
+    ("deltackpt.codecs.quant", "decode_step_streams", "decode kernel: chain of steps"),
+]
+ACCOUNTING_ROUNDS = 5
+
+
+class _CpuAccounting:
+    """Thread CPU time and minor page faults by phase (see PHASES), while installed."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.faults: dict[str, int] = {}
+        self.missing: list[str] = []
+        self._local = threading.local()
+        self._undo: list = []
+
+    def _account(self, phase: str, fn):
+        local, cpu, faults = self._local, self.cpu, self.faults
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            stack = local.__dict__.setdefault("stack", [])
+            stack.append([0.0, 0])
+            started, faulted = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.thread_time() - started
+                fell = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faulted
+                inner = stack.pop()
+                cpu[phase] = cpu.get(phase, 0.0) + took - inner[0]
+                faults[phase] = faults.get(phase, 0) + fell - inner[1]
+                if stack:
+                    stack[-1][0] += took
+                    stack[-1][1] += fell
+
+        return timed
+
+    def _replace(self, owner, key, value) -> None:
+        if isinstance(owner, dict):
+            old = owner[key]
+            owner[key] = value
+            self._undo.append(lambda: owner.__setitem__(key, old))
+        else:
+            old = owner.__dict__[key]  # a class's own attribute, not an inherited one
+            setattr(owner, key, value)
+            self._undo.append(lambda: setattr(owner, key, old))
+
+    def __enter__(self) -> _CpuAccounting:
+        import deltackpt.kernels.quant as kernels
+
+        for path, attr, phase in PHASES:
+            owner = _resolve(path)
+            if owner is None or attr not in vars(owner):
+                self.missing.append(f"{path}.{attr}")
+                continue
+            self._replace(owner, attr, self._account(phase, getattr(owner, attr)))
+        for table, what in ((kernels._ENCODERS, "encode"), (kernels._DECODERS, "decode")):
+            for variant, kernel in list(table.items()):
+                ordinal, pred, dithered, scaled = variant
+                name = "/".join(["ordinal" if ordinal else "linear"]
+                                + ["pred"] * pred + ["dither"] * dithered + ["scaled"] * scaled)
+                self._replace(table, variant, self._account(f"{what} kernel: {name}", kernel))
+        checksums = self._account("checksums", lambda hasher, data: hasher.update(data))
+        account = self._account
+
+        class Hasher:  # xxh3 of a chunk's parts, as the writer feeds them
+            def __init__(self) -> None:
+                self.hasher = xxhash.xxh3_64()
+
+            def update(self, data) -> None:
+                checksums(self.hasher, data)
+
+            def hexdigest(self) -> str:
+                return self.hasher.hexdigest()
+
+        timed_xxhash = types.SimpleNamespace(
+            xxh3_64=Hasher, xxh3_64_hexdigest=account("checksums", xxhash.xxh3_64_hexdigest))
+        for module in ("deltackpt.writer", "deltackpt.reader"):
+            self._replace(_resolve(module), "xxhash", timed_xxhash)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+
+def _resolve(path: str):
+    """The module or class ``path`` names (a module, then attributes), or None."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            owner = getattr(owner, attr, None)
+        return owner
+    return None
+
+
+def _cpu() -> tuple[float, float]:
+    """This process's CPU time (user + system) and system time, in seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_stime
+
+
+def _account(name: str, target, baseline, baseline_name: str, setup=None) -> None:
+    """Run ``target`` ACCOUNTING_ROUNDS times (after a warm-up) under :class:`_CpuAccounting`,
+    ``baseline`` just before each, and note the mean CPU time by phase."""
+    phases: dict[str, list[float]] = {}
+    faults: dict[str, int] = {}
+    rows = {"wall": [], "cpu": [], "system": [], "main": [], "base wall": [], "base cpu": []}
+    for round_ in range(ACCOUNTING_ROUNDS + 1):
+        if setup is not None:
+            setup()
+        wall, (cpu, system) = time.perf_counter(), _cpu()
+        baseline()
+        base_wall, (base_cpu, _) = time.perf_counter() - wall, _cpu()
+        base_cpu -= cpu
+        with _CpuAccounting() as accounting:
+            wall, (cpu, system), main = time.perf_counter(), _cpu(), time.thread_time()
+            target()
+            wall, main = time.perf_counter() - wall, time.thread_time() - main
+            cpu, system = (now - before for now, before in zip(_cpu(), (cpu, system), strict=True))
+        if round_ == 0:  # warm-up
+            continue
+        for key, value in zip(rows, (wall, cpu, system, main, base_wall, base_cpu), strict=True):
+            rows[key].append(value)
+        for phase, seconds in accounting.cpu.items():
+            phases.setdefault(phase, []).append(seconds)
+        for phase, count in accounting.faults.items():
+            faults[phase] = faults.get(phase, 0) + count
+    med = {key: statistics.median(values) for key, values in rows.items()}
+    # Medians: on a loaded machine one round in several is stalled, and a mean would charge it
+    # to whatever phase it hit.
+    phase_med = {phase: statistics.median(values + [0.0] * (ACCOUNTING_ROUNDS - len(values)))
+                 for phase, values in phases.items()}
+    cores = default_workers()
+    note("")
+    note(f"CPU accounting: {name} (medians of {ACCOUNTING_ROUNDS} rounds; phases: thread CPU "
+         "time, exclusive of the phases they call; faults: minor page faults a round)")
+    note(f"  wall {med['wall'] * 1e3:.1f} ms, CPU {med['cpu'] * 1e3:.1f} ms (system "
+         f"{med['system'] * 1e3:.1f}), main thread {med['main'] * 1e3:.1f} ms; {baseline_name}: "
+         f"wall {med['base wall'] * 1e3:.1f} ms, CPU {med['base cpu'] * 1e3:.1f} ms")
+    note(f"  wall / {baseline_name} {med['wall'] / med['base wall']:.2f}x, CPU / its CPU "
+         f"{med['cpu'] / med['base cpu']:.2f}x; floor on {cores} idle cores (max of main thread "
+         f"and CPU / cores, over {baseline_name}'s wall): "
+         f"{max(med['main'], med['cpu'] / cores) / med['base wall']:.2f}x")
+    for phase, seconds in sorted(phase_med.items(), key=lambda item: -item[1]):
+        note(f"  {phase:<40} {seconds * 1e3:8.2f} ms {faults.get(phase, 0) / ACCOUNTING_ROUNDS:9.0f} faults")
+    note(f"  {'(not in a phase: pool, GIL, the rest)':<40} "
+         f"{(med['cpu'] - sum(phase_med.values())) * 1e3:8.2f} ms (medians: about)")
+    if accounting.missing:
+        note(f"  not timed (renamed?): {', '.join(accounting.missing)}")
+
+
+def test_cpu_accounting_delta_save(run, tmp_path) -> None:
+    """CPU by phase of a delta save (as test_delta_save_fsync), torch.save + fsync beside it."""
+    saves = _DeltaSaves(run, tmp_path)
+    try:
+        _account(f"delta save, {_model_name(run)}", saves.save, saves.torch_save,
+                 "torch.save + fsync", setup=saves.setup)
+    finally:
+        saves.close()
+    assert saves.infos[-1].kind == "delta"
+
+
+def test_cpu_accounting_restore(run, chain, tmp_path) -> None:
+    """CPU by phase of restoring the end of a SHORT_CHAIN-delta chain (as
+    test_restore_end_of_short_chain), torch.load of the state beside it."""
+    _delta_at_end_of_chain(chain, SHORT_CHAIN)
+    path = tmp_path / "ckpt.pt"
+    durable_torch_save(run[2][SHORT_CHAIN], path)
+    _account(f"restore end of {SHORT_CHAIN}-delta chain, {_model_name(run)}",
+             lambda: chain.restore(SHORT_CHAIN), lambda: torch.load(path, weights_only=True),
+             "torch.load")
+
+
+def _model_name(run) -> str:
+    """The size of a run's model, in MB of weights and Adam moments."""
+    return f"{sum(a.nbytes for _, a in _tensors(run[2][-1])) / 1e6:.0f} MB state"

@@ -245,8 +245,11 @@ def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord
     list per step, each task one chunk of that step, to run in order.
     """
     steps = [(d, records[d][name]) for d in range(first, len(chain))]
+    last = steps[-1][1]
+    boxes = _boxes(last)
     for d, record in steps:
-        _same_boxes(chain[d], record, steps[-1][1], f"step {chain[-1].step}")
+        if _boxes(record) != boxes:
+            _same_boxes(chain[d], record, last, f"step {chain[-1].step}")
     itemsize = spec_named(steps[0][1].dtype, name).itemsize
     state, raw = piece.state, piece.raw
 
@@ -257,14 +260,15 @@ def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord
         return _RangeTask(links, None if state is None else state[lo // itemsize : hi // itemsize],
                           raw[lo:hi], first)
 
-    bounds = {tuple((c.raw_offset, c.raw_length) for c in r.fragments[k].chunks) for _, r in steps}
+    bounds = {tuple([(c.raw_offset, c.raw_length) for c in r.fragments[k].chunks]) for _, r in steps}
     if len(bounds) > 1:
         return [[task([_Link(d, r, c)]) for c in r.fragments[k].chunks] for d, r in steps]
     tasks = []
-    for i in range(len(steps[-1][1].fragments[k].chunks)):
-        links = [_Link(d, r, r.fragments[k].chunks[i]) for d, r in steps]
-        start = max((j for j, link in enumerate(links) if _self_contained(link.chunk)), default=0)
-        tasks.append(task(links[start:]))
+    for i in range(len(last.fragments[k].chunks)):
+        chunks = [r.fragments[k].chunks[i] for _, r in steps]
+        start = next((j for j in range(len(chunks) - 1, 0, -1) if _self_contained(chunks[j])), 0)
+        tasks.append(task([_Link(d, r, c) for (d, r), c in zip(steps[start:], chunks[start:],
+                                                                 strict=True)]))
     return [tasks]
 
 
@@ -351,6 +355,8 @@ def _spans(chain: list[StepMetadata], boxes: dict[str, Box]) -> dict[str, tuple[
     """For each tensor of ``boxes`` stored whole (one fragment) in every step of the chain:
     the elements ``[lo, hi)`` (row-major) of the chunks that hold its box, widened until no
     chunk of any step straddles them. Tensors whose span would be all of them are left out."""
+    if not boxes:
+        return {}
     records = [{r.name: r for r in m.tensors} for m in chain]
     spans = {}
     for name, (offsets, sizes) in boxes.items():
@@ -407,6 +413,8 @@ def _restricted(meta: StepMetadata, regions: dict[str, Box],
                                                                         (lo, sizes))]
         return replace(record, shape=list(sizes), fragments=inside)
 
+    if not regions and not spans:
+        return meta
     return replace(meta, tensors=[cut(r) if (r.name in regions or r.name in spans)
                                   and r.alias_of is None else r for r in meta.tensors])
 

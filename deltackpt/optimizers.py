@@ -182,14 +182,24 @@ def unknown_state_keys(captured: CapturedState,
 
 def finite_rms(values: np.ndarray) -> float | None:
     """Root mean square of the finite elements of ``values`` (None if there are none)."""
-    xs = values[np.isfinite(values)].astype(np.float64)
+    finite = np.isfinite(values)
+    xs = (values if finite.all() else values[finite]).astype(np.float64, copy=False)
     return float(np.sqrt(np.mean(xs * xs))) if xs.size else None
+
+
+def _sampled(tensor: torch.Tensor) -> np.ndarray:
+    """About SAMPLE_ELEMENTS evenly strided elements of ``tensor`` as float64 (exact): through
+    numpy for a float32 tensor in CPU memory, a few microseconds less than torch's cast."""
+    flat = tensor.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)]
+    if sample.dtype == torch.float32 and sample.device.type == "cpu":
+        return sample.numpy().astype(np.float64)
+    return sample.double().cpu().numpy()
 
 
 def sampled_rms(tensor: torch.Tensor) -> float:
     """Root mean square of about SAMPLE_ELEMENTS evenly strided elements (finite ones)."""
-    flat = tensor.detach().reshape(-1)
-    return finite_rms(flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)].double().cpu().numpy()) or 0.0
+    return finite_rms(_sampled(tensor)) or 0.0
 
 
 def _betas(captured: CapturedState) -> dict[str, tuple[float, float]]:
@@ -248,12 +258,11 @@ def _adam_update_rms(state: dict[str, torch.Tensor], corrections: tuple[float, f
                      eps: float) -> float:
     """Root mean square of Adam's normalized update ``m_hat / (sqrt(v_hat) + eps)`` at about
     SAMPLE_ELEMENTS evenly strided elements."""
-    m, v = state["exp_avg"].detach().reshape(-1), state["exp_avg_sq"].detach().reshape(-1)
-    if m.shape != v.shape:
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if m.numel() != v.numel():
         return math.nan
-    stride = max(1, m.numel() // SAMPLE_ELEMENTS)
     c1, c2 = corrections
-    ms, vs = m[::stride].double().cpu().numpy(), v[::stride].double().cpu().numpy()
+    ms, vs = _sampled(m), _sampled(v)
     with np.errstate(invalid="ignore", divide="ignore"):
         u = (ms / c1) / (np.sqrt(np.maximum(vs, 0)) / c2 + eps)
     rms = finite_rms(u)

@@ -115,6 +115,7 @@ def chain_of(storage: Storage, meta: StepMetadata,
     """
     read = read or (lambda step: read_metadata(storage, step))
     chain = [meta]
+    layout = layout_of(meta)
     while chain[-1].kind == "delta":
         top = chain[-1]
         if top.base_step >= top.step:
@@ -129,9 +130,11 @@ def chain_of(storage: Storage, meta: StepMetadata,
         except DeltackptError as exc:
             raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
                                   f"base step {top.base_step} cannot be read ({exc})") from None
-        if layout_of(chain[-1]) != layout_of(top):  # no delta's tensor outgrows its full step's
+        below = layout_of(chain[-1])
+        if below != layout:  # no delta's tensor outgrows its full step's
             raise CorruptionError(f"step {top.step} is a delta on step {top.base_step}, which "
                                   "holds other tensors (names, roles, dtypes or shapes; FORMAT.md 5)")
+        layout = below
     return chain[::-1]
 
 

@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from deltackpt.kernels.quant import encode_block_stream
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_huffman import reference_decode  # the huffman stream decoded bit by bit, from FORMAT.md 3.1
 
 from deltackpt import CorruptionError, DeltackptError, FormatError
 from deltackpt.codecs import CODECS, decode_into, encode_lossless
-from deltackpt.codecs.lossless import MIN_CODED_BYTES
-from deltackpt.codecs.quant import quant_params
+from deltackpt.codecs.lossless import MIN_CODED_BYTES, PACKED_PARAMS
+from deltackpt.codecs.quant import decode_quant, encode_quant, quant_params
 from deltackpt.dtypes import BY_NAME, DTypeSpec
 
 SETTINGS = settings(max_examples=100, deadline=None,
@@ -376,3 +377,22 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
 def test_invalid_quant_params_are_refused(params: dict[str, Any]) -> None:
     with pytest.raises(FormatError, match="quant params"):
         quant_params(params)
+
+
+def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
+    """A quant chunk stores its packed symbol stream as one zstd frame with its content size
+    (FORMAT.md 3.2), compressed with the parameters of packed streams (PACKED_PARAMS, not
+    level 1): it decodes to exactly the encoder's reconstruction."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(50_000).astype(np.float32)
+    pred = (x + rng.standard_normal(x.size).astype(np.float32) * 0.01).astype(np.float32)
+    recon = np.empty_like(x)
+    chunk, _ = encode_quant(x, pred, recon, ordinal=False, step=0.03125, block=1024, dither=9)
+    stream, _ = encode_block_stream(x, pred, np.empty_like(x), ordinal=False, step=0.03125,
+                                    block=1024, dither=9)
+    frame = bytes(chunk.parts[0])
+    assert frame == zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
+    assert _spec_zstd(frame, stream.nbytes) == stream.tobytes()
+    out = pred.copy()
+    decode_quant(memoryview(frame), chunk.params, out, out, first=0)
+    assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))

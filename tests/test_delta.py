@@ -38,7 +38,13 @@ from deltackpt import (
 from deltackpt.cli import main
 from deltackpt.compression import ScaleController
 from deltackpt.format import StepMetadata
-from deltackpt.optimizers import group_hyperparameter, movement_units, sampled_rms
+from deltackpt.optimizers import (
+    SAMPLE_ELEMENTS,
+    finite_rms,
+    group_hyperparameter,
+    movement_units,
+    sampled_rms,
+)
 from deltackpt.state import capture
 from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
 
@@ -386,6 +392,26 @@ def adam_movement(optimizer: torch.optim.Optimizer, param: torch.Tensor, lr: flo
     update = (state["exp_avg"].double() / (1 - b1**t)) / (
         (state["exp_avg_sq"].double() / (1 - b2**t)).sqrt() + eps)
     return lr * update.pow(2).mean().sqrt().item()
+
+
+def test_sampled_rms_is_that_of_the_float64_sample() -> None:
+    """sampled_rms takes a float32 tensor's sample through numpy, other dtypes through torch's
+    cast: both are the float64 values of the same strided elements, so the same rms bit for
+    bit; non-finite elements are left out, as when the sample is finite."""
+    torch.manual_seed(0)
+    for n in (1, 1000, 50_000):
+        x = torch.randn(n) * 1e-3
+        sample = x[:: max(1, n // SAMPLE_ELEMENTS)].double()
+        expected = sample.pow(2).mean().sqrt().item()
+        assert sampled_rms(x) == finite_rms(sample.numpy()) == pytest.approx(expected, rel=1e-12)
+        assert sampled_rms(x.view(2, -1) if n % 2 == 0 else x) == sampled_rms(x)
+        half = x.to(torch.bfloat16)
+        assert sampled_rms(half) == finite_rms(half[:: max(1, n // SAMPLE_ELEMENTS)].double().numpy())
+        broken = x.clone()
+        broken[0] = math.inf
+        finite = sample.numpy()[1:]
+        assert sampled_rms(broken) == (math.sqrt(np.mean(finite**2)) if finite.size else 0.0)
+    assert finite_rms(np.array([math.nan, -math.inf], np.float32)) is None
 
 
 def test_movement_units_of_a_capture() -> None:

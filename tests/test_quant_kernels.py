@@ -21,14 +21,19 @@ from deltackpt.kernels.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
+    _dither,
+    _dither_bits,
+    _key_offset,
     decode_block_stream,
     decode_step_streams,
     encode_block_stream,
     n_blocks_of,
     numpy_decode_steps,
     numpy_dequantize,
+    numpy_dither,
     numpy_element_steps,
     numpy_from_keys,
+    numpy_key_offsets,
     numpy_keys,
     numpy_pack,
     numpy_quantize,
@@ -36,6 +41,7 @@ from deltackpt.kernels.quant import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(SETTINGS, max_examples=25)
@@ -959,3 +965,60 @@ def test_ordinal_never_flips_sign() -> None:
             encode_block_stream(x, None, recon, ordinal=True, step=step, block=64, dither=dither)
             assert not (np.signbit(recon) & (x > 0)).any()
             assert not ((recon > 0) & (x < 0)).any()
+
+
+@pytest.mark.parametrize("dither", [None, 5])
+def test_ordinal_power_of_two_steps_multiply(dither: int | None) -> None:
+    """The ordinal encoder multiplies by the reciprocal of a power-of-two step instead of
+    dividing: the same float64 quotient, so the same symbols, at every tie (key differences of
+    an odd number of half steps, rounded half to even) and at the largest key differences. A
+    step that is not a power of two (3 * 2**k) is still divided: checked at its ties too."""
+    m = np.arange(-40, 41, dtype=np.int64)
+    for k in range(1, 31):
+        for step in {1 << k, 3 << (k - 1)} - {3 << 29}:  # steps of at most MAX_KEY
+            offsets = np.concatenate([(2 * m + 1) * step // 2, (2 * m + 1) * step // 2 + 1,
+                                      m * step])
+            pred = np.float32(1.5).view(np.int32) + np.zeros(offsets.size, np.int64)
+            keys = np.clip(pred + offsets, 1, MAX_KEY)
+            x, p = numpy_from_keys(keys), numpy_from_keys(pred)
+            recon = np.empty_like(x)
+            stream, _ = encode_block_stream(x, p, recon, ordinal=True, step=step, block=64,
+                                            dither=dither if step <= MAX_DITHERED_KEY_STEP
+                                            else None)
+            q, expected = numpy_quantize(x, p, ordinal=True, step=step, dither=dither
+                                         if step <= MAX_DITHERED_KEY_STEP else None)
+            assert_stream_equal(stream, numpy_pack(q, 64))
+            assert_bits_equal(recon, expected, f"reconstruction, step {step}")
+    d = np.concatenate([np.arange(-2**20, 2**20, 997), [-(2**33) + 1, 2**33 - 1]]).astype(np.float64)
+    for k in range(31):
+        assert np.array_equal(np.rint(d * (1.0 / 2**k)), np.rint(d / 2**k))
+
+
+@njit
+def _hashes_and_key_offsets(seed: int, n: int, step: int) -> tuple[np.ndarray, np.ndarray,
+                                                                   np.ndarray]:
+    """The dither hashes and dither offsets of elements ``0..n`` for ``seed``, and the key
+    offsets of every hash value ``0..2**24`` for ``step``, as the kernels compute them."""
+    bits, u = np.empty(n, np.int64), np.empty(n, np.float32)
+    for i in range(n):
+        bits[i], u[i] = _dither_bits(i, seed), _dither(i, seed)
+    offsets = np.empty(1 << 24, np.int64)
+    for h in range(1 << 24):
+        offsets[h] = _key_offset(np.int32(h), np.int64(step))
+    return bits, u, offsets
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 255, 1 << 23, 3 << 22, (1 << 29) - 1,
+                                  MAX_DITHERED_KEY_STEP])
+def test_key_offsets_from_hash_bits(step: int) -> None:
+    """The kernels take an ordinal step's dithered key offset from the dither hash's 24 bits
+    in integers (``_key_offset``): for every hash value the offset of FORMAT.md 3.2 from the
+    dither offset ``bits * 2**-24 - 0.5`` (numpy_key_offsets), which is ``_dither``'s and
+    numpy_dither's."""
+    bits, u, offsets = _hashes_and_key_offsets(12345, 1 << 16, step)
+    assert np.array_equal(u, numpy_dither(1 << 16, 12345))
+    assert np.array_equal(u, bits.astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5))
+    for lo in range(0, 1 << 24, 1 << 22):  # a quarter of the hash values at a time
+        hashes = np.arange(lo, lo + (1 << 22))
+        dither = hashes.astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
+        assert np.array_equal(offsets[hashes], numpy_key_offsets(dither, step))

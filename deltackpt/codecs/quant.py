@@ -115,7 +115,7 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         params["dither"] = dither
     if scale is not None:
         params.update(scale=scale.tensor, eps=scale.eps)
-    return EncodedChunk(NAME, params, [zstd_compress(stream)]), stats
+    return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)]), stats
 
 
 @dataclass(frozen=True)
