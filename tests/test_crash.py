@@ -240,16 +240,21 @@ def _check_after_crash(root: Path, server: WriterServer) -> bool:
     return had_leftovers
 
 
-def test_sigkill_at_random_points(tmp_path: Path) -> None:
-    """Writers killed at random points (between saves, mid-save, mid-overwrite) leave every committed
-    step intact and every returned save committed; a new writer removes all leftovers."""
+def _kill_rounds(tmp_path: Path) -> tuple[random.Random, Path, WriterServer]:
+    """The random kill points (their seed printed, shown by pytest if the test fails), the
+    checkpoint root and a writer server saving into it."""
     seed = int.from_bytes(os.urandom(4), "little")
-    print(f"kill points drawn with random.Random({seed})")  # shown by pytest if the test fails
-    rng = random.Random(seed)
+    print(f"kill points drawn with random.Random({seed})")
     script = tmp_path / "writer_server.py"
     script.write_text(SERVER_SOURCE)
     root = tmp_path / "ckpt"
-    server = WriterServer(script, root)
+    return random.Random(seed), root, WriterServer(script, root)
+
+
+def test_sigkill_at_random_points(tmp_path: Path) -> None:
+    """Writers killed at random points (between saves, mid-save, mid-overwrite) leave every committed
+    step intact and every returned save committed; a new writer removes all leftovers."""
+    rng, root, server = _kill_rounds(tmp_path)
     leftover_rounds = 0
     try:
         for round_number in range(8):
@@ -284,13 +289,7 @@ def test_sigkill_during_async_saves(tmp_path: Path) -> None:
     """Writers saving with blocking=False, killed while a save runs in the background (its
     caller already changing the state it saved) or between saves, leave every committed step
     intact and whole, each the state at its call."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"kill points drawn with random.Random({seed})")
-    rng = random.Random(seed)
-    script = tmp_path / "writer_server.py"
-    script.write_text(SERVER_SOURCE)
-    root = tmp_path / "ckpt"
-    server = WriterServer(script, root)
+    rng, root, server = _kill_rounds(tmp_path)
     leftover_rounds = 0
     try:
         for round_number in range(6):
