@@ -135,8 +135,7 @@ class HostBuffers:
         events = [self._copy_from_device(device, pairs) for device, pairs in from_device.items()]
         tensors = [replace(item, tensor=_like(item.tensor, copies[item.alias_of or item.name]))
                    for item in captured.tensors]
-        nbytes = sum(b.numel() * b.element_size() for b in copies.values())
-        return Snapshot(CapturedState(tensors, captured.tree), nbytes, events)
+        return Snapshot(CapturedState(tensors, captured.tree), self.nbytes, events)
 
     def _copy_from_device(self, device: torch.device,
                           pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -38,15 +39,13 @@ import zstandard
 from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
 from deltackpt.errors import ConfigError, CorruptionError, FormatError
+from deltackpt.kernels import quant as numba_kernels
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
     STAT_BAD,
     STAT_CLIPPED,
     check_stream,
-    decode_block_stream,
-    decode_step_streams,
-    encode_block_stream,
 )
 
 NAME = "quant"
@@ -54,17 +53,19 @@ PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "scale", "e
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
 
 
-def _triton_kernels(*arrays: Any) -> ModuleType | None:
-    """:mod:`deltackpt.kernels.gpu_quant` when it codes ``arrays`` (one is a CUDA tensor, or
-    ``DELTACKPT_KERNELS=triton``), else None: the Numba kernels."""
+def _kernels(*arrays: Any) -> tuple[Callable[[Any], Any], ModuleType]:
+    """The kernels that code ``arrays`` and how to pass them an array: the Triton kernels of
+    :mod:`deltackpt.kernels.gpu_quant` (torch tensors) when one of ``arrays`` is a CUDA tensor
+    or ``DELTACKPT_KERNELS=triton``, else the Numba kernels (numpy arrays). Both modules have
+    ``encode_block_stream``, ``decode_block_stream`` and ``decode_step_streams``."""
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in ("auto", "triton"):
         raise ConfigError(f"{KERNELS_ENV}={choice!r}: expected 'auto' or 'triton'")
     if choice == "auto" and not any(getattr(a, "is_cuda", False) for a in arrays):
-        return None
+        return _array, numba_kernels
     from deltackpt.kernels import gpu_quant  # imports triton: only where it is used
 
-    return gpu_quant
+    return _tensor, gpu_quant
 
 
 def _tensor(a: Any) -> Any:
@@ -96,17 +97,11 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     e.g. a sign flip in the ordinal domain); ``recon`` then holds garbage
     and the caller stores ``x`` exactly.
     """
-    values = None if scale is None else scale.values
-    gpu = _triton_kernels(x, recon)
-    if gpu is None:
-        x, pred, recon, values = (_array(a) for a in (x, pred, recon, values))
-        encode = encode_block_stream
-    else:
-        x, pred, recon, values = (_tensor(a) for a in (x, pred, recon, values))
-        encode = gpu.encode_block_stream
-    stream, stats = encode(x, pred, recon, ordinal=ordinal, step=step, block=block,
-                           dither=dither, first=first, scale=values,
-                           eps=0.0 if scale is None else scale.eps)
+    convert, kernels = _kernels(x, recon)
+    stream, stats = kernels.encode_block_stream(
+        convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
+        dither=dither, first=first, scale=None if scale is None else convert(scale.values),
+        eps=0.0 if scale is None else scale.eps)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     params = {"domain": "ordinal" if ordinal else "linear",
@@ -206,12 +201,11 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
     if (stream.eps is None) != (scale is None):
         raise FormatError("quant chunk is scaled by another tensor, whose values were not given"
                           if scale is None else "quant chunk has no scale, yet one was given")
-    gpu = _triton_kernels(out)
-    convert, decode = (_array, decode_block_stream) if gpu is None else \
-        (_tensor, gpu.decode_block_stream)
-    decode(stream.data, convert(pred) if stream.with_base else None, convert(out),
-           ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
-           first=first, scale=convert(scale), eps=stream.eps or 0.0)
+    convert, kernels = _kernels(out)
+    kernels.decode_block_stream(
+        stream.data, convert(pred) if stream.with_base else None, convert(out),
+        ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
+        first=first, scale=convert(scale), eps=stream.eps or 0.0)
 
 
 def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:
@@ -224,17 +218,17 @@ def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: i
     steps with one block size are decoded in a single pass (on the device of a
     CUDA ``values``).
     """
-    gpu = _triton_kernels(values)
-    values, decode = (_array(values), decode_step_streams) if gpu is None else \
-        (_tensor(values), gpu.decode_step_streams)
+    convert, kernels = _kernels(values)
+    values = convert(values)
     start = 0
     for i in range(1, len(streams) + 1):
         if i == len(streams) or streams[i].block != streams[start].block \
                 or not streams[i].with_base:
             run = streams[start:i]
-            decode([s.data for s in run], values, ordinal=[s.ordinal for s in run],
-                   steps=[s.step for s in run], block=run[0].block,
-                   zero_start=not run[0].with_base, dithers=[s.dither for s in run], first=first)
+            kernels.decode_step_streams(
+                [s.data for s in run], values, ordinal=[s.ordinal for s in run],
+                steps=[s.step for s in run], block=run[0].block, zero_start=not run[0].with_base,
+                dithers=[s.dither for s in run], first=first)
             start = i
 
 
