@@ -41,7 +41,7 @@ from deltackpt.errors import BackgroundSaveError, SaveInFlightError
 from deltackpt.snapshot import HostBuffers, SnapshotPool
 
 if TYPE_CHECKING:
-    from deltackpt.manager import SaveInfo
+    from deltackpt.saving import SaveInfo
 
 log = logging.getLogger("deltackpt")
 
