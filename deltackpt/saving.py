@@ -57,6 +57,7 @@ from deltackpt.storage import Storage
 from deltackpt.writer import (
     WrittenData,
     commit_step,
+    committed,
     merge_written,
     new_save_id,
     step_metadata,
@@ -279,9 +280,8 @@ def _abandon(plan: SavePlan, written: WrittenData | None) -> None:
     """Delete what a failed save wrote on this rank: the data files it wrote or, on rank 0, the
     step's directory with every rank's files where the save created it. Nothing when the step
     was committed after all (the failure came after the rename of its metadata)."""
-    with contextlib.suppress(OSError):
-        if read_save_id(plan.storage, plan.step) == plan.save_id:
-            return
+    if committed(plan.storage, plan.step, plan.save_id):
+        return
     if plan.created:
         if plan.group.rank == 0:  # every rank has ended writing: the save's failure reached it
             _remove_step_dir(plan.storage, plan.step)

@@ -44,6 +44,7 @@ from deltackpt.format import (
 )
 from deltackpt.pool import Workers, drain, running, worker_count
 from deltackpt.progress import progress_bar
+from deltackpt.reader import read_save_id
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
 
@@ -314,16 +315,24 @@ def discard(storage: Storage, meta: StepMetadata, staged: str | None = None) -> 
     """Delete the data files of ``meta``'s version of its step and its ``staged`` metadata,
     unless that version was committed after all (the failure came after the rename): what a
     failed save or gc leaves. Every file is tried, whatever removing the others does."""
+    if committed(storage, meta.step, meta.save_id):
+        return
     step_dir = step_dir_name(meta.step)
-    with contextlib.suppress(OSError, DeltackptError):
-        if storage.read_bytes(f"{step_dir}/{METADATA_FILE}") == metadata_bytes(meta):
-            return
     rels = [f"{step_dir}/{f.name}" for f in meta.files]
     if staged is not None:
         rels.append(staged)
     for rel in rels:
         with contextlib.suppress(OSError, DeltackptError):
             storage.remove(rel)
+
+
+def committed(storage: Storage, step: int, save_id: str) -> bool:
+    """Whether the committed version of ``step`` is the one save ``save_id`` wrote (a save, or
+    a rewrite by gc): a failure that came after the rename of its metadata leaves it committed
+    after all."""
+    with contextlib.suppress(OSError):
+        return read_save_id(storage, step) == save_id
+    return False
 
 
 @contextlib.contextmanager
