@@ -73,7 +73,9 @@ class CheckpointManager(CheckpointDirectory):
         compression: ``"balanced"`` (default), ``"aggressive"``,
             ``"lossless"`` (every save full) or a :class:`CompressionConfig`.
         keep: a retention policy (:class:`RetentionPolicy` or its string
-            form, e.g. ``"last=5,every=100"``) applied after every save;
+            form, e.g. ``"last=5,every=100"``) applied after every save
+            (by rank 0 under torch.distributed; a failure of it is raised by
+            that save, on every rank, and its step stays committed);
             ``None`` keeps every step. See :meth:`gc`.
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
         workers: threads used to encode and decode (default: usable CPUs;
