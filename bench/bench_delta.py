@@ -368,7 +368,7 @@ def test_restore_end_of_short_chain_new_manager(benchmark, run, chain, tmp_path)
 # variants are timed one by one (``_ENCODERS``/``_DECODERS``, by variant).
 PHASES = [
     ("deltackpt.manager", "capture", "capture (main)"),
-    ("deltackpt.manager.CheckpointManager", "_delta_base", "base check (main)"),
+    ("deltackpt.saving", "delta_base", "base check (main)"),
     ("deltackpt.delta.StepEncoder", "_plan", "plan: steps from samples (main)"),
     ("deltackpt.delta.StepEncoder", "__call__", "chunk coding, Python"),
     ("deltackpt.delta.StepEncoder", "_count", "statistics"),

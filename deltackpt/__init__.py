@@ -39,7 +39,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "LoadReport": "deltackpt.loading",
     "CheckpointManager": "deltackpt.manager",
     "SaveHandle": "deltackpt.pipeline",
-    "SaveInfo": "deltackpt.manager",
+    "SaveInfo": "deltackpt.saving",
     "GCReport": "deltackpt.retention",
     "RetentionPolicy": "deltackpt.retention",
     "UniversalCheckpoint": "deltackpt.universal",
@@ -49,9 +49,10 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from deltackpt.compression import EXACT, CompressionConfig, Quantizer
     from deltackpt.loading import LoadReport
-    from deltackpt.manager import CheckpointManager, SaveInfo
+    from deltackpt.manager import CheckpointManager
     from deltackpt.pipeline import SaveHandle
     from deltackpt.retention import GCReport, RetentionPolicy
+    from deltackpt.saving import SaveInfo
     from deltackpt.universal import UniversalCheckpoint, load_universal
 
 __all__ = [

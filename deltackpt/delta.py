@@ -1,6 +1,6 @@
 """The encoder side of a save: full or delta, and the writer's running reconstruction.
 
-:class:`StepEncoder` codes the chunks of one save for :func:`writer.write_step`.
+:class:`StepEncoder` codes the chunks of one save for :func:`writer.write_data`.
 For a full step it stores every tensor losslessly and starts a new
 :class:`~deltackpt.chain.Reconstruction`. For a delta step it quantizes each
 tensor as its :class:`~deltackpt.compression.Quantizer` says, against the
@@ -398,7 +398,7 @@ class StepEncoder:
     def _cast(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
               lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
         """A chunk of a 16-bit parameter taken from its master's reconstruction, which
-        :func:`writer.write_step` has finished before (``coded_last``)."""
+        :func:`writer.write_data` has finished before (``coded_last``)."""
         decoded = dtype_bytes(self._values[plan.cast_of][lo:hi], record.dtype)
         x, y = float32_values(raw, record.dtype), float32_values(decoded, record.dtype)
         stats = _error_stats(x, y, int(np.count_nonzero(y != x)))

@@ -45,8 +45,10 @@ RANK0_ROLES = frozenset({"rng", "extra"})
 
 @dataclass(frozen=True)
 class Group:
-    """The ranks of a run with more than one rank, and the process group their collectives run
-    on (``pg``; None: the default group)."""
+    """The ranks of a run, and the process group their collectives run on (``pg``; None: the
+    default group). A single process is a group of one rank (:meth:`single`): its collectives
+    return what it gives them, without torch.distributed, and :meth:`check` raises its failure
+    as it is, so that a save runs the same steps on one rank as on many."""
 
     rank: int
     world_size: int
@@ -59,6 +61,11 @@ class Group:
             return None
         return Group(dist.get_rank(), dist.get_world_size())
 
+    @staticmethod
+    def single() -> Group:
+        """This process alone, as a group of one rank."""
+        return Group(0, 1)
+
     def background(self) -> Group:
         """The same ranks on a new gloo process group, for the collectives of saves that run in
         the background: never interleaved with the training's collectives on the default group
@@ -68,6 +75,8 @@ class Group:
     def ranks_on_this_host(self) -> int:
         """How many ranks of the group run on this machine (they share its CPUs): torchrun's
         ``LOCAL_WORLD_SIZE``, else counted by host name (a collective)."""
+        if self.world_size == 1:
+            return 1
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         if local.isdigit() and int(local) > 0:
             return int(local)
@@ -76,6 +85,8 @@ class Group:
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return [obj]
         out = [None] * self.world_size if self.rank == 0 else None
         with _collective("gather"):
             dist.gather_object(obj, out, dst=0, group=self.pg)
@@ -83,6 +94,8 @@ class Group:
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
         box = [obj]
         with _collective("broadcast"):
             dist.broadcast_object_list(box, src=0, group=self.pg)
@@ -90,22 +103,47 @@ class Group:
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return [obj]
         out: list[Any] = [None] * self.world_size
         with _collective("all_gather"):
             dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def check(self, error: str | None, what: str) -> None:
-        """Raise :class:`DistributedError` on every rank if ``error`` is set on any rank.
+    def check(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if ``error`` is set on any rank: :class:`DistributedError`
+        naming each failed rank and its error (a single process's ``error`` itself).
 
         Every rank calls this at the same point, so a failure on one rank
         reaches all of them instead of leaving the others waiting in the
         next collective.
         """
-        errors = [(r, e) for r, e in enumerate(self.all_gather(error)) if e is not None]
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        errors = [(r, e) for r, e in enumerate(self.all_gather(_describe(error))) if e is not None]
         if errors:
             raise DistributedError(f"{what} failed on " + "; ".join(
-                f"rank {r}: {e}" for r, e in errors))
+                f"rank {r}: {e}" for r, e in errors)) from error
+
+    def share(self, result: Any, error: BaseException | None) -> Any:
+        """Rank 0's ``result`` on every rank, or rank 0's ``error`` raised on every rank (with
+        several ranks as :class:`DistributedError` of its message; a single process's itself).
+        The other ranks' arguments are ignored."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return result
+        result, message = self.broadcast((result, None if error is None else str(error)))
+        if message is not None:
+            raise DistributedError(message) from error
+        return result
+
+
+def _describe(error: BaseException | None) -> str | None:
+    """An error as every rank reports another's: its type and message."""
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 @contextlib.contextmanager
@@ -151,11 +189,11 @@ def local_values(tensor: torch.Tensor) -> torch.Tensor:
 def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | None) -> list[Part]:
     """The boxes of ``tensor`` (global shape ``tensor.shape``) that this rank writes.
 
-    Without a group: the whole tensor. Raises ``ValueError`` naming the
+    Without a group, or with one rank: the whole tensor. Raises ``ValueError`` naming the
     tensor for a DTensor with ``Partial`` placements (reduce it first).
     """
     shape = list(tensor.shape)
-    if group is None:
+    if group is None or group.world_size == 1:
         return [Part([0] * len(shape), shape, tensor)]
     if role in RANK0_ROLES:
         return [Part([0] * len(shape), shape, tensor)] if group.rank == 0 else []
@@ -200,8 +238,10 @@ def check_same_state(captured: CapturedState, group: Group) -> None:
     tensors (names, roles, dtypes, global shapes, aliases) and equal plain tensors.
 
     Every rank sees every rank's description and reaches the same verdict,
-    so all of them raise together.
+    so all of them raise together. A single process agrees with itself.
     """
+    if group.world_size == 1:
+        return
     mine: dict | str = {}
     try:
         for t in captured.tensors:
@@ -267,7 +307,7 @@ def shard_like(target: Any, local: torch.Tensor) -> torch.Tensor:
 
 def shard_parts(captured: CapturedState, group: Group | None) -> dict[str, list[Part]]:
     """The boxes of each stored tensor this rank writes (:func:`parts_to_write`; without a
-    group, every tensor whole), by name; a tensor has at most one, whose values its delta
+    group or with one rank, every tensor whole), by name; a tensor has at most one, whose values its delta
     encoder codes. This is the rank's layout, an input of a save's plan."""
     return {t.name: parts_to_write(t.name, t.role, t.tensor, group)
             for t in captured.tensors if t.alias_of is None}

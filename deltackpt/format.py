@@ -57,6 +57,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
+def metadata_file(step: int) -> str:
+    """The path of ``step``'s metadata file in its checkpoint directory."""
+    return f"{step_dir_name(step)}/{METADATA_FILE}"
+
+
 def data_file_name(save_id: str, rank: int, seq: int) -> str:
     """Name of the ``seq``-th data file that ``rank`` writes during save ``save_id``."""
     return f"d-{save_id}-r{rank:05d}-{seq:03d}.bin"

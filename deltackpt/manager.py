@@ -9,7 +9,6 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,25 +16,10 @@ from torch import nn
 
 from deltackpt.chain import Reconstruction, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
-from deltackpt.delta import StepEncoder, captured_layout
+from deltackpt.delta import captured_layout
 from deltackpt.directory import CheckpointDirectory, check_step
-from deltackpt.distributed import (
-    Group,
-    Part,
-    check_same_state,
-    local_box,
-    local_parts,
-    shard_like,
-    shard_parts,
-    sharded_targets,
-)
-from deltackpt.errors import (
-    CorruptionError,
-    DeltackptError,
-    DistributedError,
-    StepExistsError,
-    WriterLockedError,
-)
+from deltackpt.distributed import Group, local_box, shard_like, shard_parts, sharded_targets
+from deltackpt.errors import CorruptionError, DeltackptError, StepExistsError, WriterLockedError
 from deltackpt.format import (
     METADATA_FILE,
     STEP_DIR_PATTERN,
@@ -43,74 +27,19 @@ from deltackpt.format import (
     StepMetadata,
     box_index,
     layout_of,
-    step_dir_name,
+    metadata_file,
 )
 from deltackpt.pipeline import SaveHandle, SaveQueue
 from deltackpt.pool import WorkerPool, default_workers
-from deltackpt.reader import chain_of, read_metadata, read_save_id
+from deltackpt.reader import chain_of, read_metadata
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
+from deltackpt.saving import SaveInfo, save_step
 from deltackpt.state import CapturedState, capture
 from deltackpt.tiering import UploadCache
 from deltackpt.universal import UniversalCheckpoint
-from deltackpt.writer import (
-    DEFAULT_CHUNK_BYTES,
-    WrittenData,
-    commit_step,
-    merge_written,
-    new_save_id,
-    remove_unreferenced,
-    step_metadata,
-    write_data,
-    write_step,
-)
+from deltackpt.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced
 
 log = logging.getLogger("deltackpt")
-
-# A delta within this factor of target_ratio counts as meeting it.
-TARGET_TOLERANCE = 1.15
-
-
-@dataclass(frozen=True)
-class SaveInfo:
-    """What one ``save`` wrote."""
-
-    step: int
-    kind: str
-    base_step: int | None
-    raw_bytes: int
-    stored_bytes: int
-    seconds: float
-    target_ratio: float | None = None
-    at_max_error: bool = False  # the target needed errors beyond max_error: steps at that floor
-    # What the call that saved it cost the caller (not compared: the step's record is the same):
-    # how long ``save`` blocked it, for an asynchronous save waiting for a save in flight at the
-    # max_in_flight limit, capturing and copying the state, for a blocking one the whole save;
-    blocked_seconds: float = field(default=0.0, compare=False)
-    waited_seconds: float = field(default=0.0, compare=False)  # of which waiting at the limit
-    snapshot_bytes: int = field(default=0, compare=False)  # host memory of the async snapshot
-
-    @property
-    def ratio(self) -> float:
-        """Raw bytes of the state per stored byte."""
-        return self.raw_bytes / self.stored_bytes if self.stored_bytes else float("inf")
-
-    @property
-    def target_met(self) -> bool | None:
-        """Whether a delta reached the configured ``target_ratio`` (within 15%); None without one."""
-        if self.target_ratio is None:
-            return None
-        return self.ratio >= self.target_ratio / TARGET_TOLERANCE
-
-    @classmethod
-    def of(cls, meta: StepMetadata) -> SaveInfo:
-        """The save summary recorded in a step's metadata."""
-        compression = meta.stats.compression or {}
-        target = compression.get("target_ratio")
-        return cls(meta.step, meta.kind, meta.base_step, meta.stats.raw_bytes,
-                   meta.stats.stored_bytes, meta.stats.seconds,
-                   float(target) if isinstance(target, (int, float)) else None,
-                   compression.get("at_max_error") is True)
-
 
 class CheckpointManager(CheckpointDirectory):
     """Saves training state as numbered steps in one directory and restores any of them.
@@ -144,7 +73,9 @@ class CheckpointManager(CheckpointDirectory):
         compression: ``"balanced"`` (default), ``"aggressive"``,
             ``"lossless"`` (every save full) or a :class:`CompressionConfig`.
         keep: a retention policy (:class:`RetentionPolicy` or its string
-            form, e.g. ``"last=5,every=100"``) applied after every save;
+            form, e.g. ``"last=5,every=100"``) applied after every save
+            (by rank 0 under torch.distributed; a failure of it is raised by
+            that save, on every rank, and its step stays committed);
             ``None`` keeps every step. See :meth:`gc`.
         chunk_bytes: upper bound of the raw bytes coded as one chunk.
         workers: threads used to encode and decode (default: usable CPUs;
@@ -346,7 +277,7 @@ class CheckpointManager(CheckpointDirectory):
         """The metadata of ``step`` kept from this manager's last chain, while its file is the
         one it wrote or read (else None)."""
         known = self._known.get(step)
-        if known is not None and self.storage.identity(_metadata_file(step)) == known[0]:
+        if known is not None and self.storage.identity(metadata_file(step)) == known[0]:
             return known[1]
         return None
 
@@ -432,9 +363,10 @@ class CheckpointManager(CheckpointDirectory):
                     optimizer: torch.optim.Optimizer | None, extra: Any, *, rng: bool,
                     overwrite: bool, progress: bool, started: float) -> SaveHandle:
         """Capture and snapshot the state here, then plan, encode, write and commit it on the
-        save thread (:mod:`deltackpt.pipeline`). Under torch.distributed the save's
-        collectives run there, on a gloo group of their own (:meth:`Group.background`), and
-        whether the step may be written is decided there, by every rank together."""
+        save thread (:mod:`deltackpt.pipeline`, :func:`save_step`). Under torch.distributed
+        the save's collectives run there, on a gloo group of their own
+        (:meth:`Group.background`), and whether the step may be written is decided there, by
+        every rank together."""
         if self.read_only:
             raise PermissionError(f"{self.path}: this manager was opened read_only")
         group = Group.current()
@@ -454,11 +386,12 @@ class CheckpointManager(CheckpointDirectory):
             queue.snapshots.release(buffers)
             raise
         blocked = time.perf_counter() - started
+        ranks = Group.single() if group is None else self._background_group
 
         def run() -> SaveInfo:
             snapshot.ready()
-            info = self._save_now(step, snapshot.captured, overwrite, progress,
-                                  self._background_group if group is not None else None)
+            info = save_step(self, step, snapshot.captured, ranks, overwrite=overwrite,
+                             progress=progress)
             return dataclasses.replace(info, blocked_seconds=blocked, waited_seconds=waited,
                                        snapshot_bytes=snapshot.nbytes)
 
@@ -470,72 +403,13 @@ class CheckpointManager(CheckpointDirectory):
         :meth:`save` and :meth:`UniversalCheckpoint.save_universal`)."""
         step = check_step(step)
         self.wait()
-        return self._save_now(step, captured, overwrite, progress, Group.current())
-
-    def _save_now(self, step: int, captured: CapturedState, overwrite: bool, progress: bool,
-                  group: Group | None) -> SaveInfo:
-        """Plan, encode, write and commit ``captured`` as ``step`` (on the caller's thread for a
-        blocking save, on the save thread for an asynchronous one), with ``group``'s ranks."""
-        if group is not None:
-            if self._cache is not None:
-                raise ValueError(f"{self.path}: cache= serves single-process saves; under "
-                                 "torch.distributed every rank writes to the checkpoint itself")
-            return self._save_distributed(step, captured, group, overwrite, progress)
-        self._settle()
-        self._prepare_save(step, overwrite)
-        if self._cache is not None:
-            self._cache.open()
-        parts = shard_parts(captured, None)  # this process's layout: every tensor whole
-        base = self._delta_base(step, captured, parts, None)
-        encoder = StepEncoder(captured, self.compression, base, self._controller,
-                              keep=self.compression.deltas and self.full_every > 1,
-                              local=local_parts(parts))
-        try:
-            meta = write_step(self.storage if self._cache is None else self._cache.storage,
-                              step, captured, parts=parts, kind="delta" if base else "full",
-                              base_step=base.step if base else None, encoder=encoder,
-                              summary=encoder.summary, coded_last=encoder.coded_last,
-                              chunk_bytes=self.chunk_bytes,
-                              workers=self._workers(), progress=progress)
-        except BaseException:
-            # A delta updates its base's values in place: the next one reads them again. The
-            # reconstruction still is the last committed step's.
-            self._stale_values = self._stale_values or base is not None
-            raise
-        identity = self.storage.identity(_metadata_file(step))
-        chain = {s: self._known[s] for s in base.chain if s in self._known} if base else {}
-        self._known = chain if identity is None else {**chain, step: (identity, meta)}
-        if self._cache is not None:
-            self._cache.upload(meta)
-        encoder.learn()
-        self._recon = encoder.reconstruction(step, meta.save_id)
-        self._stale_values = False
-        info = SaveInfo.of(meta)
-        self._warn_target(info, encoder.scale)
-        if self.keep is not None:
-            self.gc(self.keep)
-        return info
-
-    def _warn_target(self, info: SaveInfo, scale: float) -> None:
-        """Warn, once per manager, of a delta that missed ``target_ratio``: because the target
-        needs errors beyond ``max_error``, or because the controller is still learning."""
-        if self._warned_target or info.kind != "delta" or info.target_ratio is None:
-            return
-        if info.at_max_error:
-            self._warned_target = True
-            log.warning("step %d: target_ratio %g needs errors beyond max_error (%.3g times "
-                        "the configured ones); deltas stay at that floor (%.1fx achieved); "
-                        "SaveInfo.at_max_error and the step metadata say so for each save",
-                        info.step, info.target_ratio, self.compression.max_scale, info.ratio)
-        elif info.target_met is False:
-            self._warned_target = True
-            log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",
-                        info.step, info.target_ratio, info.ratio, scale)
+        return save_step(self, step, captured, Group.current() or Group.single(),
+                         overwrite=overwrite, progress=progress)
 
     def _prepare_save(self, step: int, overwrite: bool) -> None:
         """Take the writer lock and check that ``step`` may be written."""
         self.acquire()
-        if self.storage.exists(_metadata_file(step)):
+        if self.storage.exists(metadata_file(step)):
             if not overwrite:
                 raise StepExistsError(f"step {step} already exists in {self.path}; "
                                       "pass overwrite=True to replace it")
@@ -544,92 +418,6 @@ class CheckpointManager(CheckpointDirectory):
                 raise StepExistsError(
                     f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
                     "against it; remove them first (gc) or overwrite them")
-
-    def _save_distributed(self, step: int, captured: CapturedState, group: Group,
-                          overwrite: bool, progress: bool) -> SaveInfo:
-        """A collective save: every rank writes the boxes it holds, rank 0 commits the step.
-
-        Rank 0 holds the writer lock and decides; any rank's failure is
-        raised on every rank, and leaves no step visible (an existing step
-        being overwritten stays intact). Each rank keeps the reconstruction
-        of its own boxes, so the next save can be a delta if every rank can
-        code one against the same step.
-        """
-        started = time.perf_counter()
-        check_same_state(captured, group)
-        pool = self._workers(group)  # a collective at the first save: before any rank can fail
-        parts, local, base, save_id, error = {}, {}, None, None, None
-        try:
-            parts = shard_parts(captured, group)
-            local = local_parts(parts)
-            base = self._delta_base(step, captured, parts, group)
-            if group.rank == 0:
-                self._prepare_save(step, overwrite)
-                self.storage.makedirs(step_dir_name(step))
-                save_id = new_save_id()
-        except Exception as exc:  # raised on every rank by the check below
-            error = f"{type(exc).__name__}: {exc}"
-        group.check(error, f"save of step {step}")
-        bases = group.all_gather(None if base is None else (base.step, base.save_id))
-        if None in bases or len(set(bases)) > 1:  # every rank codes against one step, or none
-            base = None
-        save_id = group.broadcast(save_id)
-        encoder, written, stats, error = None, None, None, None
-        try:
-            try:
-                encoder = StepEncoder(captured, self.compression, base, self._controller,
-                                      keep=self.compression.deltas and self.full_every > 1,
-                                      local=local)
-                written = write_data(self.storage, step, save_id, captured, parts=parts,
-                                     rank=group.rank, encoder=encoder,
-                                     coded_last=encoder.coded_last, chunk_bytes=self.chunk_bytes,
-                                     workers=pool, progress=progress and group.rank == 0)
-                stats = encoder.class_stats
-            except Exception as exc:  # reported to every rank below, then raised there
-                error = f"{type(exc).__name__}: {exc}"
-            everyone = group.gather((written, stats, error))
-            outcome: SaveInfo | str | None = None
-            if group.rank == 0:
-                outcome = self._commit_distributed(step, save_id, captured, base, encoder,
-                                                   everyone, started)
-            outcome = group.broadcast(outcome)
-            if isinstance(outcome, str):
-                raise DistributedError(outcome)
-        except BaseException:
-            # as in a single process: the next delta reads its base's values again
-            self._stale_values = self._stale_values or base is not None
-            raise
-        encoder.learn()
-        self._recon = encoder.reconstruction(step, save_id)
-        self._stale_values = False
-        return outcome
-
-    def _commit_distributed(self, step: int, save_id: str, captured: CapturedState,
-                            base: Reconstruction | None, encoder: StepEncoder | None,
-                            everyone: list[tuple[WrittenData | None, dict | None, str | None]],
-                            started: float) -> SaveInfo | str:
-        """Rank 0: commit what every rank wrote, or clean up after a failed rank. Returns the
-        save's summary, or the error every rank raises."""
-        failed = [f"rank {rank}: {error}" for rank, (*_, error) in enumerate(everyone) if error]
-        try:
-            if failed:
-                raise DistributedError(f"save of step {step} failed on " + "; ".join(failed))
-            written = merge_written([w for w, _, _ in everyone])
-            meta = step_metadata(step, save_id, written, captured.tree,
-                                 kind="delta" if base else "full",
-                                 base_step=base.step if base else None,
-                                 world_size=len(everyone), seconds=time.perf_counter() - started,
-                                 summary=encoder.summary([s for _, s, _ in everyone]))
-            commit_step(self.storage, meta)
-            if self.keep is not None:
-                self.gc(self.keep)
-            return SaveInfo.of(meta)
-        except Exception as exc:  # every rank raises it: no rank may be left waiting
-            for written, _, _ in everyone:  # the failed ranks deleted their own files
-                for f in written.files if written else ():
-                    with contextlib.suppress(OSError, DeltackptError):
-                        self.storage.remove(f"{step_dir_name(step)}/{f.name}")
-            return str(exc)
 
     def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
         """Delete the steps a retention policy does not keep (default: the manager's ``keep``).
@@ -675,44 +463,6 @@ class CheckpointManager(CheckpointDirectory):
                 chain = chain_of(self.storage, self.metadata(recon.step))
                 self._recon = dataclasses.replace(recon, chain=[m.step for m in chain])
         return report
-
-    def _delta_base(self, step: int, captured: CapturedState, parts: dict[str, list[Part]],
-                    group: Group | None) -> Reconstruction | None:
-        """The reconstruction to code ``step`` against, or None when it must be a full step
-        (``parts``: the boxes of the tensors this rank writes, of ``group``)."""
-        recon = self._recon
-        if (recon is None or not self.compression.deltas or recon.deltas + 1 >= self.full_every
-                or step <= recon.step
-                or recon.layout != captured_layout(captured, local_parts(parts))):
-            return None
-        # The base must still be the step this reconstruction came from, with its chain below.
-        known = self._kept_metadata(recon.step)  # the very file this manager wrote or read
-        save_id = known.save_id if known is not None else read_save_id(self.storage, recon.step)
-        if save_id != recon.save_id or not all(
-                self.storage.exists(_metadata_file(s)) for s in recon.chain[:-1]):
-            return None
-        return self._committed_values(recon, parts, group) if self._stale_values else recon
-
-    def _committed_values(self, recon: Reconstruction, parts: dict[str, list[Part]],
-                          group: Group | None) -> Reconstruction | None:
-        """``recon`` with the values a reader decodes from its step (of this rank's ``parts``),
-        read again because a delta coded against it failed after changing them; None (a full
-        step) if they cannot be."""
-        boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p}
-        try:
-            _, decoded = self._restore_chain(self.metadata(recon.step), boxes=boxes,
-                                             workers=self._workers(group))
-        except DeltackptError as exc:
-            log.warning("%s: step %d, the base of the next delta, cannot be read again after "
-                        "a failed save (%s); the next save is a full step", self.path,
-                        recon.step, exc)
-            return None
-        if not recon.values.keys() <= decoded.values.keys():
-            return None
-        self._recon = dataclasses.replace(recon, values={
-            name: decoded.values[name].reshape(-1) for name in recon.values})
-        self._stale_values = False
-        return self._recon
 
     # -- restore -----------------------------------------------------------------------
 
@@ -808,7 +558,7 @@ class CheckpointManager(CheckpointDirectory):
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise
-            error = f"{type(exc).__name__}: {exc}"
+            error = exc
         if group is not None:
             group.check(error, f"load of step {meta.step}")
         for name, target in targets.items():
@@ -826,7 +576,7 @@ class _MetadataReads:
         self.read: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
 
     def __call__(self, step: int) -> StepMetadata:
-        identity = self.manager.storage.identity(_metadata_file(step))
+        identity = self.manager.storage.identity(metadata_file(step))
         meta = self.manager.metadata(step)
         if identity is not None:
             self.read[step] = identity, meta
@@ -858,8 +608,3 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
     local = {name: part.values for name, part in parts.items()}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
-
-
-def _metadata_file(step: int) -> str:
-    """The path of ``step``'s metadata file in its checkpoint directory."""
-    return f"{step_dir_name(step)}/{METADATA_FILE}"

@@ -1,19 +1,33 @@
-"""The asynchronous half of a save: the queue between the snapshot and the encoding.
+"""The path of a save, and the queue between its snapshot and its encoding.
 
-A save runs capture -> snapshot -> plan -> encode -> write -> commit. The
-caller's thread captures the state (:mod:`deltackpt.state`) and, for
-``save(..., blocking=False)``, copies it into host buffers
-(:mod:`deltackpt.snapshot`); a :class:`SaveQueue` then hands the save to one
-background thread, which plans it (from the rank's layout,
-:func:`deltackpt.distributed.shard_parts`: full or delta, against the last
-committed reconstruction, :class:`deltackpt.delta.StepEncoder`), encodes and
-writes its chunks on the manager's encoding threads
-(:func:`deltackpt.writer.write_data`) and commits it. Saves run one after
-another in the order they were made, each planned once the one before it
-is committed or failed, so a delta is always coded against what a reader
-of its base decodes. Under torch.distributed the save thread of every rank
-runs the save's collectives on a gloo group of their own
-(:meth:`deltackpt.distributed.Group.background`).
+A save runs capture -> snapshot -> (queue) -> plan -> encode -> write ->
+commit:
+
+1. **capture** (:func:`deltackpt.state.capture`, on the caller's thread):
+   the model, optimizer, RNG states and ``extra`` as named tensors and a
+   JSON tree, without copying tensor data.
+2. **snapshot** (:mod:`deltackpt.snapshot`, on the caller's thread, for
+   ``save(..., blocking=False)``): every tensor copied into host buffers
+   that training never touches; the caller returns once they are taken.
+3. **queue** (this module): a :class:`SaveQueue` hands the save to one
+   background thread. Saves run one after another in the order they were
+   made, each planned once the one before it is committed or failed, so a
+   delta is always coded against what a reader of its base decodes. A
+   blocking save skips the snapshot and the queue, and runs the next
+   stages on the caller's thread once the saves in flight ended.
+4. **plan, encode and write, commit** (:func:`deltackpt.saving.save_step`),
+   the same for one process and for the ranks of a torch.distributed run
+   (a single process is a group of one rank): the plan takes the rank's
+   layout (:func:`deltackpt.distributed.shard_parts`) and chooses the base,
+   full or delta against the last committed reconstruction, agreed by every
+   rank; each rank encodes its boxes (:class:`deltackpt.delta.StepEncoder`)
+   and writes them on the manager's encoding threads
+   (:func:`deltackpt.writer.write_data`); rank 0 commits what every rank
+   wrote (:func:`deltackpt.writer.commit_step`), and the reconstruction of
+   the committed step becomes the base of the next delta. Under
+   torch.distributed the save thread of every rank runs the save's
+   collectives on a gloo group of their own
+   (:meth:`deltackpt.distributed.Group.background`).
 
 A save's failure in the background is kept until the caller hears of it:
 by its :class:`SaveHandle` (``wait`` raises it, ``exception`` returns it),
@@ -41,7 +55,7 @@ from deltackpt.errors import BackgroundSaveError, SaveInFlightError
 from deltackpt.snapshot import HostBuffers, SnapshotPool
 
 if TYPE_CHECKING:
-    from deltackpt.manager import SaveInfo
+    from deltackpt.saving import SaveInfo
 
 log = logging.getLogger("deltackpt")
 

@@ -15,7 +15,7 @@ from deltackpt.state import CapturedState, CapturedTensor
 from deltackpt.tree import decode_tree
 
 if TYPE_CHECKING:
-    from deltackpt.manager import SaveInfo
+    from deltackpt.saving import SaveInfo
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future
@@ -45,6 +44,7 @@ from deltackpt.format import (
 )
 from deltackpt.pool import Workers, drain, running, worker_count
 from deltackpt.progress import progress_bar
+from deltackpt.reader import read_save_id
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
 
@@ -315,16 +315,24 @@ def discard(storage: Storage, meta: StepMetadata, staged: str | None = None) -> 
     """Delete the data files of ``meta``'s version of its step and its ``staged`` metadata,
     unless that version was committed after all (the failure came after the rename): what a
     failed save or gc leaves. Every file is tried, whatever removing the others does."""
+    if committed(storage, meta.step, meta.save_id):
+        return
     step_dir = step_dir_name(meta.step)
-    with contextlib.suppress(OSError, DeltackptError):
-        if storage.read_bytes(f"{step_dir}/{METADATA_FILE}") == metadata_bytes(meta):
-            return
     rels = [f"{step_dir}/{f.name}" for f in meta.files]
     if staged is not None:
         rels.append(staged)
     for rel in rels:
         with contextlib.suppress(OSError, DeltackptError):
             storage.remove(rel)
+
+
+def committed(storage: Storage, step: int, save_id: str) -> bool:
+    """Whether the committed version of ``step`` is the one save ``save_id`` wrote (a save, or
+    a rewrite by gc): a failure that came after the rename of its metadata leaves it committed
+    after all."""
+    with contextlib.suppress(OSError):
+        return read_save_id(storage, step) == save_id
+    return False
 
 
 @contextlib.contextmanager
@@ -340,54 +348,6 @@ def writing(storage: Storage, step: int, rel: str) -> Iterator[None]:
                                  f"{exc.strerror or exc}; committed steps are intact")
         error.errno = exc.errno
         raise error from exc
-
-
-def write_step(storage: Storage, step: int, captured: CapturedState, *,
-               parts: dict[str, list[Part]] | None = None,
-               kind: str = "full", base_step: int | None = None,
-               encoder: ChunkEncoder = encode_exact, summary: Callable[[], dict] | None = None,
-               coded_last: Mapping[str, int] | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: Workers = None,
-               progress: bool = False) -> StepMetadata:
-    """Write ``captured`` as step ``step`` from a single process and commit it; returns its
-    metadata.
-
-    ``summary``, called once every chunk is coded, gives what the step's
-    ``stats`` record about the coding (a delta's error statistics); the
-    other arguments are :func:`write_data`'s. The step only becomes visible
-    at the final rename of ``metadata.json``. An existing version of the
-    step stays intact until that moment, and its data files are removed
-    only after it.
-
-    A save that fails removes every file it wrote (and the step's directory
-    if it created it), and raises an ``OSError`` as
-    :class:`WriteFailedError` naming the step and the file.
-    """
-    started = time.perf_counter()
-    step_dir = step_dir_name(step)
-    created = False
-    meta = None
-    try:
-        with writing(storage, step, step_dir):
-            # A new step directory's entry becomes durable while its data files are fsynced.
-            created = storage.makedirs(step_dir, durable=False)
-        save_id = new_save_id()
-        written = write_data(storage, step, save_id, captured, parts=parts, encoder=encoder,
-                             coded_last=coded_last, chunk_bytes=chunk_bytes, workers=workers,
-                             progress=progress, sync_dirs=("",) if created else ())
-        meta = step_metadata(step, save_id, written, captured.tree, kind=kind,
-                             base_step=base_step, world_size=1,
-                             seconds=time.perf_counter() - started,
-                             summary=summary() if summary else None)
-        commit_step(storage, meta)
-    except BaseException:
-        if meta is not None:
-            discard(storage, meta)
-        with contextlib.suppress(OSError, DeltackptError):
-            if created and not storage.exists(f"{step_dir}/{METADATA_FILE}"):
-                storage.remove_tree(step_dir)
-        raise
-    return meta
 
 
 def new_save_id() -> str:

@@ -18,7 +18,7 @@ import torch
 from helpers import assert_state_dicts_equal
 from torch import nn
 
-import deltackpt.manager
+import deltackpt.saving
 import deltackpt.snapshot
 from deltackpt import (
     BackgroundSaveError,
@@ -143,13 +143,13 @@ def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path,
 def _hold_saves(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make every save wait, in its write, until the returned event is set."""
     release = threading.Event()
-    write_step = deltackpt.manager.write_step
+    write_data = deltackpt.saving.write_data
 
     def held(*args, **kwargs):
         assert release.wait(30)
-        return write_step(*args, **kwargs)
+        return write_data(*args, **kwargs)
 
-    monkeypatch.setattr(deltackpt.manager, "write_step", held)
+    monkeypatch.setattr(deltackpt.saving, "write_data", held)
     return release
 
 
@@ -315,14 +315,14 @@ def test_a_process_exiting_with_a_save_in_flight_finishes_it(tmp_path: Path) -> 
     script.write_text(textwrap.dedent("""
         import sys, time
         import torch
-        import deltackpt.manager
+        import deltackpt.saving
         from deltackpt import CheckpointManager
 
-        write_step = deltackpt.manager.write_step
+        write_data = deltackpt.saving.write_data
         def slow(*args, **kwargs):
             time.sleep(1.0)  # still writing when the main thread is done
-            return write_step(*args, **kwargs)
-        deltackpt.manager.write_step = slow
+            return write_data(*args, **kwargs)
+        deltackpt.saving.write_data = slow
 
         mgr = CheckpointManager(sys.argv[1], blocking=False)
         handle = mgr.save(7, extra={"w": torch.arange(1000.0)}, rng=False)

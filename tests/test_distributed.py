@@ -142,8 +142,7 @@ def _fail_on_rank_1(rank: int, world: int, path: str) -> None:
 def test_a_failing_rank_fails_every_rank_and_leaves_no_step(tmp_path: Path) -> None:
     run_ranks(_fail_on_rank_1, 2, str(tmp_path / "ckpt"))
     assert CheckpointManager(tmp_path / "ckpt", read_only=True).steps() == [1]
-    leftover = tmp_path / "ckpt" / "step-000000000002"
-    assert not leftover.exists() or os.listdir(leftover) == []  # every rank's files deleted
+    assert not (tmp_path / "ckpt" / "step-000000000002").exists()  # the directory rank 0 made
 
 
 def _delta_after_a_failed_delta(rank: int, world: int, path: str, fail: bool) -> None:
@@ -184,6 +183,7 @@ def test_after_a_failed_delta_the_ranks_code_against_the_last_committed_step(
     failed = CheckpointManager(tmp_path / "failed", read_only=True)
     reference = CheckpointManager(tmp_path / "reference", read_only=True)
     assert failed.steps() == reference.steps() == [1, 3]
+    assert not (tmp_path / "failed" / "step-000000000002").exists()  # nor any rank's files
     got, want = failed.restore(3).tensors, reference.restore(3).tensors
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
@@ -202,6 +202,77 @@ def _differing_plain_tensor(rank: int, world: int, path: str) -> None:
 def test_plain_tensors_that_differ_between_ranks_are_refused(tmp_path: Path) -> None:
     run_ranks(_differing_plain_tensor, 2, str(tmp_path / "ckpt"))
     assert CheckpointManager(tmp_path / "ckpt").steps() == []
+
+
+def _gc_fails_after_the_commit(rank: int, world: int, path: str) -> None:
+    """Rank 0's gc after a save fails (``keep``): the step stays committed, the failure is raised
+    on every rank, and the next save is a delta on it."""
+    import deltackpt.manager
+
+    model, optimizer = _fsdp_trained(rank)
+    with CheckpointManager(path, keep="last=1") as mgr:
+        mgr.save(1, model, optimizer, rng=False)
+        collect_garbage = deltackpt.manager.collect_garbage
+        if rank == 0:
+            def failing(*args, **kwargs):
+                raise OSError(5, "Input/output error")
+
+            deltackpt.manager.collect_garbage = failing
+        with pytest.raises(DistributedError, match=re.escape(
+                "gc after the save of step 2 failed on rank 0: OSError: [Errno 5] Input/output "
+                "error")):
+            mgr.save(2, model, optimizer, rng=False)
+        deltackpt.manager.collect_garbage = collect_garbage
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(2, deep=True) == {2: []}
+        info = mgr.save(3, model, optimizer, rng=False)
+        assert (info.kind, info.base_step) == ("delta", 2), info
+
+
+def test_a_failed_gc_after_a_save_leaves_the_step_committed(tmp_path: Path) -> None:
+    run_ranks(_gc_fails_after_the_commit, 2, str(tmp_path / "ckpt"))
+    mgr = CheckpointManager(tmp_path / "ckpt", read_only=True)
+    assert mgr.steps() == [3]  # the gc after step 3 ran: step 3 rewritten full, alone kept
+    assert mgr.verify(deep=True) == {3: []}
+
+
+def _rank_0_keeps_what_it_committed(rank: int, world: int, path: str) -> None:
+    """Rank 0 checks the base of a delta against the metadata it committed, without reading it
+    (the other ranks read its save_id)."""
+    import deltackpt.saving
+
+    model, optimizer = _fsdp_trained(rank)
+    reads = []
+    read_save_id = deltackpt.saving.read_save_id
+    deltackpt.saving.read_save_id = lambda *args: reads.append(args) or read_save_id(*args)
+    with CheckpointManager(path) as mgr:
+        mgr.save(1, model, optimizer, rng=False)
+        assert mgr.save(2, model, optimizer, rng=False).kind == "delta"
+    assert len(reads) == (0 if rank == 0 else 1)
+
+
+def test_rank_0_reads_no_metadata_it_committed(tmp_path: Path) -> None:
+    run_ranks(_rank_0_keeps_what_it_committed, 2, str(tmp_path / "ckpt"))
+
+
+def test_a_single_process_is_a_group_of_one_rank(monkeypatch) -> None:
+    """Its collectives return what they are given, without torch.distributed; a failure is raised
+    as it is, not as a DistributedError."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    group = Group.single()
+    assert (group.rank, group.world_size) == (0, 1) and not dist.is_initialized()
+    assert group.gather("a") == group.all_gather("a") == ["a"]
+    assert group.broadcast("a") == group.share("a", None) == "a"
+    assert group.ranks_on_this_host() == 1
+    group.check(None, "save of step 1")
+    error = OSError(28, "No space left on device")
+    for call in (lambda: group.check(error, "save of step 1"), lambda: group.share("a", error)):
+        with pytest.raises(OSError) as raised:
+            call()
+        assert raised.value is error
+    whole = torch.arange(10.0).reshape(5, 2)
+    assert [(p.offsets, p.sizes) for p in parts_to_write("x", "param", whole, group)] == \
+        [([0, 0], [5, 2])]
 
 
 def _replicated_parts(rank: int, world: int) -> None:

@@ -15,6 +15,7 @@ import deltackpt.directory
 import deltackpt.manager
 import deltackpt.optimizers
 import deltackpt.reader
+import deltackpt.saving
 import deltackpt.storage
 from deltackpt import CheckpointManager, DeltackptError
 from deltackpt.state import capture
@@ -86,7 +87,7 @@ def _count_reads(monkeypatch) -> list[int]:
     """Count every read of a step's metadata file (parsed, or its save_id alone)."""
     calls = [0]
     for module, name in ((deltackpt.reader, "read_metadata"), (deltackpt.manager, "read_metadata"),
-                         (deltackpt.directory, "read_metadata"), (deltackpt.manager, "read_save_id")):
+                         (deltackpt.directory, "read_metadata"), (deltackpt.saving, "read_save_id")):
         original = getattr(module, name)
 
         def counted(*args, original=original, **kwargs):

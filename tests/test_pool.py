@@ -13,9 +13,10 @@ from helpers import data_files
 from torch import nn
 
 from deltackpt import CheckpointManager
+from deltackpt.format import step_dir_name
 from deltackpt.pool import THREAD_NAME_PREFIX
 from deltackpt.state import capture
-from deltackpt.writer import encode_exact, write_step
+from deltackpt.writer import encode_exact, new_save_id, write_data
 
 
 def _pool_threads() -> set[int]:
@@ -91,9 +92,10 @@ def test_a_failed_save_stops_its_tasks_before_removing_its_files(tmp_path) -> No
 
     with CheckpointManager(tmp_path / "ckpt", workers=2, chunk_bytes=1024) as mgr:
         mgr.save(0, model, rng=False)
+        mgr.storage.makedirs(step_dir_name(1))
         with pytest.raises(OSError, match="disk on fire"):
-            write_step(mgr.storage, 1, capture(model, None, None, False), encoder=encoder,
-                       chunk_bytes=1024, workers=mgr._workers())
+            write_data(mgr.storage, 1, new_save_id(), capture(model, None, None, False),
+                       encoder=encoder, chunk_bytes=1024, workers=mgr._workers())
         time.sleep(0.5)  # a task left running would create its file by now
         assert data_files(tmp_path / "ckpt", 1) == []
         mgr.save(1, model, rng=False)

@@ -28,7 +28,7 @@ from deltackpt.dtypes import spec_named
 from deltackpt.format import step_dir_name
 from deltackpt.retention import GCReport, RetentionPolicy
 from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
-from deltackpt.writer import write_step
+from deltackpt.writer import commit_step, new_save_id, step_metadata, write_data
 
 STEPS = list(range(1, 11))
 
@@ -364,7 +364,10 @@ def test_bfloat16_without_cascade_would_break(tmp_path: Path) -> None:
     path = build(tmp_path / "bf16", 5, torch.bfloat16, compression=fine)
     mgr = CheckpointManager(path)
     expected = restored(mgr, 9)
-    write_step(mgr.storage, 8, mgr.restore(8).captured(), kind="full")
+    captured, save_id = mgr.restore(8).captured(), new_save_id()  # a full step 8, behind its back
+    written = write_data(mgr.storage, 8, save_id, captured)
+    commit_step(mgr.storage, step_metadata(8, save_id, written, captured.tree, kind="full",
+                                           base_step=None, world_size=1, seconds=0.0))
     try:
         assert restored(mgr, 9) != expected
     except CorruptionError as exc:

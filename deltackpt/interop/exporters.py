@@ -29,7 +29,7 @@ from deltackpt.state import CapturedState
 from deltackpt.storage import LOCK_FILE, is_url, open_storage
 
 if TYPE_CHECKING:
-    from deltackpt.manager import SaveInfo
+    from deltackpt.saving import SaveInfo
 
 
 @dataclass
