@@ -482,7 +482,7 @@ class CheckpointManager(CheckpointDirectory):
                                  "torch.distributed every rank writes to the checkpoint itself")
             return self._save_distributed(step, captured, group, overwrite, progress)
         self._settle()
-        self._prepare_save(step, overwrite)
+        present = self._prepare_save(step, overwrite)
         if self._cache is not None:
             self._cache.open()
         parts = shard_parts(captured, None)  # this process's layout: every tensor whole
@@ -495,8 +495,8 @@ class CheckpointManager(CheckpointDirectory):
                               step, captured, parts=parts, kind="delta" if base else "full",
                               base_step=base.step if base else None, encoder=encoder,
                               summary=encoder.summary, coded_last=encoder.coded_last,
-                              chunk_bytes=self.chunk_bytes,
-                              workers=self._workers(), progress=progress)
+                              chunk_bytes=self.chunk_bytes, workers=self._workers(),
+                              progress=progress, present=present if self._cache is None else None)
         except BaseException:
             # A delta updates its base's values in place: the next one reads them again. The
             # reconstruction still is the last committed step's.
@@ -532,10 +532,16 @@ class CheckpointManager(CheckpointDirectory):
             log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",
                         info.step, info.target_ratio, info.ratio, scale)
 
-    def _prepare_save(self, step: int, overwrite: bool) -> None:
-        """Take the writer lock and check that ``step`` may be written."""
+    def _prepare_save(self, step: int, overwrite: bool) -> list[str] | None:
+        """Take the writer lock and check that ``step`` may be written. Returns the files of the
+        step's directory where the storage lists them in one request (an object store: the
+        listing also says whether the step exists), for the commit to delete those its
+        metadata does not reference (:func:`remove_unreferenced`); else None."""
         self.acquire()
-        if self.storage.exists(_metadata_file(step)):
+        present = self.storage.list_files(step_dir_name(step))
+        exists = METADATA_FILE in present if present is not None else \
+            self.storage.exists(_metadata_file(step))
+        if exists:
             if not overwrite:
                 raise StepExistsError(f"step {step} already exists in {self.path}; "
                                       "pass overwrite=True to replace it")
@@ -544,6 +550,7 @@ class CheckpointManager(CheckpointDirectory):
                 raise StepExistsError(
                     f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
                     "against it; remove them first (gc) or overwrite them")
+        return present
 
     def _save_distributed(self, step: int, captured: CapturedState, group: Group,
                           overwrite: bool, progress: bool) -> SaveInfo:
@@ -558,13 +565,13 @@ class CheckpointManager(CheckpointDirectory):
         started = time.perf_counter()
         check_same_state(captured, group)
         pool = self._workers(group)  # a collective at the first save: before any rank can fail
-        parts, local, base, save_id, error = {}, {}, None, None, None
+        parts, local, base, save_id, present, error = {}, {}, None, None, None, None
         try:
             parts = shard_parts(captured, group)
             local = local_parts(parts)
             base = self._delta_base(step, captured, parts, group)
             if group.rank == 0:
-                self._prepare_save(step, overwrite)
+                present = self._prepare_save(step, overwrite)
                 self.storage.makedirs(step_dir_name(step))
                 save_id = new_save_id()
         except Exception as exc:  # raised on every rank by the check below
@@ -591,7 +598,7 @@ class CheckpointManager(CheckpointDirectory):
             outcome: SaveInfo | str | None = None
             if group.rank == 0:
                 outcome = self._commit_distributed(step, save_id, captured, base, encoder,
-                                                   everyone, started)
+                                                   everyone, started, present)
             outcome = group.broadcast(outcome)
             if isinstance(outcome, str):
                 raise DistributedError(outcome)
@@ -607,9 +614,10 @@ class CheckpointManager(CheckpointDirectory):
     def _commit_distributed(self, step: int, save_id: str, captured: CapturedState,
                             base: Reconstruction | None, encoder: StepEncoder | None,
                             everyone: list[tuple[WrittenData | None, dict | None, str | None]],
-                            started: float) -> SaveInfo | str:
-        """Rank 0: commit what every rank wrote, or clean up after a failed rank. Returns the
-        save's summary, or the error every rank raises."""
+                            started: float, present: list[str] | None) -> SaveInfo | str:
+        """Rank 0: commit what every rank wrote, or clean up after a failed rank (``present``:
+        :meth:`_prepare_save`'s listing). Returns the save's summary, or the error every rank
+        raises."""
         failed = [f"rank {rank}: {error}" for rank, (*_, error) in enumerate(everyone) if error]
         try:
             if failed:
@@ -620,7 +628,7 @@ class CheckpointManager(CheckpointDirectory):
                                  base_step=base.step if base else None,
                                  world_size=len(everyone), seconds=time.perf_counter() - started,
                                  summary=encoder.summary([s for _, s, _ in everyone]))
-            commit_step(self.storage, meta)
+            commit_step(self.storage, meta, present=present)
             if self.keep is not None:
                 self.gc(self.keep)
             return SaveInfo.of(meta)
