@@ -28,6 +28,7 @@ from deltackpt.format import (
     box_index,
     layout_of,
     metadata_file,
+    step_dir_name,
 )
 from deltackpt.pipeline import SaveHandle, SaveQueue
 from deltackpt.pool import WorkerPool, default_workers
@@ -406,10 +407,16 @@ class CheckpointManager(CheckpointDirectory):
         return save_step(self, step, captured, Group.current() or Group.single(),
                          overwrite=overwrite, progress=progress)
 
-    def _prepare_save(self, step: int, overwrite: bool) -> None:
-        """Take the writer lock and check that ``step`` may be written."""
+    def _prepare_save(self, step: int, overwrite: bool) -> list[str] | None:
+        """Take the writer lock and check that ``step`` may be written. Returns the files of the
+        step's directory where the storage lists them in one request (an object store: the
+        listing also says whether the step exists), for the commit to delete those its
+        metadata does not reference (:func:`~deltackpt.writer.remove_unreferenced`); else None."""
         self.acquire()
-        if self.storage.exists(metadata_file(step)):
+        present = self.storage.list_files(step_dir_name(step))
+        exists = METADATA_FILE in present if present is not None else \
+            self.storage.exists(metadata_file(step))
+        if exists:
             if not overwrite:
                 raise StepExistsError(f"step {step} already exists in {self.path}; "
                                       "pass overwrite=True to replace it")
@@ -418,6 +425,7 @@ class CheckpointManager(CheckpointDirectory):
                 raise StepExistsError(
                     f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
                     "against it; remove them first (gc) or overwrite them")
+        return present
 
     def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
         """Delete the steps a retention policy does not keep (default: the manager's ``keep``).

@@ -175,6 +175,9 @@ class ObjectStorage:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._lease: _Lease | None = None
+        # The identities (ETags) of the objects this storage PUT under the lease it holds: no
+        # other writer changes them while it is held, so they are answered without a HEAD.
+        self._committed: dict[str, tuple[str, str, str]] = {}
         self._probe()
 
     # -- helpers -----------------------------------------------------------------------
@@ -235,8 +238,18 @@ class ObjectStorage:
 
     # -- Storage -----------------------------------------------------------------------
 
+    def _own(self, rel: str) -> tuple[str, str, str] | None:
+        """The identity of object ``rel`` if this storage PUT it under the lease it still holds
+        (no other writer can have replaced or deleted it since), else None."""
+        lease = self._lease
+        if lease is None or not lease.held():
+            return None
+        return self._committed.get(rel)
+
     def kind(self, rel: str) -> str | None:
         """``"file"`` for an object, ``"dir"`` for a prefix holding objects, else None."""
+        if self._own(rel) is not None:
+            return "file"
         path = self._path(rel)
         try:
             info = self._call(f"{self.url}/{rel}", lambda: self.fs.info(path))
@@ -264,26 +277,56 @@ class ObjectStorage:
 
     def list_files(self, rel: str = "") -> list[str]:
         """Every object below prefix ``rel`` (paths relative to it), in one listing (S3: one
-        ListObjectsV2 per thousand objects), instead of a request per prefix."""
+        ListObjectsV2 per thousand objects, an empty prefix included), instead of a request
+        per prefix."""
         path = self._path(rel)
         prefix = path.rstrip("/") + "/"
-        found = self._call(f"listing {self.url}/{rel}", lambda: self.fs.find(path, detail=False))
-        return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
+        if not self._s3:
+            found = self._call(f"listing {self.url}/{rel}",
+                               lambda: self.fs.find(path, detail=False))
+            return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
+        bucket, _, key_prefix = prefix.partition("/")
+
+        def listing() -> list[str]:  # s3fs's find adds a HEAD and a listing when none is found
+            keys: list[str] = []
+            more: dict[str, str] = {}
+            while True:
+                reply = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key_prefix,
+                                        **more)
+                keys += [o["Key"][len(key_prefix):] for o in reply.get("Contents", [])]
+                if not reply.get("IsTruncated"):
+                    return sorted(k for k in keys if k and not k.endswith("/"))
+                more = {"ContinuationToken": reply["NextContinuationToken"]}
+
+        return self._call(f"listing {self.url}/{rel}", listing)
 
     def identity(self, rel: str) -> tuple[str, ...] | None:
         """The object's ETag (S3, Azure; GCS: its generation too), which changes whenever it is
         written again with other bytes: a manager keeps the metadata it read or wrote while the
-        object's ETag stays the one it had (one HEAD instead of a GET and a parse). None when
-        the object is missing or the store reports no ETag (``memory://``)."""
+        object's ETag stays the one it had (one HEAD instead of a GET and a parse; none for an
+        object this storage PUT under the lease it holds, whose ETag the PUT returned). None
+        when the object is missing or the store reports no ETag (``memory://``)."""
+        own = self._own(rel)
+        if own is not None:
+            return own
         path = self._path(rel)
-        try:
-            info = self._call(f"{self.url}/{rel}", lambda: self.fs.info(path))
-        except FileNotFoundError:
-            return None
+        if self._s3:  # a HEAD alone: s3fs's info lists the prefix too when the object is missing
+            bucket, _, key = path.partition("/")
+            try:
+                reply = self._call(f"{self.url}/{rel}", lambda: self.fs.call_s3(
+                    "head_object", Bucket=bucket, Key=key))
+            except FileNotFoundError:
+                return None
+            info = {"ETag": reply.get("ETag"), "size": reply.get("ContentLength")}
+        else:
+            try:
+                info = self._call(f"{self.url}/{rel}", lambda: self.fs.info(path))
+            except FileNotFoundError:
+                return None
         tag = info.get("ETag") or info.get("etag")
         if not tag or info.get("type") == "directory":
             return None
-        return (str(tag), str(info.get("generation", "")), str(info.get("size", "")))
+        return _identity(tag, info.get("generation", ""), info.get("size", ""))
 
     def makedirs(self, rel: str = "", *, durable: bool = True) -> bool:
         """Nothing to create: a prefix exists once it holds an object (the bucket was probed at
@@ -351,22 +394,35 @@ class ObjectStorage:
 
     def commit_file(self, rel: str, data: bytes) -> None:
         """Replace object ``rel`` with ``data`` in one PUT, which is atomic. While this storage
-        holds the writer lease, it is checked first: a writer that lost it commits nothing."""
+        holds the writer lease, it is checked first: a writer that lost it commits nothing;
+        the ETag the PUT returns is then the object's :meth:`identity` while the lease is
+        held."""
         if self._lease is not None:
             self._lease.check()
         path = self._path(rel)
-        self._call(f"writing {self.url}/{rel}", lambda: self.fs.pipe_file(path, data))
+        self._committed.pop(rel, None)
+        if not self._s3:
+            self._call(f"writing {self.url}/{rel}", lambda: self.fs.pipe_file(path, data))
+            return
+        bucket, _, key = path.partition("/")
+        reply = self._call(f"writing {self.url}/{rel}", lambda: self.fs.call_s3(
+            "put_object", Bucket=bucket, Key=key, Body=data))
+        if self._lease is not None and reply.get("ETag"):
+            self._committed[rel] = _identity(reply["ETag"], "", len(data))
 
     def remove(self, rel: str) -> None:
         """Delete object ``rel`` (or forget a staged one); nothing there is fine."""
         if self._staged.pop(rel, None) is not None:
             return
+        self._committed.pop(rel, None)
         path = self._path(rel)
         with contextlib.suppress(FileNotFoundError):
             self._call(f"deleting {self.url}/{rel}", lambda: self.fs.rm_file(path))
 
     def remove_tree(self, rel: str) -> None:
         """Delete every object under prefix ``rel``; nothing there is fine."""
+        for own in [r for r in list(self._committed) if r.startswith(f"{rel}/")]:
+            del self._committed[own]
         path = self._path(rel)
         with contextlib.suppress(FileNotFoundError):
             self._call(f"deleting {self.url}/{rel}/", lambda: self.fs.rm(path, recursive=True))
@@ -405,6 +461,7 @@ class ObjectStorage:
             raise WriterLockedError(f"{self.url}: another CheckpointManager is writing to this "
                                     f"checkpoint: {who}; only one writer at a time is allowed")
         self._lease = lease
+        self._committed.clear()  # PUT under an earlier lease: another writer may have come since
         try:
             self.abort_uploads()  # while the lease is held, they can only be a crashed writer's
         except BaseException:
@@ -414,6 +471,7 @@ class ObjectStorage:
 
     def _release_lease(self) -> None:
         lease, self._lease = self._lease, None
+        self._committed.clear()
         if lease is not None:
             lease.release()
 
@@ -714,6 +772,10 @@ class _Lease:
                 return
             self.tag, self.expires = tag, expires
 
+    def held(self) -> bool:
+        """Whether the lease is still held: not lost, and renewed within its duration."""
+        return self.lost is None and time.time() < self.expires
+
     def check(self) -> None:
         """Raise :class:`WriterLockedError` unless the lease is still held and unexpired."""
         if self.lost is None and time.time() >= self.expires:
@@ -791,6 +853,11 @@ class _Lease:
 
 
 _LOCAL_LEASES = threading.Lock()
+
+
+def _identity(tag: str, generation: Any, size: Any) -> tuple[str, str, str]:
+    """An object's :meth:`ObjectStorage.identity`, from a HEAD's or a PUT's reply alike."""
+    return str(tag), str(generation), str(size)
 
 
 def _tag(data: bytes) -> str:

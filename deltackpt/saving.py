@@ -129,6 +129,9 @@ class SavePlan:
     base: Reconstruction | None  # what the step is a delta on; None: a full step
     save_id: str
     created: bool  # the save created the step's directory: a failed save removes it
+    # Rank 0: the step's files before the save, where the storage lists them in one request;
+    # the commit deletes those the step does not reference (remove_unreferenced).
+    present: list[str] | None = None
 
     @property
     def kind(self) -> str:
@@ -182,12 +185,13 @@ def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, gr
     storage = manager.storage if manager._cache is None else manager._cache.storage
     step_dir = step_dir_name(step)
     parts: dict[str, list[Part]] = {}
-    base, save_id, created, error = None, None, False, None
+    base, save_id, created, present, error = None, None, False, None, None
     try:
         if group.rank == 0:
-            manager._prepare_save(step, overwrite)
-            if manager._cache is not None:
+            present = manager._prepare_save(step, overwrite)
+            if manager._cache is not None:  # the listing is the checkpoint's, not the cache's
                 manager._cache.open()
+                present = None
         parts = shard_parts(captured, group)
         base = delta_base(manager, step, captured, parts, pool)
         if group.rank == 0:
@@ -207,7 +211,7 @@ def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, gr
         if created:  # on rank 0, for another rank's failure
             _remove_step_dir(storage, step)
         raise
-    return SavePlan(step, captured, group, storage, parts, base, save_id, created)
+    return SavePlan(step, captured, group, storage, parts, base, save_id, created, present)
 
 
 def delta_base(manager: CheckpointManager, step: int, captured: CapturedState,
@@ -269,7 +273,7 @@ def commit(plan: SavePlan, encoder: StepEncoder, written: WrittenData,
                                  world_size=group.world_size,
                                  seconds=time.perf_counter() - started,
                                  summary=encoder.summary([s for _, s in everyone]))
-            commit_step(plan.storage, meta)
+            commit_step(plan.storage, meta, present=plan.present)
             info = SaveInfo.of(meta)
         except Exception as exc:  # raised on every rank by share
             error = exc

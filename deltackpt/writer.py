@@ -297,10 +297,11 @@ def stage_metadata(storage: Storage, meta: StepMetadata) -> str:
         return storage.stage(rel, metadata_bytes(meta))
 
 
-def commit_step(storage: Storage, meta: StepMetadata, staged: str | None = None) -> None:
+def commit_step(storage: Storage, meta: StepMetadata, staged: str | None = None, *,
+                present: list[str] | None = None) -> None:
     """Make ``meta``'s step visible (the rename of its ``metadata.json``, from ``staged`` if
     :func:`stage_metadata` wrote it), then delete the files of its directory it does not
-    reference (those of a step it replaces)."""
+    reference (those of a step it replaces): of ``present`` (:func:`remove_unreferenced`)."""
     step_dir = step_dir_name(meta.step)
     rel = f"{step_dir}/{METADATA_FILE}"
     with writing(storage, meta.step, rel):
@@ -308,7 +309,7 @@ def commit_step(storage: Storage, meta: StepMetadata, staged: str | None = None)
             storage.commit_file(rel, metadata_bytes(meta))
         else:
             storage.publish(staged, rel)
-    remove_unreferenced(storage, step_dir, meta)
+    remove_unreferenced(storage, step_dir, meta, present)
 
 
 def discard(storage: Storage, meta: StepMetadata, staged: str | None = None) -> None:
@@ -355,9 +356,22 @@ def new_save_id() -> str:
     return secrets.token_hex(8)
 
 
-def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata) -> None:
-    """Delete files in ``step_dir`` that its committed metadata does not reference."""
+def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata,
+                        present: list[str] | None = None) -> None:
+    """Delete files in ``step_dir`` that its committed metadata does not reference.
+
+    ``present``: the objects the directory held before the save that committed ``meta``, from
+    :meth:`Storage.list_files` under the writer lock (an object store's one listing, taken
+    when the save was prepared); no other writer adds any since, and this one only added
+    ``meta``'s, so they are all there is to delete, without listing again. Default: the
+    directory is listed now.
+    """
     keep = {METADATA_FILE} | {f.name for f in meta.files}
+    if present is not None:
+        for name in present:
+            if name not in keep and "/" not in name:  # no save writes below a step's prefix
+                storage.remove(f"{step_dir}/{name}")
+        return
     for name in storage.listdir(step_dir):
         if name not in keep and storage.kind(f"{step_dir}/{name}") != "dir":  # no save makes one
             storage.remove(f"{step_dir}/{name}")

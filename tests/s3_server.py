@@ -83,7 +83,8 @@ class FaultProxy:
     SlowDown`` with probability ``error_rate``; the rest are forwarded.
     ``fetched`` and ``sent`` count the object bytes of forwarded GET
     replies and PUT/POST bodies, per path, ``requests`` the forwarded
-    requests by method.
+    requests by method, and ``log`` lists them (``"METHOD /path?query"``) in
+    the order their answers came.
 
     Conditional PUTs (``If-Match``, ``If-None-Match``) are forwarded one at a
     time: moto checks the condition and then writes, where S3 does both as
@@ -100,6 +101,7 @@ class FaultProxy:
         self.sent: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()  # forwarded, by method
+        self.log: list[str] = []
         self.part_puts = 0  # parts of multipart uploads forwarded
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -132,6 +134,7 @@ class FaultProxy:
             self.sent.clear()
             self.faults.clear()
             self.requests.clear()
+            self.log.clear()
             self.part_puts = 0
 
     def close(self) -> None:
@@ -173,6 +176,7 @@ class FaultProxy:
                 data = reply.read()
             with self._lock:  # counted before the client has its answer, and can reset them
                 self.requests[request.command] += 1
+                self.log.append(f"{request.command} {request.path}")
                 if request.command == "GET" and reply.status < 300:
                     self.fetched[path] += len(data)
                 elif request.command in ("PUT", "POST"):

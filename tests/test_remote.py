@@ -673,3 +673,102 @@ def test_restore_fetches_adjacent_chunks_in_few_gets(endpoint: str, proxy: Fault
     data = [path for path in proxy.fetched if "/d-" in path]
     assert len(data) == 1 and proxy.fetched[data[0]] == meta.files[0].size
     assert proxy.requests["GET"] <= 4
+
+
+def _store_requests(proxy: FaultProxy) -> list[str]:
+    """The requests the proxy forwarded, in order, but the lease's renewals (a background
+    thread's, every third of its duration)."""
+    return [r for r in proxy.log if LEASE_OBJECT not in r]
+
+
+def test_delta_save_requests(endpoint: str, proxy: FaultProxy) -> None:
+    """A delta save to S3 makes one listing of its step's prefix (it says whether the step exists,
+    and what the commit leaves to delete), a PUT per data object and the PUT of its metadata:
+    no HEAD (the metadata of its base and chain are objects this writer PUT under the lease it
+    still holds, their ETags returned by those PUTs) and no listing after the commit."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    bucket = url[5:].split("/")[0]
+    model, optimizer = model_and_optimizer()
+    train(model, optimizer)  # the optimizer has its state: the next saves can be deltas
+    with CheckpointManager(url, storage_options=options(proxy.url), workers=1) as mgr:
+        mgr.save(0, model, optimizer)
+        for step in (1, 2):
+            train(model, optimizer)
+            proxy.reset_counts()
+            assert mgr.save(step, model, optimizer).kind == "delta"
+            meta = mgr.metadata(step)
+            step_dir = f"step-00000000000{step}"
+            made = _store_requests(proxy)
+            assert made[0].startswith(f"GET /{bucket}?list-type=2&prefix=run%2F{step_dir}%2F")
+            assert sorted(made[1:-1]) == sorted(f"PUT /{bucket}/run/{step_dir}/{f.name}"
+                                                for f in meta.files)
+            assert made[-1] == f"PUT /{bucket}/run/{step_dir}/metadata.json"
+    reader = CheckpointManager(url, storage_options=options(endpoint), read_only=True)
+    assert reader.verify(deep=True) == {0: [], 1: [], 2: []}
+
+
+def test_commit_deletes_what_its_listing_found(endpoint: str, proxy: FaultProxy) -> None:
+    """The objects under a step's prefix that the save's listing found and the new metadata does
+    not reference are deleted after the commit: those of a failed save of the step whose own
+    clean-up failed too, and those of the version an overwrite replaced (kept until the new
+    metadata's PUT, so a failed overwrite leaves the old version whole)."""
+    url = f"s3://{new_bucket(endpoint)}/run"
+    fs, root = fsspec.core.url_to_fs(url, **options(endpoint))
+
+    def step_objects() -> set[str]:
+        return {path.rsplit("/", 1)[1] for path in fs.find(f"{root}/step-000000000001")}
+
+    def values(n: int) -> dict:
+        return {"w": torch.arange(1000.0) + n}
+
+    with CheckpointManager(url, storage_options=options(proxy.url), workers=1) as mgr:
+        mgr.save(1, extra=values(0), rng=False)
+        first = step_objects()
+        proxy.set_faults(error_rate=1.0, only=r"PUT .*/step-000000000001/metadata\.json|"
+                                              r"DELETE .*/step-000000000001/")
+        with pytest.raises(WriteFailedError, match="writing step 1 failed"):
+            mgr.save(1, extra=values(1), rng=False, overwrite=True)
+        proxy.set_faults()
+        leftovers = step_objects() - first
+        assert len(leftovers) == 1 and leftovers.pop().startswith("d-")  # its data object
+        assert torch.equal(mgr.restore(1).extra["w"], values(0)["w"])  # the old version, whole
+        mgr.save(1, extra=values(2), rng=False, overwrite=True)
+        meta = mgr.metadata(1)
+        assert step_objects() == {"metadata.json", *(f.name for f in meta.files)}
+        assert not first & {f.name for f in meta.files}
+    assert torch.equal(CheckpointManager(url, storage_options=options(endpoint), read_only=True)
+                       .restore(1).extra["w"], values(2)["w"])
+
+
+def test_own_metadata_identity_trusted_only_under_the_lease(
+        endpoint: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The identity of a metadata object this writer PUT is, while it holds its lease, the one a
+    HEAD reports, given without a request; once the lease expired unrenewed or was released, a
+    HEAD asks the store again, and a save after another writer replaced its base step is a
+    full step, not a delta against a version it never saw."""
+    monkeypatch.setattr(ObjectStorage, "lease_seconds", 1.5)
+    url = f"s3://{new_bucket(endpoint)}/run"
+    opts = options(proxy.url)
+    rel = "step-000000000000/metadata.json"
+    mgr = CheckpointManager(url, storage_options=opts)
+    mgr.save(0, extra={"w": torch.arange(1000.0)}, rng=False)
+    proxy.reset_counts()
+    own = mgr.storage.identity(rel)
+    assert proxy.log == []
+    assert own == ObjectStorage(url, opts).identity(rel)
+    lease = mgr.storage._lease
+    lease._stop.set()  # the writer stalls: its lease is not renewed, and expires
+    lease._thread.join()
+    time.sleep(1.6)
+    proxy.reset_counts()
+    assert mgr.storage.identity(rel) == own
+    assert proxy.requests["HEAD"] == 1
+    mgr.close()
+    with CheckpointManager(url, storage_options=opts) as other:
+        other.save(0, extra={"w": torch.zeros(1000)}, rng=False, overwrite=True)
+    proxy.reset_counts()
+    assert mgr.storage.identity(rel) not in (own, None)
+    assert proxy.requests["HEAD"] == 1
+    info = mgr.save(1, extra={"w": torch.arange(1000.0) + 1}, rng=False)
+    assert info.kind == "full"
+    mgr.close()
