@@ -59,7 +59,6 @@ import torch
 import triton
 import triton.language as tl
 import xxhash
-
 from deltackpt.kernels.gpu_quant import _device, _done, _launching
 
 # The xxh3 spec's default secret (seed 0).
@@ -115,11 +114,13 @@ def _lanes(data_ptr, at, mask):
 
 
 @triton.jit
-def _block_sums_kernel(data_ptr, table_ptr, sums_ptr, RANGES: tl.constexpr, BLOCKS: tl.constexpr):
+def _block_sums_kernel(data_ptr, table_ptr, sums_ptr, RANGES: tl.constexpr,
+                       BLOCKS: tl.constexpr, ALIGNED: tl.constexpr):
     """Blocks ``pid0 * BLOCKS ...`` of range ``pid1``: ``sums[row, lane]`` is the block's sum
     of ``lo32(v) * hi32(v)`` in lane ``lane``, ``sums[row, 8 + (lane ^ 1)]`` its sum of lane
     ``lane``'s words; a range's rows from its first row (:func:`_table`), one a block that
-    holds stripes before the final one."""
+    holds stripes before the final one. ``ALIGNED``: ``data`` and every range start at a
+    multiple of 8 bytes, its lanes are loaded as u64."""
     at = table_ptr + RANGES + 3 * tl.program_id(1)
     start = tl.load(at)
     n_stripes = (tl.load(at + 1) - 1) // 64
@@ -127,7 +128,11 @@ def _block_sums_kernel(data_ptr, table_ptr, sums_ptr, RANGES: tl.constexpr, BLOC
     stripe = tl.program_id(0).to(tl.int64) * (BLOCKS * 16) + tl.arange(0, BLOCKS * 16)
     lane = tl.arange(0, 8)
     valid = (stripe < n_stripes)[:, None] & (lane < 8)[None, :]
-    words = _lanes(data_ptr, start + stripe[:, None] * 64 + lane[None, :] * 8, valid)
+    if ALIGNED:
+        words = tl.load(data_ptr.to(tl.pointer_type(tl.uint64)) + start // 8
+                        + stripe[:, None] * 8 + lane[None, :], mask=valid, other=0)
+    else:
+        words = _lanes(data_ptr, start + stripe[:, None] * 64 + lane[None, :] * 8, valid)
     keys = tl.load(table_ptr + (stripe % 16)[:, None] + lane[None, :]).to(tl.uint64,
                                                                           bitcast=True)
     v = words ^ keys
@@ -277,7 +282,9 @@ def xxh3_64_ranges_on_device(data: torch.Tensor,
         acc = torch.empty((len(long), 8), dtype=torch.int64, device=device)
         with _launching():
             _block_sums_kernel[(triton.cdiv(max(rows), _BLOCKS), len(long))](
-                data, table, sums, RANGES=_RANGES, BLOCKS=_BLOCKS, num_warps=4)
+                data, table, sums, RANGES=_RANGES, BLOCKS=_BLOCKS,
+                ALIGNED=data.data_ptr() % 8 == 0 and all(start % 8 == 0 for start, _ in long),
+                num_warps=4)
             _chain_kernel[(len(long),)](data, table, sums, acc, RANGES=_RANGES,
                                         UNROLL=_UNROLL, num_warps=1)
     batch = _Batch(acc, short_bytes, _done(device))
