@@ -78,7 +78,7 @@ _U64 = (1 << 64) - 1
 _MAX_SHORT = 240  # longer inputs take the long-input algorithm, on the device
 _LAST_STRIPE_KEY = len(_SECRET) - 64 - 7  # the final stripe's keys start at this secret byte
 _MERGE_KEY = 11  # the merge's keys start at this secret byte
-_BLOCKS = 4  # blocks (of 1024 bytes) a program of _block_sums_kernel sums
+_BLOCKS = 32  # blocks (of 1024 bytes) a program of _block_sums_kernel sums
 _UNROLL = 8  # blocks a step of _chain_kernel's loop
 _RANGES = 40  # where the ranges start in the kernels' table (:func:`_table`)
 
@@ -104,13 +104,16 @@ def _table(ranges: list[tuple[int, int]], first_rows: Sequence[int]) -> np.ndarr
 # -- kernels -------------------------------------------------------------------------------
 
 @triton.jit
-def _lanes(data_ptr, at, mask):
-    """The little-endian u64 at byte offsets ``at`` (int64, any alignment) of ``data``; 0
-    where not ``mask``."""
-    shifts = (8 * tl.arange(0, 8)).to(tl.uint64)
-    b = tl.load(data_ptr + at[:, :, None] + tl.arange(0, 8)[None, None, :],
-                mask=mask[:, :, None], other=0)
-    return tl.sum(b.to(tl.uint64) << shifts[None, None, :], axis=2)
+def _u64_at(data_ptr, at, mask, ALIGNED: tl.constexpr):
+    """The little-endian u64s at byte offsets ``at`` (int64) of ``data``, 0 where not
+    ``mask``: loaded as u64 where ``ALIGNED`` (``data`` and ``at`` multiples of 8), else
+    from their 8 bytes each (no reduction across threads)."""
+    if ALIGNED:
+        return tl.load(data_ptr.to(tl.pointer_type(tl.uint64)) + at // 8, mask=mask, other=0)
+    word = tl.zeros(at.shape, tl.uint64)
+    for k in tl.static_range(8):
+        word |= tl.load(data_ptr + at + k, mask=mask, other=0).to(tl.uint64) << (8 * k)
+    return word
 
 
 @triton.jit
@@ -119,31 +122,31 @@ def _block_sums_kernel(data_ptr, table_ptr, sums_ptr, RANGES: tl.constexpr,
     """Blocks ``pid0 * BLOCKS ...`` of range ``pid1``: ``sums[row, lane]`` is the block's sum
     of ``lo32(v) * hi32(v)`` in lane ``lane``, ``sums[row, 8 + (lane ^ 1)]`` its sum of lane
     ``lane``'s words; a range's rows from its first row (:func:`_table`), one a block that
-    holds stripes before the final one. ``ALIGNED``: ``data`` and every range start at a
-    multiple of 8 bytes, its lanes are loaded as u64."""
+    holds stripes before the final one. A thread's sums run over the 16 stripes of its
+    blocks' lanes: no reduction across threads. ``ALIGNED``: ``data`` and every range start
+    at a multiple of 8 bytes."""
     at = table_ptr + RANGES + 3 * tl.program_id(1)
     start = tl.load(at)
     n_stripes = (tl.load(at + 1) - 1) // 64
     first_row = tl.load(at + 2)
-    stripe = tl.program_id(0).to(tl.int64) * (BLOCKS * 16) + tl.arange(0, BLOCKS * 16)
-    lane = tl.arange(0, 8)
-    valid = (stripe < n_stripes)[:, None] & (lane < 8)[None, :]
-    if ALIGNED:
-        words = tl.load(data_ptr.to(tl.pointer_type(tl.uint64)) + start // 8
-                        + stripe[:, None] * 8 + lane[None, :], mask=valid, other=0)
-    else:
-        words = _lanes(data_ptr, start + stripe[:, None] * 64 + lane[None, :] * 8, valid)
-    keys = tl.load(table_ptr + (stripe % 16)[:, None] + lane[None, :]).to(tl.uint64,
-                                                                          bitcast=True)
-    v = words ^ keys
-    products = tl.where(valid, (v & 0xFFFFFFFF) * (v >> 32), 0)
-    product_sums = tl.sum(tl.reshape(products, [BLOCKS, 16, 8]), axis=1)
-    word_sums = tl.sum(tl.reshape(words, [BLOCKS, 16, 8]), axis=1)
-    block = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    row = sums_ptr + (first_row + block)[:, None] * 16
-    used = (block * 16 < n_stripes)[:, None] & (lane < 8)[None, :]
-    tl.store(row + lane[None, :], product_sums.to(tl.int64, bitcast=True), mask=used)
-    tl.store(row + 8 + (lane ^ 1)[None, :], word_sums.to(tl.int64, bitcast=True), mask=used)
+    if tl.program_id(0).to(tl.int64) * BLOCKS * 16 < n_stripes:  # else past a short range
+        block = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        lane = tl.arange(0, 8)
+        product_sums = tl.zeros([BLOCKS, 8], tl.uint64)
+        word_sums = tl.zeros([BLOCKS, 8], tl.uint64)
+        for s in tl.static_range(16):
+            stripe = block * 16 + s
+            valid = (stripe < n_stripes)[:, None] & (lane < 8)[None, :]
+            words = _u64_at(data_ptr, start + stripe[:, None] * 64 + lane[None, :] * 8, valid,
+                            ALIGNED)
+            v = words ^ tl.load(table_ptr + s + lane).to(tl.uint64, bitcast=True)[None, :]
+            product_sums += tl.where(valid, (v & 0xFFFFFFFF) * (v >> 32), 0)
+            word_sums += words
+        row = sums_ptr + (first_row + block)[:, None] * 16
+        used = (block * 16 < n_stripes)[:, None] & (lane < 8)[None, :]
+        tl.store(row + lane[None, :], product_sums.to(tl.int64, bitcast=True), mask=used)
+        tl.store(row + 8 + (lane ^ 1)[None, :], word_sums.to(tl.int64, bitcast=True),
+                 mask=used)
 
 
 @triton.jit
@@ -178,9 +181,8 @@ def _chain_kernel(data_ptr, table_ptr, sums_ptr, acc_ptr, RANGES: tl.constexpr,
             acc = tl.where(live, a, acc)
     acc += _block_sum(sums_ptr, first_row + n_full, n_stripes % 16 != 0)
     tail = start + length - 64  # the final stripe
-    every = (lane < 8)[None, :]
-    words = tl.reshape(_lanes(data_ptr, tail + lane[None, :] * 8, every), [8])
-    swapped = tl.reshape(_lanes(data_ptr, tail + (lane ^ 1)[None, :] * 8, every), [8])
+    words = _u64_at(data_ptr, tail + lane * 8, lane < 8, False)
+    swapped = _u64_at(data_ptr, tail + (lane ^ 1) * 8, lane < 8, False)
     v = words ^ tl.load(table_ptr + 24 + lane).to(tl.uint64, bitcast=True)
     acc += swapped + (v & 0xFFFFFFFF) * (v >> 32)
     tl.store(acc_ptr + r * 8 + lane, acc.to(tl.int64, bitcast=True))
