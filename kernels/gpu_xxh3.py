@@ -23,7 +23,11 @@ synchronisation:
 
 1. ``_block_sums_kernel``: many programs, each ``_BLOCKS`` blocks of one
    byte range: each block's 8 sums of ``lo32(v) * hi32(v)`` and its 8 sums
-   of lanes (stored swapped, at ``i ^ 1``), in ``sums[row, 16]``.
+   of lanes (stored swapped, at ``i ^ 1``), in ``sums[row, 16]``. A thread
+   sums one lane of a block over its 16 stripes, so no sum crosses threads.
+   Lanes load as u64 where the data and every range start at a multiple of
+   8 bytes (a float32 tensor's chunks of an even number of elements), else
+   from their 8 bytes.
 2. ``_chain_kernel``: one program a range, its 8 lanes the 8 accumulators:
    the scramble chain over the range's full blocks (``_UNROLL`` blocks a
    step, their loads issued together ahead of the dependent arithmetic),
@@ -238,8 +242,9 @@ class PendingDigest:
 
     def hexdigest(self) -> str:
         """``xxhash.xxh3_64_hexdigest`` of the bytes (seed 0): 16 lowercase hex digits. Waits
-        for the device work, then copies its 64 bytes of accumulators (or a short input's
-        bytes) to the host and finishes there. May be called from any thread."""
+        for the device work, then (the first digest of a batch to ask) copies the batch's
+        accumulators, 64 bytes a digest, and short inputs' bytes to the host, and finishes
+        there. May be called from any thread."""
         acc, short = self._batch.host()
         if self._length <= _MAX_SHORT:
             return xxhash.xxh3_64_hexdigest(short[self._where:self._where + self._length])
