@@ -65,9 +65,8 @@ import time
 
 import numpy as np
 import torch
-from torch import nn
-
 import xxhash
+from torch import nn
 
 from deltackpt.kernels import gpu_quant, gpu_xxh3
 from deltackpt.kernels.quant import STAT_BAD
