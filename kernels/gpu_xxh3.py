@@ -39,7 +39,7 @@ The merge (64x64->128-bit products folded) and the avalanche of the one
 (64 bytes a digest) are copied back: that is what crosses PCIe.
 
 Device memory traffic: the input read once, 128 bytes a KiB block written
-and read back. The chain is the inherent serial part of xxh3 (one multiply
+and read back (a temporary an eighth of the input's size). The chain is the inherent serial part of xxh3 (one multiply
 chain a block); a batch of ranges (:func:`xxh3_64_ranges_on_device`, one
 range a chunk) runs the chains side by side.
 

@@ -434,6 +434,20 @@ def test_xxh3_digests_the_bytes_when_queued() -> None:
         assert list(pool.map(lambda d: d.hexdigest(), digests)) == expected
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_xxh3_queued_on_the_current_stream() -> None:
+    """Queued on a side stream behind a slow write of the bytes: the digest is of the written
+    bytes, asked for from the default stream without synchronising the side one."""
+    data = torch.zeros(3 << 20, dtype=torch.uint8, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # about 50 ms of GPU cycles before the write
+        data.fill_(7)
+        digest = gpu_xxh3.xxh3_64_on_device(data)
+    assert digest.hexdigest() == xxhash.xxh3_64_hexdigest(bytes([7]) * (3 << 20))
+
+
 @pytest.mark.parametrize(("data", "error", "match"), [
     (b"bytes", TypeError, "must be a torch.Tensor, got bytes"),
     (torch.zeros(300, dtype=torch.int32), ValueError, "torch.uint8 tensor, got torch.int32"),
