@@ -34,19 +34,22 @@ synchronisation:
    then the last block's sums and the final stripe; writes the 8
    accumulators.
 
-The merge (64x64->128-bit products folded) and the avalanche of the one
-64-bit result run on the host in Python integers, once the accumulators
-(64 bytes a digest) are copied back: that is what crosses PCIe.
+The accumulators (64 bytes a digest) are copied to pinned host memory
+behind the kernels, and that is all that crosses PCIe; the merge (64x64->
+128-bit products folded) and the avalanche of the one 64-bit result run on
+the host in Python integers.
 
 Device memory traffic: the input read once, 128 bytes a KiB block written
-and read back (a temporary an eighth of the input's size). The chain is the inherent serial part of xxh3 (one multiply
-chain a block); a batch of ranges (:func:`xxh3_64_ranges_on_device`, one
-range a chunk) runs the chains side by side.
+and read back (a temporary an eighth of the input's size). The chain is the
+inherent serial part of xxh3 (one multiply chain a block): one digest of a
+large input is bound by its latency, while a batch of ranges
+(:func:`xxh3_64_ranges_on_device`, one range a chunk) runs the chains side
+by side.
 
 Inputs of at most 240 bytes take xxh3's short-input paths, which share
-nothing with the above: their bytes are copied on the device when queued
-(so later writes do not change the digest) and hashed on the host with
-``xxhash`` by :meth:`PendingDigest.hexdigest`.
+nothing with the above: their bytes are copied to the host behind the work
+queued before (so later writes do not change the digest) and hashed there
+with ``xxhash`` by :meth:`PendingDigest.hexdigest`.
 
 Kernels run on CUDA tensors, and on CPU tensors in Triton's interpreter
 (``TRITON_INTERPRET=1`` when triton and this module are imported), as
@@ -55,7 +58,6 @@ Kernels run on CUDA tensors, and on CPU tensors in Triton's interpreter
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -207,29 +209,32 @@ def _merge(acc: Sequence[int], length: int) -> int:
     return result ^ (result >> 32)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory: on a GPU, a copy into pinned memory queued on the current stream
+    (it waits for nothing); a CPU tensor as it is."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class _Batch:
-    """The device results of one call: the long ranges' accumulators (``int64[R, 8]``) and the
-    short ranges' bytes, copied to the host once, by the first digest that asks."""
+    """The results of one call in host memory, complete once ``done`` has passed: the long
+    ranges' accumulators (``int64[R, 8]``) and the short ranges' bytes, one after another."""
 
     def __init__(self, acc: torch.Tensor | None, short: torch.Tensor | None,
                  done: torch.cuda.Event | None) -> None:
-        self._device = (acc, short)
+        self._acc = acc
+        self._short = short
         self._done = done
-        self._host: tuple[np.ndarray | None, bytes] | None = None
-        self._lock = threading.Lock()
 
-    def host(self) -> tuple[np.ndarray | None, bytes]:
-        """The accumulators (uint64) and the short ranges' bytes on the host: waits for the
-        device work (from any thread)."""
-        with self._lock:
-            if self._host is None:
-                if self._done is not None:
-                    self._done.synchronize()
-                acc, short = self._device
-                self._host = (None if acc is None else acc.cpu().numpy().view(np.uint64),
-                              b"" if short is None else short.cpu().numpy().tobytes())
-                self._device = (None, None)
-            return self._host
+    def host(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The accumulators and short bytes, once the device work is done (waited for here,
+        from any thread)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._acc, self._short
 
 
 class PendingDigest:
@@ -242,13 +247,14 @@ class PendingDigest:
 
     def hexdigest(self) -> str:
         """``xxhash.xxh3_64_hexdigest`` of the bytes (seed 0): 16 lowercase hex digits. Waits
-        for the device work, then (the first digest of a batch to ask) copies the batch's
-        accumulators, 64 bytes a digest, and short inputs' bytes to the host, and finishes
-        there. May be called from any thread."""
+        for the device work, whose last step copied the accumulators (64 bytes a digest) or
+        a short input's bytes to host memory, and finishes there. May be called from any
+        thread."""
         acc, short = self._batch.host()
         if self._length <= _MAX_SHORT:
-            return xxhash.xxh3_64_hexdigest(short[self._where:self._where + self._length])
-        return f"{_merge([int(a) for a in acc[self._where]], self._length):016x}"
+            return xxhash.xxh3_64_hexdigest(
+                short[self._where:self._where + self._length].numpy().tobytes())
+        return f"{_merge([a & _U64 for a in acc[self._where].tolist()], self._length):016x}"
 
 
 def _check_data(data: torch.Tensor) -> None:
@@ -267,8 +273,8 @@ def xxh3_64_ranges_on_device(data: torch.Tensor,
 
     Raises ``TypeError`` for a ``data`` that is not a tensor, ``ValueError``
     for one that is not 1-d, contiguous and uint8 or for a range outside it.
-    Ranges of at most 240 bytes are copied on the device now and hashed on
-    the host by ``xxhash`` when asked.
+    Ranges of at most 240 bytes are copied to the host (queued likewise) and
+    hashed there by ``xxhash`` when asked.
     """
     _check_data(data)
     size = data.shape[0]
@@ -294,7 +300,8 @@ def xxh3_64_ranges_on_device(data: torch.Tensor,
                 num_warps=4)
             _chain_kernel[(len(long),)](data, table, sums, acc, RANGES=_RANGES,
                                         UNROLL=_UNROLL, num_warps=1)
-    batch = _Batch(acc, short_bytes, _done(device))
+    batch = _Batch(None if acc is None else _to_host(acc),
+                   None if short_bytes is None else _to_host(short_bytes), _done(device))
     digests, n_long, short_at = [], 0, 0
     for start, stop in ranges:
         if stop - start <= _MAX_SHORT:
