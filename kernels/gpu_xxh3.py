@@ -209,6 +209,13 @@ def _merge(acc: Sequence[int], length: int) -> int:
     return result ^ (result >> 32)
 
 
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` on ``device``: on a GPU, through pinned memory, a copy queued on the current
+    stream (from pageable memory, CUDA may wait for the stream's work first)."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` in host memory: on a GPU, a copy into pinned memory queued on the current stream
     (it waits for nothing); a CPU tensor as it is."""
@@ -289,8 +296,7 @@ def xxh3_64_ranges_on_device(data: torch.Tensor,
     acc = None
     if long:
         rows = [(stop - start - 1) // 1024 + 1 for start, stop in long]  # blocks with stripes
-        table = torch.from_numpy(_table(long, np.cumsum([0, *rows[:-1]]))) \
-            .to(device, non_blocking=True)
+        table = _to_device(_table(long, np.cumsum([0, *rows[:-1]])), device)
         sums = torch.empty((sum(rows), 16), dtype=torch.int64, device=device)
         acc = torch.empty((len(long), 8), dtype=torch.int64, device=device)
         with _launching():
