@@ -85,7 +85,7 @@ _MAX_SHORT = 240  # longer inputs take the long-input algorithm, on the device
 _LAST_STRIPE_KEY = len(_SECRET) - 64 - 7  # the final stripe's keys start at this secret byte
 _MERGE_KEY = 11  # the merge's keys start at this secret byte
 _BLOCKS = 32  # blocks (of 1024 bytes) a program of _block_sums_kernel sums
-_UNROLL = 8  # blocks a step of _chain_kernel's loop
+_UNROLL = 16  # blocks a step of _chain_kernel's loop (ptxas hoists their loads)
 _RANGES = 40  # where the ranges start in the kernels' table (:func:`_table`)
 
 
