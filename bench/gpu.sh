@@ -7,7 +7,9 @@
 #  2. tests/test_triton_kernels.py compiled on the GPU, not in the interpreter: the Triton
 #     kernels against the Numba ones on the same data, bit for bit, on CUDA tensors;
 #  3. the Triton encode and decode timed against a device-to-device copy of the same bytes
-#     (goal: at least 0.5x the copy's bandwidth), medians of CUDA-event timings;
+#     (goal: at least 0.5x the copy's bandwidth), medians of CUDA-event timings; xxh3-64 on the
+#     device (a chunk's raw_xxh3) of the same bytes, as one digest and one per 8 MiB chunk,
+#     beside the copy and the host's xxhash;
 #  4. where CheckpointManager.save has a `blocking` parameter (asynchronous saves): the time the
 #     caller is blocked by an async save of a >= 1B-parameter model with Adam on the GPU, beside
 #     the pinned device-to-host copy of the same state alone and torch's dcp.async_save.
@@ -63,9 +65,10 @@ import time
 
 import numpy as np
 import torch
+import xxhash
 from torch import nn
 
-from deltackpt.kernels import gpu_quant
+from deltackpt.kernels import gpu_quant, gpu_xxh3
 from deltackpt.kernels.quant import STAT_BAD
 
 dry_run = bool(os.environ.get("GPU_BENCH_DRY_RUN"))
@@ -162,6 +165,26 @@ t_chain = timed(lambda: gpu_quant.apply_streams(
     zero_start=False, pred=pred), rounds=5)
 print(f"chain decode of 5 uploaded steps: {t_chain * 1e3:.2f} ms ({t_copy / t_chain:.2f}x one copy)")
 assert torch.equal(chain_out.view(torch.int32), running.view(torch.int32)), "chain decode differs"
+
+# xxh3-64 of x's bytes (raw_xxh3 of a reconstruction): one digest (a serial scramble chain of
+# 1024-byte blocks), and one a chunk of 8 MiB as the writer's chunks (their chains side by side)
+data = x.view(torch.uint8)
+chunk = 4096 if dry_run else 8 << 20
+ranges = [(a, min(a + chunk, data.shape[0])) for a in range(0, data.shape[0], chunk)]
+t_one = timed(lambda: gpu_xxh3.xxh3_64_on_device(data), rounds=3)
+t_chunks = timed(lambda: gpu_xxh3.xxh3_64_ranges_on_device(data, ranges))
+t_chunks_host = timed(lambda: [d.hexdigest() for d in gpu_xxh3.xxh3_64_ranges_on_device(data, ranges)])
+host = data.cpu().numpy()
+t_xxhash = statistics.median(timed_on_host(lambda: xxhash.xxh3_64_hexdigest(host)) for _ in range(3))
+assert gpu_xxh3.xxh3_64_on_device(data).hexdigest() == xxhash.xxh3_64_hexdigest(host), "xxh3 differs"
+assert [d.hexdigest() for d in gpu_xxh3.xxh3_64_ranges_on_device(data, ranges)] == \
+    [xxhash.xxh3_64_hexdigest(host[a:b]) for a, b in ranges], "xxh3 of chunks differs"
+print(f"xxh3-64 on the device of {data.shape[0] / 2**30:.2f} GiB: one digest {t_one * 1e3:.2f} ms "
+      f"({data.shape[0] / t_one / 1e9:.1f} GB/s, {t_copy / t_one:.2f}x copy); {len(ranges)} chunks "
+      f"of {chunk >> 10} KiB {t_chunks * 1e3:.2f} ms ({data.shape[0] / t_chunks / 1e9:.1f} GB/s, "
+      f"{t_copy / t_chunks:.2f}x copy), + digests on the host {t_chunks_host * 1e3:.2f} ms; "
+      f"host xxhash of the same bytes {t_xxhash * 1e3:.2f} ms ({data.shape[0] / t_xxhash / 1e9:.1f} GB/s)")
+del data, host
 del x, pred, v, m, copy_dst, streams, uploaded, running, chain_out
 if dry_run:
     raise SystemExit(0)

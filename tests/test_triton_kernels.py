@@ -1,8 +1,9 @@
-"""The Triton quant kernels (deltackpt.kernels.gpu_quant) against the Numba ones, bit for bit.
+"""The Triton kernels: the quant ones (deltackpt.kernels.gpu_quant) against the Numba ones, bit
+for bit; xxh3-64 on the device (deltackpt.kernels.gpu_xxh3) against the ``xxhash`` library.
 
 With CUDA they run compiled on the GPU (bench/gpu.sh runs this file there);
 without, on the CPU in Triton's interpreter: ``TRITON_INTERPRET=1`` is set
-while triton and ``gpu_quant`` are first imported (Triton chooses when a
+while triton and the kernel modules are first imported (Triton chooses when a
 kernel, its own library's included, is defined) and while this module's
 tests run (Triton reads it again then), so no other test sees it. Where
 another module imported triton before (bitsandbytes does, so in the whole
@@ -12,17 +13,21 @@ tensors here are small.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -52,24 +57,23 @@ IN_PROCESS = DEVICE == "cuda" or "triton" not in sys.modules \
     or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _import_kernels():
-    """``deltackpt.kernels.gpu_quant``, interpreted on a machine without CUDA."""
+def _import_kernels(name: str) -> ModuleType:
+    """``deltackpt.kernels.<name>``, interpreted on a machine without CUDA."""
     if not IN_PROCESS or DEVICE == "cuda":
-        from deltackpt.kernels import gpu_quant
-        return gpu_quant
+        return importlib.import_module(f"deltackpt.kernels.{name}")
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from deltackpt.kernels import gpu_quant
+        return importlib.import_module(f"deltackpt.kernels.{name}")
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
-    return gpu_quant
 
 
-gpu = _import_kernels()
+gpu = _import_kernels("gpu_quant")
+gpu_xxh3 = _import_kernels("gpu_xxh3")
 
 if not IN_PROCESS:
     def test_in_a_fresh_process() -> None:
@@ -366,6 +370,106 @@ def test_reconstruction_kept_on_the_host() -> None:
     np.testing.assert_array_equal(_bits(host), _bits(expected))
 
 
+# -- xxh3-64 on the device ------------------------------------------------------------------------
+
+# Short-input paths (<= 240 bytes), the long one's edges: a block (1024 bytes) full or not, the
+# final stripe alone or overlapping the last block, several blocks; stripes (64 bytes) +- 1.
+XXH3_LENGTHS = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 239, 240, 241, 255, 256, 319, 320, 321,
+                1023, 1024, 1025, 1088, 1089, 2047, 2048, 2049, 3 * 1024 - 1, 3 * 1024 + 1,
+                16 * 1024 - 1, 16 * 1024, 16 * 1024 + 1, 64 * 37 - 1, 64 * 37 + 1]
+
+
+def _xxh3_bytes(kind: str, n: int, seed: int) -> torch.Tensor:
+    """``n`` bytes (uint8, on DEVICE) of a kind: random, zeros, all 0xFF, float32 weights."""
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+    elif kind == "float32":
+        a = (rng.standard_normal(n // 4 + 1) * 0.02).astype(np.float32).view(np.uint8)[:n]
+    else:
+        a = np.full(n, 0 if kind == "zeros" else 0xFF, np.uint8)
+    return torch.from_numpy(a.copy()).to(DEVICE)
+
+
+def _xxh3(t: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(t.cpu().numpy().tobytes())
+
+
+@pytest.mark.parametrize(("kind", "offset"), [("random", 0), ("random", 8), ("random", 3),
+                                             ("zeros", 0), ("0xff", 3), ("float32", 8)])
+def test_xxh3_matches_xxhash(kind: str, offset: int) -> None:
+    """Every length class, each a slice of a larger tensor from a storage offset: 0 and 8 load
+    the lanes as u64, 3 byte by byte."""
+    digests = []
+    for i, n in enumerate(XXH3_LENGTHS):
+        data = _xxh3_bytes(kind, offset + n + 5, seed=i)[offset:offset + n]
+        digests.append((n, gpu_xxh3.xxh3_64_on_device(data).hexdigest(), _xxh3(data)))
+    assert [(n, got) for n, got, _ in digests] == [(n, want) for n, _, want in digests]
+
+
+def test_xxh3_random_lengths_and_ranges() -> None:
+    """Random lengths up to a few hundred KiB, one digest each and the same bytes as ranges of
+    one batch, with short, empty, overlapping and unaligned ranges among them."""
+    rng = np.random.default_rng(16)
+    data = _xxh3_bytes("random", (300 << 10) + 3, seed=16)
+    lengths = [int(n) for n in rng.integers(241, data.shape[0] - 3, 2)] if not BIG else \
+        [int(n) for n in rng.integers(241, data.shape[0] - 3, 20)]
+    for n in lengths:
+        assert gpu_xxh3.xxh3_64_on_device(data[:n]).hexdigest() == _xxh3(data[:n])
+    ranges = [(0, data.shape[0]), (5, 5), (7, 100), (1000, 1241), (1000, 1240), (64, 64 + 4096),
+              (100, 100 + 4096 * 3 + 17), (data.shape[0] - 300, data.shape[0])]
+    digests = gpu_xxh3.xxh3_64_ranges_on_device(data, ranges)
+    assert [d.hexdigest() for d in digests] == [_xxh3(data[a:b]) for a, b in ranges]
+
+
+def test_xxh3_digests_the_bytes_when_queued() -> None:
+    """Bytes written after the call do not change a digest (a short input's bytes are copied
+    on the device when queued); digests of one batch asked from several threads at once."""
+    data = _xxh3_bytes("random", 4000, seed=3)
+    ranges = [(0, 100), (100, 4000), (0, 0), (50, 290)]
+    expected = [_xxh3(data[a:b]) for a, b in ranges]
+    digests = gpu_xxh3.xxh3_64_ranges_on_device(data, ranges)
+    data.zero_()
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda d: d.hexdigest(), digests)) == expected
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_xxh3_queued_on_the_current_stream() -> None:
+    """Queued on a side stream behind a slow write of the bytes: the digest is of the written
+    bytes, asked for from the default stream without synchronising the side one."""
+    data = torch.zeros(3 << 20, dtype=torch.uint8, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # about 50 ms of GPU cycles before the write
+        data.fill_(7)
+        digest = gpu_xxh3.xxh3_64_on_device(data)
+    assert digest.hexdigest() == xxhash.xxh3_64_hexdigest(bytes([7]) * (3 << 20))
+
+
+@pytest.mark.parametrize(("data", "error", "match"), [
+    (b"bytes", TypeError, "must be a torch.Tensor, got bytes"),
+    (torch.zeros(300, dtype=torch.int32), ValueError, "torch.uint8 tensor, got torch.int32"),
+    (torch.zeros((20, 20), dtype=torch.uint8), ValueError, r"of shape \(20, 20\)"),
+    (torch.zeros(600, dtype=torch.uint8)[::2], ValueError, r"strides \(2,\)"),
+    (torch.zeros((), dtype=torch.uint8), ValueError, r"of shape \(\)"),
+])
+def test_xxh3_rejects_bad_data(data: object, error: type, match: str) -> None:
+    if isinstance(data, torch.Tensor):
+        data = data.to(DEVICE)
+    with pytest.raises(error, match=match):
+        gpu_xxh3.xxh3_64_on_device(data)
+
+
+@pytest.mark.parametrize("bad", [(-1, 10), (10, 9), (0, 301)])
+def test_xxh3_rejects_ranges_outside_the_data(bad: tuple[int, int]) -> None:
+    data = torch.zeros(300, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"byte range \[{bad[0]}, {bad[1]}\) is not within the "
+                                         "300 bytes"):
+        gpu_xxh3.xxh3_64_ranges_on_device(data, [(0, 300), bad])
+
+
 # -- compiled for a GPU --------------------------------------------------------------------------
 
 # Compiles every kernel (each variant that changes its arithmetic) for an H100/H200 (sm_90) and
@@ -377,7 +481,7 @@ import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deltackpt.kernels import gpu_quant as g
+from deltackpt.kernels import gpu_quant as g, gpu_xxh3 as x
 
 ENCODE = {"x_ptr": "*fp32", "pred_ptr": "*fp32", "out_ptr": "*fp32", "scale_ptr": "*fp32",
           "packed_ptr": "*u8", "widths_ptr": "*u8", "lengths_ptr": "*i64", "stats_ptr": "*fp64",
@@ -391,12 +495,17 @@ DECODE = {"streams_ptr": "*u8", "bounds_ptr": "*i64", "offsets_ptr": "*i64",
           "scale_ptr": "*fp32", "n": "i64", "n_blocks": "i64", "first": "i64", "eps": "fp32"}
 
 
+XXH3 = {"data_ptr": "*u8", "table_ptr": "*i64", "sums_ptr": "*i64", "acc_ptr": "*i64"}
+
+
 def ptx(fn, types, **constants):
-    rows, cols = g._tile(constants["BLOCK"])
-    fused = constants["BLOCK"] <= g._TILE
-    types = types if fused else {**types, "packed_ptr": "*u16"}
-    constants = {"ROWS": rows, "COLS": cols, "BYTES": 2 * cols, "FUSED": fused, **constants}
+    if "BLOCK" in constants:  # a quant kernel's tile
+        rows, cols = g._tile(constants["BLOCK"])
+        fused = constants["BLOCK"] <= g._TILE
+        types = types if fused else {**types, "packed_ptr": "*u16"}
+        constants = {"ROWS": rows, "COLS": cols, "BYTES": 2 * cols, "FUSED": fused, **constants}
     constants = {k: v for k, v in constants.items() if k in fn.arg_names}
+    types = {k: v for k, v in types.items() if k in fn.arg_names}
     signature = {**types, **{k: "constexpr" for k in constants}}
     kernel = triton.compile(ASTSource(fn, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options=g._launch_options())
@@ -419,6 +528,10 @@ for block in (1024, 3000):
 for scaled in (False, True):
     out[f"decode scaled={scaled}"] = ptx(g._decode_kernel, DECODE, BLOCK=64, ZERO_START=scaled,
                                          SCALED=scaled)
+for aligned in (True, False):
+    out[f"xxh3 block sums aligned={aligned}"] = ptx(x._block_sums_kernel, XXH3, RANGES=x._RANGES,
+                                                    BLOCKS=x._BLOCKS, ALIGNED=aligned)
+out["xxh3 chain"] = ptx(x._chain_kernel, XXH3, RANGES=x._RANGES, UNROLL=x._UNROLL)
 print(json.dumps(out))
 """
 
@@ -426,14 +539,15 @@ print(json.dumps(out))
 def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
     """Compiled for sm_90 (no GPU needed), the kernels hold no fused multiply-add, only
     correctly rounded division and square root, and flush no subnormal but where it cannot
-    matter: what bit identity on the device needs, and what the interpreter cannot show."""
+    matter: what bit identity on the device needs, and what the interpreter cannot show. The
+    xxh3 kernels compile too, integer arithmetic only."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(done.stdout.splitlines()[-1])
-    assert len(kernels) == 8
+    assert len(kernels) == 11
     for name, code in kernels.items():
         assert code["fma"] == 0, f"{name}: {code['fma']} fused multiply-adds"
         floats = [op for op in code["ops"] if op.endswith(("f32", "f64"))]
@@ -442,6 +556,7 @@ def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
         assert set(code["ftz"]) <= {"cvt.rmi.ftz.f32.f32"}, f"{name}: {code['ftz']}"
     assert "div.rn.f64" in kernels["encode ordinal=True scaled=False bf16=False"]["ops"]
     assert "sqrt.rn.f32" in kernels["decode scaled=True"]["ops"]
+    assert all(kernels[k]["ops"] == [] for k in kernels if k.startswith("xxh3"))
 
 
 # -- dispatch and a whole step --------------------------------------------------------------
