@@ -2,13 +2,8 @@
 for bit; xxh3-64 on the device (deltackpt.kernels.gpu_xxh3) against the ``xxhash`` library.
 
 With CUDA they run compiled on the GPU (bench/gpu.sh runs this file there);
-without, on the CPU in Triton's interpreter: ``TRITON_INTERPRET=1`` is set
-while triton and the kernel modules are first imported (Triton chooses when a
-kernel, its own library's included, is defined) and while this module's
-tests run (Triton reads it again then), so no other test sees it. Where
-another module imported triton before (bitsandbytes does, so in the whole
-suite), this file runs in a fresh process instead. The interpreter is slow:
-tensors here are small.
+without, on the CPU in Triton's interpreter (:mod:`interpreter`), so no
+other test sees it. The interpreter is slow: tensors here are small.
 """
 
 from __future__ import annotations
@@ -19,10 +14,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -44,6 +37,7 @@ from deltackpt.kernels.quant import (
     n_blocks_of,
 )
 from helpers import assert_state_dicts_equal, data_files
+from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
 from torch import nn
 
 from deltackpt import CheckpointManager
@@ -52,47 +46,10 @@ from deltackpt.errors import ConfigError
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IN_PROCESS = DEVICE == "cuda" or "triton" not in sys.modules \
-    or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _import_kernels(name: str) -> ModuleType:
-    """``deltackpt.kernels.<name>``, interpreted on a machine without CUDA."""
-    if not IN_PROCESS or DEVICE == "cuda":
-        return importlib.import_module(f"deltackpt.kernels.{name}")
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return importlib.import_module(f"deltackpt.kernels.{name}")
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-gpu = _import_kernels("gpu_quant")
-gpu_xxh3 = _import_kernels("gpu_xxh3")
-
-if not IN_PROCESS:
-    def test_in_a_fresh_process() -> None:
-        """triton was imported without its interpreter before this module: run this file in a
-        fresh process, where it is imported with it."""
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[1],
-            capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter() -> Iterator[None]:
-    """``TRITON_INTERPRET=1`` while this module's tests run on the CPU."""
-    with pytest.MonkeyPatch.context() as patch:
-        if DEVICE == "cpu":
-            patch.setenv("TRITON_INTERPRET", "1")
-        yield
+IN_PROCESS = can_run_here()
+gpu = import_kernels("gpu_quant", IN_PROCESS)
+gpu_xxh3 = import_kernels("gpu_xxh3", IN_PROCESS)
+_ = interpreter  # the fixture: TRITON_INTERPRET=1 while the tests run
 
 # The interpreter computes in numpy, which warns where IEEE arithmetic meets inf and NaN.
 pytestmark = [pytest.mark.filterwarnings(f"ignore:{what} encountered:RuntimeWarning")
@@ -628,7 +585,7 @@ def test_step_coded_by_triton_restores_through_numba(tmp_path: Path,
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(gpu, "encode_block_stream", counted(gpu.encode_block_stream, "encode"))
+    monkeypatch.setattr(gpu, "encode_on_device", counted(gpu.encode_on_device, "encode"))
     monkeypatch.setattr(gpu, "decode_step_streams", counted(gpu.decode_step_streams, "decode"))
     numba_states, kinds = _save_run(tmp_path / "numba")
     assert kinds == ["full", "delta", "delta"] and calls == {"encode": 0, "decode": 0}
@@ -645,7 +602,5 @@ def test_step_coded_by_triton_restores_through_numba(tmp_path: Path,
         assert_state_dicts_equal(triton_states[step], numba_states[step], f"step {step}")
 
 
-if not IN_PROCESS:  # the tests above run in the fresh process: not here too
-    for _name in [name for name in globals() if name.startswith("test_")]:
-        if _name != "test_in_a_fresh_process":
-            del globals()[_name]
+if not IN_PROCESS:  # the tests above run in a fresh process: not here too
+    only_in_a_fresh_process(globals(), __file__)
