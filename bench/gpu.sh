@@ -11,8 +11,11 @@
 #     device (a chunk's raw_xxh3) of the same bytes, as one digest and one per 8 MiB chunk,
 #     beside the copy and the host's xxhash;
 #  4. where CheckpointManager.save has a `blocking` parameter (asynchronous saves): the time the
-#     caller is blocked by an async save of a >= 1B-parameter model with Adam on the GPU, beside
-#     the pinned device-to-host copy of the same state alone and torch's dcp.async_save.
+#     caller is blocked by an async save of a >= 1B-parameter model with Adam on the GPU, a full
+#     step (pinned copies) and delta steps (encoded on the device at the call, the running
+#     reconstruction on the device, then with reconstruction="host"), beside the pinned
+#     device-to-host copy of the same state alone and torch's dcp.async_save; the memory the
+#     reconstruction takes where it lives.
 #
 # Figures go to stdout and, when $OUT is set, to $OUT/gpu.txt, with the date and the GPU.
 # Usage: bench/gpu.sh   (env: PYTHON, TORCH_VERSION, GPU_BENCH_ELEMENTS, GPU_BENCH_PARAMS, OUT)
@@ -44,18 +47,23 @@ fi
 log "python: $("$PYTHON" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)')"
 
 # -- 2. bit identity on the GPU ---------------------------------------------------------------
-log "== tests/test_triton_kernels.py on the GPU (compiled, no interpreter)"
+log "== tests/test_triton_kernels.py and tests/test_device_encode.py on the GPU (compiled, no interpreter)"
 set +e
 env -u TRITON_INTERPRET -u DELTACKPT_KERNELS timeout 300 "$PYTHON" -m pytest tests/test_triton_kernels.py \
-    -q -x -p no:cacheprovider 2>&1 | tail -n 40 | emit
+    tests/test_device_encode.py -q -x -p no:cacheprovider 2>&1 | tail -n 40 | emit
 tests=${PIPESTATUS[0]}
 log "tests: exit status $tests"
 
 # -- 3 and 4. timings ----------------------------------------------------------------------------
-# GPU_BENCH_DRY_RUN=1: the kernel timings on the CPU, in the interpreter, on a few elements (a
-# check of this script on a machine without a GPU; its figures mean nothing).
-if [ -n "${GPU_BENCH_DRY_RUN:-}" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
-DELTACKPT_KERNELS= timeout 420 "$PYTHON" - <<'EOF' 2>&1 | emit
+# GPU_BENCH_DRY_RUN=1: the timings on the CPU, in the interpreter, on a few elements and a small
+# model (DELTACKPT_KERNELS=triton: the device path of saves on CPU tensors), a check of this
+# script on a machine without a GPU; its figures mean nothing.
+if [ -n "${GPU_BENCH_DRY_RUN:-}" ]; then
+    export TRITON_INTERPRET=1 DELTACKPT_KERNELS=triton
+else
+    unset TRITON_INTERPRET DELTACKPT_KERNELS
+fi
+timeout 420 "$PYTHON" - <<'EOF' 2>&1 | emit
 import inspect
 import os
 import shutil
@@ -186,9 +194,8 @@ print(f"xxh3-64 on the device of {data.shape[0] / 2**30:.2f} GiB: one digest {t_
       f"host xxhash of the same bytes {t_xxhash * 1e3:.2f} ms ({data.shape[0] / t_xxhash / 1e9:.1f} GB/s)")
 del data, host
 del x, pred, v, m, copy_dst, streams, uploaded, running, chain_out
-if dry_run:
-    raise SystemExit(0)
-torch.cuda.empty_cache()
+if not dry_run:
+    torch.cuda.empty_cache()
 
 # -- async save stall ------------------------------------------------------------------------
 from deltackpt import CheckpointManager  # noqa: E402
@@ -196,11 +203,11 @@ from deltackpt import CheckpointManager  # noqa: E402
 if "blocking" not in inspect.signature(CheckpointManager.save).parameters:
     print("== async save: skipped, CheckpointManager.save has no `blocking` parameter here")
     raise SystemExit(0)
-params = int(os.environ.get("GPU_BENCH_PARAMS", 1_000_000_000))
-width = 8192
+params = int(os.environ.get("GPU_BENCH_PARAMS", 20_000 if dry_run else 1_000_000_000))
+width = 64 if dry_run else 8192
 layers = -(-params // (width * (width + 1)))
 print(f"== async save: {layers} x Linear({width}, {width}) = {layers * width * (width + 1):,} "
-      "fp32 parameters + Adam on the GPU")
+      f"fp32 parameters + Adam on the {'CPU (dry run)' if dry_run else 'GPU'}")
 model = nn.Sequential(*(nn.Linear(width, width, device=dev) for _ in range(layers)))
 opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
@@ -211,15 +218,28 @@ def train_step():
     opt.step()
 
 
+def synchronize():
+    if not dry_run:
+        torch.cuda.synchronize()
+
+
+def allocated():
+    return 0 if dry_run else torch.cuda.memory_allocated()
+
+
 train_step()
 state = [t for t in [*model.parameters(), *(s for st in opt.state.values() for s in st.values()
                                            if torch.is_tensor(s) and s.numel() > 1)]]
 nbytes = sum(t.numel() * t.element_size() for t in state)
-pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in state]
-side = torch.cuda.Stream()
+pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=not dry_run) for t in state]
+side = None if dry_run else torch.cuda.Stream()
 
 
 def pinned_copy():
+    if side is None:
+        for dst, src in zip(pinned, state):
+            dst.copy_(src)
+        return
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for dst, src in zip(pinned, state):
@@ -231,43 +251,54 @@ pinned_copy()
 t0 = time.perf_counter()
 pinned_copy()
 t_pin = time.perf_counter() - t0
-print(f"state {nbytes / 2**30:.1f} GiB; pinned device-to-host copy alone: {t_pin:.2f} s "
+print(f"state {nbytes / 2**30:.2f} GiB; pinned device-to-host copy alone: {t_pin:.3f} s "
       f"({nbytes / t_pin / 1e9:.1f} GB/s)")
 del pinned
 root = tempfile.mkdtemp(prefix="deltackpt-gpu-")
-base = torch.cuda.memory_allocated()
-torch.cuda.reset_peak_memory_stats()
 try:
-    with CheckpointManager(os.path.join(root, "deltackpt"), full_every=10) as mgr:
-        for step in range(3):
-            train_step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            handle = mgr.save(step, model=model, optimizer=opt, blocking=False)
-            stall = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            info = handle.wait()
-            print(f"deltackpt save(blocking=False) step {step} ({mgr.metadata(step).kind}): caller "
-                  f"blocked {stall:.2f} s ({stall / t_pin:.2f}x the pinned copy), then "
-                  f"{time.perf_counter() - t0:.2f} s to commit; {str(info)[:300]}")
-        print(f"device memory the manager holds between saves (its reconstruction on the device): "
-              f"{(torch.cuda.memory_allocated() - base) / 2**30:.2f} GiB, peak during saves "
-              f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB above the training state")
+    for place in ("device", "host"):
+        base = allocated()
+        if not dry_run:
+            torch.cuda.reset_peak_memory_stats()
+        with CheckpointManager(os.path.join(root, f"deltackpt-{place}"), full_every=10,
+                               reconstruction=place) as mgr:
+            for step in range(3):
+                train_step()
+                synchronize()
+                t0 = time.perf_counter()
+                handle = mgr.save(step, model=model, optimizer=opt, blocking=False)
+                stall = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                info = handle.wait()
+                print(f"deltackpt save(blocking=False, reconstruction={place!r}) step {step} "
+                      f"({info.kind}): caller blocked {stall:.3f} s ({stall / t_pin:.2f}x the "
+                      f"pinned copy; waiting for the save in flight {info.waited_seconds:.3f} s), "
+                      f"then {time.perf_counter() - t0:.2f} s to commit; ratio "
+                      f"{info.ratio:.1f}, host snapshot {info.snapshot_bytes / 2**30:.2f} GiB")
+            print(f"reconstruction ({place}): "
+                  + ", ".join(f"{kind} {size / 2**30:.2f} GiB"
+                              for kind, size in mgr.reconstruction_bytes.items())
+                  + f"; device memory the manager holds between saves "
+                  f"{(allocated() - base) / 2**30:.2f} GiB"
+                  + ("" if dry_run else f", peak during saves "
+                     f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB")
+                  + " above the training state")
+        del mgr, handle  # its reconstruction freed before the next one is measured
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1,
-                                init_method=f"file://{os.path.join(root, 'pg')}")
+        dist.init_process_group("gloo" if dry_run else "cuda:nccl,cpu:gloo", rank=0,
+                                world_size=1, init_method=f"file://{os.path.join(root, 'pg')}")
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     for step in range(2):
         train_step()
-        torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         future = dcp.async_save(sd, checkpoint_id=os.path.join(root, f"dcp-{step}"))
         stall = time.perf_counter() - t0
         future.result()
-        print(f"dcp.async_save {step}: caller blocked {stall:.2f} s ({stall / t_pin:.2f}x the "
+        print(f"dcp.async_save {step}: caller blocked {stall:.3f} s ({stall / t_pin:.2f}x the "
               "pinned copy)")
         shutil.rmtree(os.path.join(root, f"dcp-{step}"), ignore_errors=True)
     dist.destroy_process_group()

@@ -76,7 +76,9 @@ class Reconstruction:
     """What a reader holds after restoring ``step``: the float32 running value of each tensor.
 
     ``values`` maps tensor names to flat float32 arrays (tensors of dtypes
-    a delta may code lossily); ``layout`` is the step's tensor layout, and
+    a delta may code lossily); a writer keeps those of tensors coded on a
+    device as flat float32 torch tensors (:mod:`deltackpt.device_encode`),
+    a reader's are numpy arrays; ``layout`` is the step's tensor layout, and
     ``deltas`` the number of delta steps since its full step; ``save_id``
     identifies the save that wrote the step (a step overwritten since is
     another save). ``chain`` lists the steps from the full step up to
@@ -91,7 +93,7 @@ class Reconstruction:
     step: int
     deltas: int
     layout: Layout
-    values: dict[str, np.ndarray] = field(default_factory=dict)
+    values: dict[str, np.ndarray | torch.Tensor] = field(default_factory=dict)
     save_id: str = ""
     errors: dict[str, float] = field(default_factory=dict)
     chain: list[int] = field(default_factory=list)

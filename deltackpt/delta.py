@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -65,6 +67,9 @@ from deltackpt.optimizers import (
 )
 from deltackpt.state import CapturedState, master_copies
 
+if TYPE_CHECKING:
+    from deltackpt.writer import PendingDigest
+
 
 def captured_layout(captured: CapturedState,
                     local: dict[str, torch.Tensor] | None = None) -> Layout:
@@ -92,6 +97,21 @@ class _Plan:
     bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
     absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
     unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
+
+
+@dataclass(frozen=True)
+class QuantCoding:
+    """How the chunks of a tensor are quantized in a delta (the arguments of
+    :func:`codecs.quant.encode_quant` but the arrays): coded against the base's values
+    (``with_base``) or from zero, and with steps scaled by the running values of tensor
+    ``scale[0]`` with ``eps = scale[1]``."""
+
+    ordinal: bool
+    with_base: bool
+    step: float | int
+    block: int
+    dither: int | None
+    scale: tuple[str, float] | None
 
 
 @dataclass
@@ -122,6 +142,11 @@ class _ClassStats:
                 "stored_bytes": self.stored_bytes, "exact_elements": self.exact_elements,
                 "nonzero": self.nonzero, "max_abs_error": self.max_abs_error,
                 "max_rel_error": self.max_rel_error, "rms_rel_error": rms}
+
+
+def host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Running values as a numpy array: a copy of those on a device, else a view."""
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
 
 
 def _error_stats(x: np.ndarray, y: np.ndarray, nonzero: int) -> np.ndarray:
@@ -164,7 +189,12 @@ class StepEncoder:
         self._errors: dict[str, float] = {}  # summed squared error per tensor
         self._plans: dict[str, _Plan] = {}
         self._numel: dict[str, int] = {}
-        self._values: dict[str, np.ndarray] = {} if base is None else base.values
+        # Running values: numpy arrays, or float32 tensors for tensors coded on a device
+        self._values: dict[str, np.ndarray | torch.Tensor] = {} if base is None else base.values
+        # Chunks coded before the write (on a device, :mod:`deltackpt.device_encode`), by
+        # (tensor, raw offset): what finishes each, as this encoder's __call__ returns
+        self.coded_before: dict[tuple[str, int], Callable[[], tuple[EncodedChunk,
+                                                                    np.ndarray | PendingDigest]]] = {}
         # What bitsandbytes' 8-bit moments mean: their dequantized values, by name
         self._dequantized: dict[str, np.ndarray] = {}
         self._plan(captured)
@@ -243,15 +273,15 @@ class StepEncoder:
                     tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
                 value_rms = finite_rms(xs)
                 if self.controller is not None or needs_residuals(quantizer, unit):
-                    ps = self._values[item.name][::stride] if plan.pred else None
+                    ps = host_array(self._values[item.name][::stride]) if plan.pred else None
                     sample = sample_values(xs, ps, ordinal)
                 if sample is not None and plan.scale is not None:  # in units of each element's step
                     # The scale will be this save's reconstruction of exp_avg_sq, which moves
                     # only where exp_avg_sq moved by more than its step: the base's is closer
                     # to it than exp_avg_sq itself.
                     source, eps, factor = plan.scale
-                    sample /= factor * (np.sqrt(np.maximum(self._values[source][::stride], 0))
-                                        + eps)
+                    sample /= factor * (np.sqrt(np.maximum(
+                        host_array(self._values[source][::stride]), 0)) + eps)
             if plan.scale is not None:
                 plan.step = quantizer.update_step * plan.scale[2]
             else:
@@ -343,8 +373,42 @@ class StepEncoder:
                 scales[item.name] = (v.name, eps, c1 / c2)
         return scales
 
+    def release_state(self) -> None:
+        """Drop the references to the state's tensors, which only planning reads (the writer
+        hands each chunk's bytes over): a save planned at its call then keeps no live tensor
+        alive until it is written."""
+        self.local = {}
+
+    @property
+    def running_values(self) -> dict[str, np.ndarray | torch.Tensor]:
+        """The reconstruction this save updates (its base's values, for a delta)."""
+        return self._values
+
+    def quant_coding(self, name: str) -> QuantCoding | None:
+        """How tensor ``name``'s chunks are quantized in this save; None where they are not
+        (a full step, stored exactly, cast or derived from another tensor)."""
+        plan = self._plans.get(name)
+        if plan is None or not self.is_delta or plan.quantizer.exact or plan.cls is None \
+                or plan.cast_of is not None or plan.absmax_of is not None:
+            return None
+        return QuantCoding(plan.quantizer.domain == "ordinal", plan.pred, plan.step,
+                           self.config.block, plan.dither,
+                           None if plan.scale is None else plan.scale[:2])
+
+    def quantized_as_is(self, name: str) -> QuantCoding | None:
+        """:meth:`quant_coding` of a tensor whose chunks quantize its own values (not a
+        bitsandbytes moment's dequantized ones, nor a code map kept when unchanged): what a
+        device can code from the tensor alone."""
+        plan = self._plans.get(name)
+        if plan is None or plan.bnb is not None or plan.unchanged:
+            return None
+        return self.quant_coding(name)
+
     def __call__(self, record: TensorRecord, spec: DTypeSpec, raw_offset: int,
-                 raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray]:
+                 raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray | PendingDigest]:
+        coded = self.coded_before.pop((record.name, raw_offset), None)
+        if coded is not None:
+            return coded()
         plan = self._plans[record.name]
         lo, hi = raw_offset // spec.itemsize, (raw_offset + raw.size) // spec.itemsize
         if plan.cast_of is not None:
@@ -358,48 +422,63 @@ class StepEncoder:
             if chunk is not None and np.array_equal(recon.view(np.uint8), raw):
                 self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
                 return chunk, raw
-        if plan.quantizer.exact or plan.cls is None or not self.is_delta:
+        coding = self.quant_coding(record.name)
+        if coding is None:
             chunk = encode_lossless(raw, spec)
             self._keep_exact(record, plan, raw, lo, hi)
-            self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+            self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
             return chunk, raw
         bnb = plan.bnb
         x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
         recon = self._values[record.name][lo:hi]
-        scale = None if plan.scale is None else Scale(  # coded by now: see coded_last
-            plan.scale[0], self._values[plan.scale[0]][lo:hi], plan.scale[1])
-        chunk, stats = encode_quant(x, recon if plan.pred else None, recon,
-                                    ordinal=plan.quantizer.domain == "ordinal", step=plan.step,
-                                    block=self.config.block, dither=plan.dither, first=lo,
-                                    scale=scale)
+        scale = None if coding.scale is None else Scale(  # coded by now: see coded_last
+            coding.scale[0], self._values[coding.scale[0]][lo:hi], coding.scale[1])
+        chunk, stats = encode_quant(x, recon if coding.with_base else None, recon,
+                                    ordinal=coding.ordinal, step=coding.step, block=coding.block,
+                                    dither=coding.dither, first=lo, scale=scale)
         if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
             if bnb is not None:  # its running values, as a bnb8 chunk's inner chunk
                 chunk = encode_state(encode_lossless(recon.view(np.uint8), spec_named("float32")),
                                      bnb.qmap, bnb.absmax, bnb.blocksize)
-                self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+                self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
                 return chunk, recon.view(np.uint8)
             chunk = encode_lossless(raw, spec)
-            self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+            self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
             return chunk, raw
-        error = float(stats[:, STAT_SUM_SQ_ERR].sum())
-        with self._lock:
-            self._errors[record.name] = self._errors.get(record.name, 0.0) + error
         if bnb is not None:  # its raw_xxh3 covers the running values (FORMAT.md 3.4)
-            self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+            self.count_coded(record.name, chunk, raw_offset, raw.size, hi - lo, stats)
             return encode_state(chunk, bnb.qmap, bnb.absmax, bnb.blocksize), recon.view(np.uint8)
         decoded = dtype_bytes(recon, record.dtype)
+        rounded = None
         if spec.itemsize < 4:  # the tensor holds its running values rounded: count that error
-            stats = _error_stats(x, float32_values(decoded, record.dtype),
-                                 int(stats[:, STAT_NONZERO].sum()))
-        self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+            rounded = _error_stats(x, float32_values(decoded, record.dtype),
+                                   int(stats[:, STAT_NONZERO].sum()))
+        self.count_coded(record.name, chunk, raw_offset, raw.size, hi - lo, stats, rounded)
         return chunk, decoded
+
+    def count_coded(self, name: str, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
+                    elements: int, stats: np.ndarray, rounded: np.ndarray | None = None) -> None:
+        """Account a quant-coded chunk of tensor ``name`` with the kernels' block statistics
+        ``stats``: its squared error in the running values (carried into the next delta's
+        steps) and its class's statistics, of the values restored (``rounded``, for a tensor of
+        a 16-bit dtype: those of the running values rounded to it, one row)."""
+        error = float(stats[:, STAT_SUM_SQ_ERR].sum())
+        with self._lock:
+            self._errors[name] = self._errors.get(name, 0.0) + error
+        self._count(self._plans[name], chunk, raw_offset, raw_bytes, elements,
+                    stats=stats if rounded is None else rounded)
+
+    def count_exact(self, name: str, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
+                    elements: int) -> None:
+        """Account a chunk of tensor ``name`` stored exactly."""
+        self._count(self._plans[name], chunk, raw_offset, raw_bytes, elements, exact=True)
 
     def _cast(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
               lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
         """A chunk of a 16-bit parameter taken from its master's reconstruction, which
         :func:`writer.write_data` has finished before (``coded_last``)."""
-        decoded = dtype_bytes(self._values[plan.cast_of][lo:hi], record.dtype)
+        decoded = dtype_bytes(host_array(self._values[plan.cast_of][lo:hi]), record.dtype)
         x, y = float32_values(raw, record.dtype), float32_values(decoded, record.dtype)
         stats = _error_stats(x, y, int(np.count_nonzero(y != x)))
         chunk = encode_cast(plan.cast_of)
@@ -442,8 +521,12 @@ class StepEncoder:
                 self._values[record.name] = np.empty(self._numel[record.name], np.float32)
             values = self._values[record.name]
         dequantized = self._dequantized.get(record.name)  # a bitsandbytes 8-bit moment's
-        values[lo:hi] = dequantized[lo:hi] if dequantized is not None else float32_values(
-            raw, record.dtype)
+        exact = dequantized[lo:hi] if dequantized is not None else float32_values(raw,
+                                                                                   record.dtype)
+        if isinstance(values, np.ndarray):
+            values[lo:hi] = exact
+        else:  # kept on a device
+            values[lo:hi].copy_(torch.from_numpy(exact))
 
     def _count(self, plan: _Plan, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
                elements: int, *, exact: bool = False, stats: np.ndarray | None = None) -> None:

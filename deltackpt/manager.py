@@ -17,6 +17,7 @@ from torch import nn
 from deltackpt.chain import Reconstruction, restore_chain
 from deltackpt.compression import CompressionConfig, ScaleController, as_config
 from deltackpt.delta import captured_layout
+from deltackpt.device_encode import Encoding, RunningValues, device_coded, reconstruction_bytes
 from deltackpt.directory import CheckpointDirectory, check_step
 from deltackpt.distributed import Group, local_box, shard_like, shard_parts, sharded_targets
 from deltackpt.errors import CorruptionError, DeltackptError, StepExistsError, WriterLockedError
@@ -34,7 +35,7 @@ from deltackpt.pipeline import SaveHandle, SaveQueue
 from deltackpt.pool import WorkerPool, default_workers
 from deltackpt.reader import chain_of, read_metadata
 from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
-from deltackpt.saving import SaveInfo, save_step
+from deltackpt.saving import SaveInfo, encode_at_call, save_step
 from deltackpt.state import CapturedState, capture
 from deltackpt.tiering import UploadCache
 from deltackpt.universal import UniversalCheckpoint
@@ -97,6 +98,12 @@ class CheckpointManager(CheckpointDirectory):
         max_in_flight: asynchronous saves that may be in flight at once; a further one waits
             for the oldest to end. Each holds a copy of the state in host memory
             (:attr:`snapshot_bytes`) from its call until it is written.
+        reconstruction: where the running reconstruction of tensors coded on a device (CUDA
+            tensors, coded by the Triton kernels) is kept: ``"device"`` (default), float32
+            tensors beside them, so that a delta is encoded there and only its coded bytes
+            cross to the host; ``"host"``, pinned host memory, which a delta's encode reads
+            and updates over PCIe (8 bytes an element) to spare the device's memory. See
+            :attr:`reconstruction_bytes` and :mod:`deltackpt.device_encode`.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
@@ -106,7 +113,8 @@ class CheckpointManager(CheckpointDirectory):
                  read_only: bool = False,
                  storage_options: Mapping[str, Any] | None = None,
                  cache: str | os.PathLike[str] | None = None, cache_keep: int = 1,
-                 blocking: bool = True, max_in_flight: int = 1) -> None:
+                 blocking: bool = True, max_in_flight: int = 1,
+                 reconstruction: str = "device") -> None:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
         if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) \
@@ -130,6 +138,7 @@ class CheckpointManager(CheckpointDirectory):
         self.read_only = read_only
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
+        self._running = RunningValues(reconstruction)  # where device-coded values are kept
         # _recon's values were changed by a delta that failed: the next delta reads them again
         # from its step (what a reader decodes) before coding against it
         self._stale_values = False
@@ -179,6 +188,13 @@ class CheckpointManager(CheckpointDirectory):
         """Host memory held for the snapshots of asynchronous saves: at most ``max_in_flight``
         copies of the state, allocated by the first saves and reused by the next."""
         return self._queue.snapshots.nbytes if self._queue is not None else 0
+
+    @property
+    def reconstruction_bytes(self) -> dict[str, int]:
+        """Memory of the running reconstruction the next delta codes against, by device kind
+        (``{"cpu": ..., "cuda": ...}``): about the size of the saved state in float32, on the
+        device of the tensors coded there unless ``reconstruction="host"``."""
+        return reconstruction_bytes(self._recon)
 
     def _release(self) -> None:
         if self._queue is not None:
@@ -333,6 +349,12 @@ class CheckpointManager(CheckpointDirectory):
         exits. Saving a step in flight, or older than one, raises
         :class:`SaveInFlightError`.
 
+        A delta of tensors the Triton kernels code (CUDA tensors) is planned
+        and encoded on their device by the call, blocking or not, once the
+        saves in flight are committed (``waited_seconds``): only the coded
+        bytes cross to the host, and the tensors it stores exactly are
+        copied as above (:mod:`deltackpt.device_encode`; single process).
+
         Under torch.distributed with several ranks, every rank calls ``save``
         (collective): each writes the shards it holds, with no gather of
         full tensors, and rank 0 commits the step; a delta codes each rank's
@@ -379,24 +401,50 @@ class CheckpointManager(CheckpointDirectory):
         queue.raise_failure()
         if group is None:
             self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
+        captured = capture(model, optimizer, extra, rng)
+        devices = device_coded(captured) if group is None else {}
+        encoding, waited_encoding = self._encode_at_call(step, captured, devices)
         buffers, waited = queue.snapshots.acquire()
         try:
             queue.raise_failure()  # a save that failed while this one waited
-            snapshot = buffers.take(capture(model, optimizer, extra, rng))
+            snapshot = buffers.take(encoding.captured if encoding is not None else captured)
         except BaseException:
             queue.snapshots.release(buffers)
+            if encoding is not None and encoding.base is not None:  # encoded: values changed
+                self._stale_values = True
             raise
+        if encoding is not None:  # what it writes: the copies, no live tensor
+            encoding = dataclasses.replace(encoding, captured=snapshot.captured)
+            encoding.encoder.release_state()
         blocked = time.perf_counter() - started
+        waited += waited_encoding
         ranks = Group.single() if group is None else self._background_group
 
         def run() -> SaveInfo:
             snapshot.ready()
             info = save_step(self, step, snapshot.captured, ranks, overwrite=overwrite,
-                             progress=progress)
+                             progress=progress, encoding=encoding, devices=devices)
             return dataclasses.replace(info, blocked_seconds=blocked, waited_seconds=waited,
                                        snapshot_bytes=snapshot.nbytes)
 
         return queue.submit(step, run, buffers)
+
+    def _encode_at_call(self, step: int, captured: CapturedState,
+                        devices: Mapping[str, torch.device]) -> tuple[Encoding | None, float]:
+        """For an asynchronous save of a state with tensors coded on a device (``devices``):
+        once the saves in flight ended, so that it is coded against the last committed step,
+        begin its encoding at the call, encoding a delta's tensors there now
+        (:func:`~deltackpt.saving.encode_at_call`). Returns the encoding (None: begun on the
+        save thread, from the snapshot) and the seconds waited."""
+        queue = self._queue
+        if not devices or not (self.compression.deltas and self.full_every > 1) \
+                or (self._recon is None and not queue.in_flight()):
+            return None, 0.0  # a full step: snapshotted whole
+        started = time.perf_counter()
+        queue.wait_all()
+        queue.raise_failure()
+        waited = time.perf_counter() - started
+        return encode_at_call(self, step, captured, devices), waited
 
     def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
                       progress: bool = False) -> SaveInfo:

@@ -22,7 +22,10 @@ asynchronous one:
    against the base, whose values it updates in place to what a reader
    decodes) and writes them into data files of its own, on the manager's
    encoding threads (:func:`~deltackpt.writer.write_data`). A failure on
-   any rank is raised on every rank.
+   any rank is raised on every rank. A single process's delta of tensors
+   the Triton kernels code (CUDA tensors) is encoded on their device first
+   (:mod:`deltackpt.device_encode`); for an asynchronous save, by its call
+   (:func:`encode_at_call`), before the snapshot.
 3. **commit**. Rank 0 gathers what every rank wrote, merges it into the
    step's metadata and commits it (:func:`~deltackpt.writer.commit_step`);
    its failure is raised on every rank. A save that fails at any stage
@@ -43,11 +46,15 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from deltackpt.chain import Reconstruction
 from deltackpt.delta import StepEncoder, captured_layout
+from deltackpt.device_encode import Encoding, begin_encoding, device_coded
 from deltackpt.distributed import Group, Part, check_same_state, local_parts, shard_parts
 from deltackpt.errors import DeltackptError
 from deltackpt.format import StepMetadata, metadata_file, step_dir_name
@@ -91,7 +98,8 @@ class SaveInfo:
     # how long ``save`` blocked it, for an asynchronous save waiting for a save in flight at the
     # max_in_flight limit, capturing and copying the state, for a blocking one the whole save;
     blocked_seconds: float = field(default=0.0, compare=False)
-    waited_seconds: float = field(default=0.0, compare=False)  # of which waiting at the limit
+    # of which waiting at the limit, or for the saves in flight before a delta encoded on a device
+    waited_seconds: float = field(default=0.0, compare=False)
     snapshot_bytes: int = field(default=0, compare=False)  # host memory of the async snapshot
 
     @property
@@ -140,24 +148,36 @@ class SavePlan:
 
 
 def save_step(manager: CheckpointManager, step: int, captured: CapturedState, group: Group, *,
-              overwrite: bool, progress: bool) -> SaveInfo:
+              overwrite: bool, progress: bool, encoding: Encoding | None = None,
+              devices: Mapping[str, torch.device] | None = None) -> SaveInfo:
     """Plan, encode, write and commit ``captured`` as ``step`` on every rank of ``group``, then
     advance ``manager``'s reference to it (see the module doc). Any rank's failure is raised
-    on every rank and leaves no step."""
+    on every rank and leaves no step.
+
+    ``encoding``: begun at the call (:func:`encode_at_call`), whose base the plan takes;
+    ``devices``: the tensors coded on a device of the state at the call (``captured`` may be
+    its host copies), whose running values are kept there (default: those of ``captured``;
+    none under several ranks, whose deltas are coded on the host)."""
     if group.world_size > 1 and manager._cache is not None:
         raise ValueError(f"{manager.path}: cache= serves single-process saves; under "
                          "torch.distributed every rank writes to the checkpoint itself")
     manager._settle()
     started = time.perf_counter()
     pool = manager._workers(group)  # a collective at a group's first save: before any can fail
-    plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool)
-    encoder, written, error = None, None, None
+    if devices is None:
+        devices = device_coded(captured) if group.world_size == 1 else {}
+    plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
+                     encoding=encoding)
+    written, error = None, None
     try:
         try:
-            encoder = StepEncoder(captured, manager.compression, plan.base, manager._controller,
-                                  keep=manager.compression.deltas and manager.full_every > 1,
-                                  local=local_parts(plan.parts))
-            written = write_data(plan.storage, step, plan.save_id, captured, parts=plan.parts,
+            if encoding is None:
+                encoding = begin(manager, captured, plan.base, plan.parts, devices)
+            encoding.ready()
+            encoder = encoding.encoder
+            parts = plan.parts if encoding.captured is captured else \
+                shard_parts(encoding.captured, group)  # of the tensors encoded: meta tensors
+            written = write_data(plan.storage, step, plan.save_id, encoding.captured, parts=parts,
                                  rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
                                  chunk_bytes=manager.chunk_bytes, workers=pool,
                                  progress=progress and group.rank == 0,
@@ -172,15 +192,42 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
         # reference still is the last committed step's.
         manager._stale_values = manager._stale_values or plan.base is not None
         raise
-    _advance(manager, plan, encoder, meta, info)
+    _advance(manager, plan, encoding, meta, info, devices)
     return info
 
 
+def encode_at_call(manager: CheckpointManager, step: int, captured: CapturedState,
+                   devices: Mapping[str, torch.device]) -> Encoding:
+    """Plan a single process's save of ``captured`` as ``step`` at its call, once no save is in
+    flight: full, or a delta against the last committed step whose tensors coded on
+    ``devices`` are encoded there now (:mod:`deltackpt.device_encode`); the state the
+    encoding's writer writes is then snapshotted."""
+    parts = shard_parts(captured, None)
+    base = delta_base(manager, step, captured, parts, manager._workers())
+    return begin(manager, captured, base, parts, devices)
+
+
+def begin(manager: CheckpointManager, captured: CapturedState, base: Reconstruction | None,
+          parts: dict[str, list[Part]], devices: Mapping[str, torch.device]) -> Encoding:
+    """:func:`~deltackpt.device_encode.begin_encoding` with ``manager``'s settings. A delta
+    that fails there has changed its base's values in part: they are read again first by the
+    next one."""
+    try:
+        return begin_encoding(captured, base, parts, devices, config=manager.compression,
+                              controller=manager._controller,
+                              keep=manager.compression.deltas and manager.full_every > 1,
+                              chunk_bytes=manager.chunk_bytes, running=manager._running)
+    except BaseException:
+        manager._stale_values = manager._stale_values or base is not None
+        raise
+
+
 def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, group: Group, *,
-              overwrite: bool, pool: WorkerPool) -> SavePlan:
+              overwrite: bool, pool: WorkerPool, encoding: Encoding | None = None) -> SavePlan:
     """Plan this rank's part of saving ``captured`` as ``step`` (collective): its layout, the
-    base every rank agreed on and, from rank 0, the step's directory and the save's name. Any
-    rank's failure is raised on every rank, and leaves nothing written."""
+    base every rank agreed on (``encoding``'s, where it was begun at the call) and, from rank
+    0, the step's directory and the save's name. Any rank's failure is raised on every rank,
+    and leaves nothing written."""
     check_same_state(captured, group)
     storage = manager.storage if manager._cache is None else manager._cache.storage
     step_dir = step_dir_name(step)
@@ -193,7 +240,8 @@ def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, gr
                 manager._cache.open()
                 present = None
         parts = shard_parts(captured, group)
-        base = delta_base(manager, step, captured, parts, pool)
+        base = encoding.base if encoding is not None else \
+            delta_base(manager, step, captured, parts, pool)
         if group.rank == 0:
             with writing(storage, step, step_dir):
                 # A new step directory's entry becomes durable while the data files are fsynced.
@@ -301,14 +349,18 @@ def _remove_step_dir(storage: Storage, step: int) -> None:
         storage.remove_tree(step_dir_name(step))
 
 
-def _advance(manager: CheckpointManager, plan: SavePlan, encoder: StepEncoder,
-             meta: StepMetadata | None, info: SaveInfo) -> None:
+def _advance(manager: CheckpointManager, plan: SavePlan, encoding: Encoding,
+             meta: StepMetadata | None, info: SaveInfo,
+             devices: Mapping[str, torch.device]) -> None:
     """After the commit of the plan's step: its reconstruction becomes the manager's reference
-    on every rank; rank 0 keeps the step's metadata, uploads the step from the cache, warns of
+    on every rank (the running values of tensors coded on ``devices`` kept as the manager
+    keeps them); rank 0 keeps the step's metadata, uploads the step from the cache, warns of
     a missed ``target_ratio``, and applies the retention policy (its failure raised on every
     rank)."""
+    encoder = encoding.encoder
     encoder.learn()
-    manager._recon = encoder.reconstruction(plan.step, plan.save_id)
+    manager._recon = manager._running.placed(encoder.reconstruction(plan.step, plan.save_id),
+                                             devices)
     manager._stale_values = False
     group = plan.group
     if meta is not None:  # rank 0, which committed it

@@ -116,13 +116,18 @@ class HostBuffers:
     def take(self, captured: CapturedState) -> Snapshot:
         """Copy every tensor of ``captured`` into these buffers; the returned state names them
         instead (aliases the buffer of the tensor they alias). Its tree, already tagged JSON
-        built at the capture, holds no reference to the live objects."""
+        built at the capture, holds no reference to the live objects. Tensors on the ``meta``
+        device (a delta coded them on their device at the call: :mod:`deltackpt.device_encode`)
+        stay as they are, and their buffers are kept for the next snapshot that copies them."""
         copies: dict[str, torch.Tensor] = {}
         from_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for item in captured.tensors:
             if item.alias_of is not None:
                 continue
             source = local_values(item.tensor)  # a DTensor's shard, copied as its local tensor
+            if source.is_meta:
+                copies[item.name] = source
+                continue
             spec_for(source.dtype, item.name)  # an unsupported dtype fails now, at the call
             buffer = copies[item.name] = self._buffer(item.name, source)
             if source.is_cuda:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import IO
+from typing import IO, TYPE_CHECKING, Protocol
 
 import numpy as np
 import xxhash
@@ -48,10 +48,21 @@ from deltackpt.reader import read_save_id
 from deltackpt.state import CapturedState
 from deltackpt.storage import Storage
 
+if TYPE_CHECKING:
+    import torch
+
 DEFAULT_CHUNK_BYTES = 8 << 20
 
-ChunkEncoder = Callable[[TensorRecord, DTypeSpec, int, np.ndarray], tuple[EncodedChunk, np.ndarray]]
-"""Codes one chunk: ``(record, spec, raw_offset, raw) -> (stored form, bytes a reader will decode)``."""
+class PendingDigest(Protocol):
+    """The xxh3-64 digest of bytes still on a device (:mod:`deltackpt.kernels.gpu_xxh3`)."""
+
+    def hexdigest(self) -> str: ...
+
+
+ChunkEncoder = Callable[[TensorRecord, DTypeSpec, int, np.ndarray],
+                        tuple[EncodedChunk, np.ndarray | PendingDigest]]
+"""Codes one chunk: ``(record, spec, raw_offset, raw) -> (stored form, bytes a reader will
+decode)``; a chunk coded on a device hands over the digest of those bytes instead."""
 
 
 def encode_exact(record: TensorRecord, spec: DTypeSpec, raw_offset: int,
@@ -69,12 +80,28 @@ class _Job:
     raw: np.ndarray  # the chunk's raw bytes
 
 
+def chunk_spans(nbytes: int, itemsize: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` raw byte offsets of the chunks of a fragment of ``nbytes`` bytes of
+    elements of ``itemsize`` bytes: whole elements, at most ``chunk_bytes`` (at least one)."""
+    step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    for start in range(0, nbytes, step):
+        yield start, min(start + step, nbytes)
+
+
 def _chunk_jobs(stored: list[tuple[TensorRecord, Fragment, DTypeSpec, np.ndarray]],
                 chunk_bytes: int) -> Iterator[_Job]:
     for record, fragment, spec, raw in stored:
-        step = max(spec.itemsize, chunk_bytes - chunk_bytes % spec.itemsize)
-        for start in range(0, raw.size, step):
-            yield _Job(record, fragment, spec, start, raw[start : start + step])
+        for start, stop in chunk_spans(raw.size, spec.itemsize, chunk_bytes):
+            yield _Job(record, fragment, spec, start, raw[start:stop])
+
+
+def _fragment_bytes(values: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a fragment's values; for a tensor on the ``meta`` device (its chunks
+    were coded before the write, on the device that holds it: :mod:`deltackpt.device_encode`)
+    an array of its size that reads zeros and holds no memory, which the encoder ignores."""
+    if values.is_meta:
+        return np.broadcast_to(np.zeros(1, np.uint8), (values.numel() * values.element_size(),))
+    return raw_bytes(values)
 
 
 class _DataFiles:
@@ -142,8 +169,10 @@ def _encode_and_write(job: _Job, encoder: ChunkEncoder, files: _DataFiles) -> Ch
     for part in encoded.parts:
         digest.update(part)
     file, offset = files.append(encoded.parts)
+    raw_digest = xxhash.xxh3_64_hexdigest(decoded) if isinstance(decoded, np.ndarray) \
+        else decoded.hexdigest()
     return Chunk(file, offset, encoded.length, job.raw_offset, job.raw.size, encoded.codec,
-                 encoded.params, digest.hexdigest(), xxhash.xxh3_64_hexdigest(decoded))
+                 encoded.params, digest.hexdigest(), raw_digest)
 
 
 @dataclass
@@ -190,7 +219,7 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
             for part in mine:
                 fragment = Fragment(part.offsets, part.sizes)
                 record.fragments.append(fragment)
-                stored.append((record, fragment, spec, raw_bytes(part.values)))
+                stored.append((record, fragment, spec, _fragment_bytes(part.values)))
     raw_total = sum(raw.size for *_, raw in stored)
 
     files = _DataFiles(storage, step, save_id, rank)

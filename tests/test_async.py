@@ -41,7 +41,8 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
     for _ in range(steps):
-        loss = model(torch.randn(16, 32)).pow(2).mean()
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        loss = model(torch.randn(16, 32, dtype=dtype, device=device)).float().pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -102,15 +102,38 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
         dither=dither, first=first, scale=None if scale is None else convert(scale.values),
         eps=0.0 if scale is None else scale.eps)
-    if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
+    if not codable(stats):
         return None, stats
+    return quant_chunk(stream, ordinal=ordinal, with_base=pred is not None, step=step,
+                       block=block, dither=dither,
+                       scale=None if scale is None else (scale.tensor, scale.eps)), stats
+
+
+def on_device(*arrays: Any) -> bool:
+    """Whether the Triton kernels code ``arrays`` (:func:`_kernels`' choice): on their device,
+    :func:`deltackpt.kernels.gpu_quant.encode_on_device` takes them as they are."""
+    return _kernels(*arrays)[0] is _tensor
+
+
+def codable(stats: np.ndarray) -> bool:
+    """Whether a chunk whose block statistics (``kernels.quant.STAT_*``) are ``stats`` was coded:
+    no element non-finite or out of the symbol range (else it is stored exactly)."""
+    return not (stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any())
+
+
+def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: float | int,
+                block: int, dither: int | None = None,
+                scale: tuple[str, float] | None = None) -> EncodedChunk:
+    """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
+    :func:`encode_quant`; ``with_base``: coded against a prediction; ``scale``: the tensor
+    whose values scale the steps, and eps)."""
     params = {"domain": "ordinal" if ordinal else "linear",
-              "pred": "zero" if pred is None else "base", "step": step, "block": block}
+              "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
         params["dither"] = dither
     if scale is not None:
-        params.update(scale=scale.tensor, eps=scale.eps)
-    return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)]), stats
+        params.update(scale=scale[0], eps=scale[1])
+    return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)])
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,301 @@
+"""Delta steps encoded on the device at the call (deltackpt.device_encode): byte for byte the
+host path's step, the state at the call whatever training does after it, chunks the kernels
+cannot code stored exactly, the reference kept to the last committed step, and where the
+running reconstruction lives.
+
+On a machine without CUDA, ``DELTACKPT_KERNELS=triton`` makes the Triton kernels code every
+float tensor, in Triton's interpreter (:mod:`interpreter`): the device is the CPU. Models are
+small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_state_dicts_equal, data_files
+from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
+from test_async import _fail_writes_of, _hold_saves, _in_thread, _mutate_everything
+from torch import nn
+
+from deltackpt import CheckpointManager, WriteFailedError, device_encode
+from deltackpt.codecs import quant as quant_codec
+from deltackpt.errors import ConfigError
+
+IN_PROCESS = can_run_here()
+gpu = import_kernels("gpu_quant", IN_PROCESS)
+import_kernels("gpu_xxh3", IN_PROCESS)  # device_encode hashes with it
+_ = interpreter  # the fixture: TRITON_INTERPRET=1 while the tests run
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+
+@pytest.fixture
+def encodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the chunks encoded on the device by a save's call."""
+    sizes: list[int] = []
+    encode = gpu.encode_on_device
+
+    def counted(x, *args, **kwargs):
+        sizes.append(x.numel())
+        return encode(x, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, "encode_on_device", counted)
+    return sizes
+
+
+def _device(monkeypatch: pytest.MonkeyPatch, on_device: bool) -> str:
+    """Where a model coded on the device (or on the host) lives: on a GPU, CUDA (the CPU); on
+    the CPU, the CPU, coded by the Triton kernels with the switch (by Numba without)."""
+    monkeypatch.setenv(quant_codec.KERNELS_ENV, "triton" if on_device and DEVICE == "cpu"
+                       else "auto")
+    return DEVICE if on_device else "cpu"
+
+
+def _model(dtype: torch.dtype, device: str = DEVICE) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8)).to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        loss = model(torch.randn(16, 32, device=DEVICE, dtype=dtype)).float().pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _states(dtype: torch.dtype, count: int) -> list[tuple[dict, dict]]:
+    """``count`` successive training states (model, optimizer state dicts)."""
+    model, optimizer = _model(dtype)
+    states = []
+    for _ in range(count):
+        _train(model, optimizer, 2)
+        states.append(copy.deepcopy((model.state_dict(), optimizer.state_dict())))
+    return states
+
+
+def _save(mgr: CheckpointManager, step: int, state: tuple[dict, dict], dtype: torch.dtype,
+          blocking: bool = False, device: str = DEVICE):
+    """Save ``state`` as ``step`` of a model on ``device``; training changes every tensor right
+    after the call. Returns the save's handle (or its info, blocking)."""
+    model, optimizer = _model(dtype, device)
+    model.load_state_dict(state[0])
+    optimizer.load_state_dict(copy.deepcopy(state[1]))
+    out = mgr.save(step, model, optimizer, rng=False, blocking=blocking)
+    _mutate_everything(model, optimizer, {"epoch": 0, "history": []})
+    return out
+
+
+def _run(path: Path, states: list, dtype: torch.dtype, on_device: bool,
+         monkeypatch: pytest.MonkeyPatch, **options) -> CheckpointManager:
+    """Save ``states`` as steps 0, 1, ... coded on the device (or on the host)."""
+    device = _device(monkeypatch, on_device)
+    blocking = options.pop("blocking", False)
+    mgr = CheckpointManager(path, full_every=10, workers=1, chunk_bytes=1024, **options)
+    for step, state in enumerate(states):
+        out = _save(mgr, step, state, dtype, blocking, device)
+        info = out if blocking else out.wait()
+        assert info.kind == ("full" if step == 0 else "delta")
+    monkeypatch.delenv(quant_codec.KERNELS_ENV)
+    return mgr
+
+
+def _chunks(mgr: CheckpointManager, step: int) -> list:
+    """What a step's metadata records of each chunk (all but the save's identity and time)."""
+    return [(r.name, r.dtype, [(c.codec, c.params, c.raw_offset, c.raw_length, c.length,
+                                 c.xxh3, c.raw_xxh3) for f in r.fragments for c in f.chunks])
+            for r in mgr.metadata(step).tensors]
+
+
+def _assert_same_steps(a: Path, b: Path, steps: int) -> None:
+    with CheckpointManager(a, read_only=True) as ma, CheckpointManager(b, read_only=True) as mb:
+        for step in range(steps):
+            assert _chunks(ma, step) == _chunks(mb, step), f"step {step}"
+            assert [f.read_bytes() for f in data_files(a, step)] == \
+                [f.read_bytes() for f in data_files(b, step)], f"step {step}"
+            classes_a, classes_b = ma.metadata(step).stats.classes, mb.metadata(step).stats.classes
+            assert classes_a.keys() == classes_b.keys()
+            for key, stats in classes_a.items():  # sums to float tolerance, maxima exact
+                for field, value in stats.items():
+                    other = classes_b[key][field]
+                    assert value == (other if value is None else pytest.approx(other, rel=1e-9)), \
+                        f"step {step} {key} {field}"
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_delta_encoded_on_the_device_is_the_host_paths_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encodes: list[int],
+        dtype: torch.dtype, blocking: bool) -> None:
+    """Deltas of a model trained with AdamW, every tensor changed right after each call: the
+    data files and chunk records of the steps the device path writes are those of the host
+    (Numba) path for the same states; the steps restore, through Numba, to the writer's
+    running reconstruction, within the recorded error of the state at the call."""
+    states = _states(dtype, 3)
+    _run(tmp_path / "host", states, dtype, False, monkeypatch).close()
+    assert not encodes
+    mgr = _run(tmp_path / "device", states, dtype, True, monkeypatch, blocking=blocking)
+    # every float tensor of at least 16 elements, in chunks of at most 1024 bytes
+    big = [t for t in states[0][0].values() if t.numel() >= 16]
+    assert len(encodes) == 2 * 3 * sum(-(-t.numel() * t.element_size() // 1024) for t in big)
+    assert max(encodes) * dtype.itemsize <= 1024
+    _assert_same_steps(tmp_path / "host", tmp_path / "device", 3)
+    running = mgr._recon.values
+    mgr.close()
+    with CheckpointManager(tmp_path / "device", read_only=True) as reader:
+        restored = reader.restore(2)
+        weights = reader.metadata(2).stats.classes["weights"]
+    for name, values in running.items():
+        assert isinstance(values, torch.Tensor) and values.dtype == torch.float32
+        expected = values.cpu().to(dtype).reshape(restored.tensors[name].shape)
+        assert_state_dicts_equal({name: restored.tensors[name]}, {name: expected})
+    errors = [(restored.model[name].float() - value.cpu().float()).abs().max()
+              for name, value in states[2][0].items()]
+    assert 0 < max(errors) <= weights["max_abs_error"]
+
+
+def test_a_chunk_the_kernels_cannot_code_is_the_state_at_the_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in a weight and in a second moment (which scales its first moment's steps): those
+    chunks are stored exactly, bit for bit the state at the call although training changed
+    it right after, the first moment's chunk too; the steps are the host path's. (The call
+    checks the chunks a few at a time here.)"""
+    monkeypatch.setattr(device_encode, "BATCH_ELEMENTS", 600)
+    states = _states(torch.float32, 2)
+    model, optimizer = states[1]
+    model["0.weight"][3, 5] = float("nan")
+    optimizer["state"][2]["exp_avg_sq"][0, 7] = float("nan")  # 2.weight's
+    _run(tmp_path / "host", states, torch.float32, False, monkeypatch).close()
+    _run(tmp_path / "device", states, torch.float32, True, monkeypatch).close()
+    _assert_same_steps(tmp_path / "host", tmp_path / "device", 2)
+    with CheckpointManager(tmp_path / "device", read_only=True) as reader:
+        restored = reader.restore(1)
+        meta = reader.metadata(1)
+    first = {r.name: r.fragments[0].chunks[0] for r in meta.tensors}
+    exact = {"model/0.weight": model["0.weight"],
+             "optimizer/state/2.weight/exp_avg_sq": optimizer["state"][2]["exp_avg_sq"],
+             "optimizer/state/2.weight/exp_avg": optimizer["state"][2]["exp_avg"]}
+    for name, value in exact.items():
+        assert first[name].codec != "quant", name
+        count = first[name].raw_length // 4
+        assert_state_dicts_equal({name: restored.tensors[name].reshape(-1)[:count]},
+                                 {name: value.cpu().reshape(-1)[:count]})
+    assert first["model/2.weight"].codec == "quant"
+
+
+def test_after_a_failed_delta_the_next_codes_against_the_last_committed_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device delta whose write fails commits nothing (its running values changed at the
+    call); the next delta codes against the last committed step, as had the failed save never
+    happened."""
+    states = _states(torch.float32, 4)
+    _device(monkeypatch, True)
+    with CheckpointManager(tmp_path / "ref", full_every=10, workers=1) as ref:
+        for step in (0, 1, 3):
+            _save(ref, step, states[step], torch.float32).wait()
+        expected = ref.restore(3).tensors
+    with CheckpointManager(tmp_path / "ckpt", full_every=10, workers=1) as mgr:
+        for step in (0, 1):
+            _save(mgr, step, states[step], torch.float32).wait()
+        with monkeypatch.context() as patch:
+            _fail_writes_of(mgr, 2, patch)
+            failed = _save(mgr, 2, states[2], torch.float32)
+            with pytest.raises(WriteFailedError, match="step 2"):
+                failed.wait()
+        info = _save(mgr, 3, states[3], torch.float32).wait()
+        assert (info.kind, info.base_step) == ("delta", 1)
+        assert_state_dicts_equal(mgr.restore(3).tensors, expected, "step 3")
+        assert mgr.steps() == [0, 1, 3]
+
+
+def test_a_delta_after_a_load_is_the_host_paths_step(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager that loaded a delta step (its running values read back on the host) codes the
+    next delta on the device against them: the host path's step."""
+    states = _states(torch.float32, 3)
+    for on_device in (False, True):
+        root = tmp_path / str(on_device)
+        _run(root, states[:2], torch.float32, on_device, monkeypatch).close()
+        device = _device(monkeypatch, on_device)
+        with CheckpointManager(root, workers=1, chunk_bytes=1024) as mgr:
+            model, optimizer = _model(torch.float32, device)
+            mgr.load(1, model, optimizer)
+            info = _save(mgr, 2, states[2], torch.float32, device=device).wait()
+            assert (info.kind, info.base_step) == ("delta", 1)
+            assert all(isinstance(v, torch.Tensor) for v in mgr._recon.values.values()) \
+                == on_device
+    _assert_same_steps(tmp_path / "False", tmp_path / "True", 3)
+
+
+def test_a_device_delta_waits_for_the_save_in_flight(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call of a device delta waits for the save in flight to commit (its reference), and
+    says so in SaveInfo.waited_seconds."""
+    states = _states(torch.float32, 2)
+    _device(monkeypatch, True)
+    with CheckpointManager(tmp_path / "ckpt", full_every=10, workers=1) as mgr:
+        with monkeypatch.context() as patch:
+            release = _hold_saves(patch)
+            first = _save(mgr, 0, states[0], torch.float32)
+            thread, out = _in_thread(lambda: _save(mgr, 1, states[1], torch.float32))
+            thread.join(0.5)
+            assert thread.is_alive() and not first.done()
+            release.set()
+            thread.join(60)
+        info = out[0].wait()
+        assert (info.kind, info.base_step) == ("delta", 0)
+        assert info.waited_seconds >= 0.5 and info.blocked_seconds >= info.waited_seconds
+
+
+def test_the_reconstruction_kept_on_the_host_gives_the_same_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reconstruction="host"``: the same steps; the running values of the tensors coded on
+    the device (float32, their elements) are reported, on the device by default, in host
+    memory with the option; other tensors' (none here) in host memory either way."""
+    states = _states(torch.float32, 3)
+    coded = 4 * sum(t.numel() for t in states[0][0].values() if t.numel() >= 16) * 3
+    device = _run(tmp_path / "device", states, torch.float32, True, monkeypatch)
+    host = _run(tmp_path / "host", states, torch.float32, True, monkeypatch,
+                reconstruction="host")
+    assert device.reconstruction_bytes == {DEVICE: coded}
+    assert host.reconstruction_bytes == {"cpu": coded}
+    if DEVICE == "cuda":
+        assert all(v.is_pinned() for v in host._recon.values.values())
+    device.close()
+    host.close()
+    _assert_same_steps(tmp_path / "device", tmp_path / "host", 3)
+    with pytest.raises(ConfigError, match="reconstruction='gpu'"):
+        CheckpointManager(tmp_path / "x", reconstruction="gpu")
+
+
+def test_running_values_stay_in_their_buffers(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running values of device-coded tensors are float32 tensors (where the option says)
+    that a delta updates in place; on a GPU, a full step copies its values into the same
+    buffers (no allocation of the state's size once running)."""
+    states = _states(torch.float32, 3)
+    _device(monkeypatch, True)
+    for place in ("device", "host"):
+        with CheckpointManager(tmp_path / place, full_every=2, workers=1,
+                               reconstruction=place) as mgr:
+            buffers = []
+            for step, state in enumerate(states):
+                info = _save(mgr, step, state, torch.float32).wait()
+                assert info.kind == ("full" if step % 2 == 0 else "delta")
+                assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32
+                           for v in mgr._recon.values.values())
+                buffers.append({n: v.data_ptr() for n, v in mgr._recon.values.items()})
+            assert buffers[1] == buffers[0]
+            if DEVICE == "cuda":
+                assert buffers[2] == buffers[0]
+
+
+if not IN_PROCESS:  # the tests above run in a fresh process: not here too
+    only_in_a_fresh_process(globals(), __file__)
