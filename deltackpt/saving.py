@@ -166,8 +166,14 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
     pool = manager._workers(group)  # a collective at a group's first save: before any can fail
     if devices is None:
         devices = device_coded(captured) if group.world_size == 1 else {}
-    plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
-                     encoding=encoding)
+    try:
+        plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
+                         encoding=encoding)
+    except BaseException:
+        # A delta encoded at the call has changed its base's values already
+        manager._stale_values = manager._stale_values or (
+            encoding is not None and encoding.base is not None)
+        raise
     written, error = None, None
     try:
         try:

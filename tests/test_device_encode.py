@@ -11,6 +11,7 @@ small: the interpreter is slow.
 from __future__ import annotations
 
 import copy
+import errno
 from pathlib import Path
 
 import pytest
@@ -190,11 +191,24 @@ def test_a_chunk_the_kernels_cannot_code_is_the_state_at_the_call(
     assert first["model/2.weight"].codec == "quant"
 
 
+def _fail_step_dir_of(mgr: CheckpointManager, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the creation of ``step``'s directory, in the save's plan, fail as on a full disk."""
+    makedirs = mgr.storage.makedirs
+
+    def failing(rel="", *args, **kwargs):
+        if rel == f"step-{step:012d}":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return makedirs(rel, *args, **kwargs)
+
+    monkeypatch.setattr(mgr.storage, "makedirs", failing)
+
+
+@pytest.mark.parametrize("failing", [_fail_writes_of, _fail_step_dir_of])
 def test_after_a_failed_delta_the_next_codes_against_the_last_committed_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device delta whose write fails commits nothing (its running values changed at the
-    call); the next delta codes against the last committed step, as had the failed save never
-    happened."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing) -> None:
+    """A device delta whose plan (on the save thread) or write fails commits nothing (its
+    running values changed at the call); the next delta codes against the last committed
+    step, as had the failed save never happened."""
     states = _states(torch.float32, 4)
     _device(monkeypatch, True)
     with CheckpointManager(tmp_path / "ref", full_every=10, workers=1) as ref:
@@ -205,7 +219,7 @@ def test_after_a_failed_delta_the_next_codes_against_the_last_committed_step(
         for step in (0, 1):
             _save(mgr, step, states[step], torch.float32).wait()
         with monkeypatch.context() as patch:
-            _fail_writes_of(mgr, 2, patch)
+            failing(mgr, 2, patch)
             failed = _save(mgr, 2, states[2], torch.float32)
             with pytest.raises(WriteFailedError, match="step 2"):
                 failed.wait()
