@@ -52,7 +52,7 @@ from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.quant import on_device, quant_chunk
 from deltackpt.compression import LOSSY_DTYPES, CompressionConfig, ScaleController
 from deltackpt.delta import StepEncoder, host_array
-from deltackpt.distributed import Part, local_parts, local_values
+from deltackpt.distributed import Part, local_parts, local_values, with_local
 from deltackpt.dtypes import DTypeSpec, dtype_bytes, raw_bytes, spec_for
 from deltackpt.errors import ConfigError
 from deltackpt.kernels.quant import (
@@ -348,10 +348,11 @@ class DeviceDelta:
 
     def without_encoded(self, captured: CapturedState) -> CapturedState:
         """``captured`` with the tensors encoded here as ``meta`` tensors of their shape and
-        dtype: what the writer and the snapshot take (they hold no bytes)."""
+        dtype (DTensors of ``meta`` shards, laid out as they are): what the writer and the
+        snapshot take (they hold no bytes)."""
         encoded = set(self.names)
-        tensors = [replace(item, tensor=torch.empty(item.tensor.shape, dtype=item.tensor.dtype,
-                                                    device="meta"))
+        tensors = [replace(item, tensor=with_local(item.tensor, torch.empty_like(
+                       local_values(item.tensor), device="meta")))
                    if item.name in encoded else item for item in captured.tensors]
         return CapturedState(tensors, captured.tree)
 

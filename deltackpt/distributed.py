@@ -186,6 +186,32 @@ def local_values(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+def with_local(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``tensor``'s place: for a DTensor, a DTensor of the same global shape, mesh
+    and placements whose local shard is ``local`` (built as ``DTensor.from_local`` builds one,
+    without its move to the mesh's device: ``local`` may be a host copy, or a ``meta``
+    tensor); else ``local`` itself."""
+    if not is_dtensor(tensor):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, tensor._spec, requires_grad=False)
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """The xxh3-64 hex digest of ``tensor``'s bytes, computed on its device where the Triton
+    kernels code it (:func:`deltackpt.codecs.quant.on_device`: a CUDA tensor is not copied to
+    the host for it), else on the host."""
+    from deltackpt.codecs.quant import on_device
+
+    if not on_device(tensor):
+        return xxhash.xxh3_64_hexdigest(raw_bytes(tensor))
+    from deltackpt.kernels.gpu_xxh3 import xxh3_64_on_device
+
+    values = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return xxh3_64_on_device(values.view(torch.uint8)).hexdigest()
+
+
 def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | None) -> list[Part]:
     """The boxes of ``tensor`` (global shape ``tensor.shape``) that this rank writes.
 
@@ -233,9 +259,13 @@ def _dtensor_box(name: str, tensor: Any) -> tuple[list[int], list[int], torch.Te
     return offsets, sizes, tensor.to_local(), replica, replicas
 
 
-def check_same_state(captured: CapturedState, group: Group) -> None:
+def check_same_state(captured: CapturedState, group: Group, *, at_call: bool = False) -> None:
     """Raise :class:`DistributedError` on every rank unless all ranks captured the same
-    tensors (names, roles, dtypes, global shapes, aliases) and equal plain tensors.
+    tensors (names, roles, dtypes, global shapes, aliases, the kind of device their values
+    are on) and equal plain tensors, and plan the save at the same point: ``at_call`` (a
+    delta encoded on a device, :func:`deltackpt.saving.encode_at_call`) or on the save
+    thread. (This check is the first collective of either, so ranks that took different
+    paths meet here and fail together instead of mismatching the collectives after it.)
 
     Every rank sees every rank's description and reaches the same verdict,
     so all of them raise together. A single process agrees with itself.
@@ -246,11 +276,20 @@ def check_same_state(captured: CapturedState, group: Group) -> None:
     try:
         for t in captured.tensors:
             plain = t.alias_of is None and t.role not in RANK0_ROLES and not is_dtensor(t.tensor)
-            digest = xxhash.xxh3_64_hexdigest(raw_bytes(t.tensor)) if plain else None
-            mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of, digest)
+            digest = _digest(t.tensor) if plain else None
+            mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of,
+                            local_values(t.tensor).device.type, digest)
     except Exception as exc:  # raised on every rank below
         mine = f"{type(exc).__name__}: {exc}"
-    everyone = group.all_gather(mine)
+    stages, everyone = zip(*group.all_gather((at_call, mine)), strict=True)
+    if len(set(stages)) > 1:
+        from deltackpt.codecs.quant import KERNELS_ENV
+
+        at = [str(r) for r, s in enumerate(stages) if s]
+        raise DistributedError(
+            f"ranks {', '.join(at)} plan the save at its call (a delta encoded on their device) "
+            "and the others on the save thread: every rank must hold its state on the same "
+            f"kind of device, with the same {KERNELS_ENV} setting")
     failed = [f"rank {r}: {e}" for r, e in enumerate(everyone) if isinstance(e, str)]
     if failed:
         raise DistributedError("capturing the state failed on " + "; ".join(failed))
@@ -261,10 +300,10 @@ def check_same_state(captured: CapturedState, group: Group) -> None:
             problems.append(f"tensor {name!r} is only captured on {where} (of ranks 0, {rank})")
         for name in sorted(everyone[0].keys() & theirs.keys()):
             ours, other = everyone[0][name], theirs[name]
-            if ours[:4] != other[:4]:
-                problems.append(f"tensor {name!r} is {ours[:4]} on rank 0, {other[:4]} on rank "
-                                f"{rank} (role, dtype, shape, alias)")
-            elif ours[4] != other[4]:
+            if ours[:5] != other[:5]:
+                problems.append(f"tensor {name!r} is {ours[:5]} on rank 0, {other[:5]} on rank "
+                                f"{rank} (role, dtype, shape, alias, device)")
+            elif ours[5] != other[5]:
                 problems.append(f"tensor {name!r} is a plain tensor whose values differ between "
                                 f"ranks 0 and {rank}: only DTensors may hold different shards")
     if problems:

@@ -353,7 +353,10 @@ class CheckpointManager(CheckpointDirectory):
         and encoded on their device by the call, blocking or not, once the
         saves in flight are committed (``waited_seconds``): only the coded
         bytes cross to the host, and the tensors it stores exactly are
-        copied as above (:mod:`deltackpt.device_encode`; single process).
+        copied as above (:mod:`deltackpt.device_encode`). Under
+        torch.distributed every rank encodes its shards so, and the
+        asynchronous save's plan (the check of the state across ranks, the
+        base they agree on) runs at the call too, on the manager's gloo group.
 
         Under torch.distributed with several ranks, every rank calls ``save``
         (collective): each writes the shards it holds, with no gather of
@@ -401,9 +404,10 @@ class CheckpointManager(CheckpointDirectory):
         queue.raise_failure()
         if group is None:
             self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
+        ranks = Group.single() if group is None else self._background_group
         captured = capture(model, optimizer, extra, rng)
-        devices = device_coded(captured) if group is None else {}
-        encoding, waited_encoding = self._encode_at_call(step, captured, devices)
+        devices = device_coded(captured)
+        encoding, waited_encoding = self._encode_at_call(step, captured, ranks, devices)
         buffers, waited = queue.snapshots.acquire()
         try:
             queue.raise_failure()  # a save that failed while this one waited
@@ -418,7 +422,6 @@ class CheckpointManager(CheckpointDirectory):
             encoding.encoder.release_state()
         blocked = time.perf_counter() - started
         waited += waited_encoding
-        ranks = Group.single() if group is None else self._background_group
 
         def run() -> SaveInfo:
             snapshot.ready()
@@ -429,13 +432,15 @@ class CheckpointManager(CheckpointDirectory):
 
         return queue.submit(step, run, buffers)
 
-    def _encode_at_call(self, step: int, captured: CapturedState,
+    def _encode_at_call(self, step: int, captured: CapturedState, group: Group,
                         devices: Mapping[str, torch.device]) -> tuple[Encoding | None, float]:
         """For an asynchronous save of a state with tensors coded on a device (``devices``):
         once the saves in flight ended, so that it is coded against the last committed step,
-        begin its encoding at the call, encoding a delta's tensors there now
-        (:func:`~deltackpt.saving.encode_at_call`). Returns the encoding (None: begun on the
-        save thread, from the snapshot) and the seconds waited."""
+        begin its encoding at the call, on every rank of ``group``, encoding a delta's tensors
+        there now (:func:`~deltackpt.saving.encode_at_call`). Returns the encoding (None:
+        begun on the save thread, from the snapshot) and the seconds waited. (Every rank
+        decides alike: a rank with no reference and no save in flight has heard of the
+        failure of every save it made, as have the others, which fail together.)"""
         queue = self._queue
         if not devices or not (self.compression.deltas and self.full_every > 1) \
                 or (self._recon is None and not queue.in_flight()):
@@ -444,7 +449,7 @@ class CheckpointManager(CheckpointDirectory):
         queue.wait_all()
         queue.raise_failure()
         waited = time.perf_counter() - started
-        return encode_at_call(self, step, captured, devices), waited
+        return encode_at_call(self, step, captured, group, devices), waited
 
     def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
                       progress: bool = False) -> SaveInfo:

@@ -9,8 +9,8 @@ commit:
 2. **snapshot** (:mod:`deltackpt.snapshot`, on the caller's thread, for
    ``save(..., blocking=False)``): every tensor copied into host buffers
    that training never touches; the caller returns once they are taken.
-   A single process's delta of CUDA tensors is planned and encoded on
-   their device first, by the call, once the saves in flight ended
+   A delta of CUDA tensors is planned and encoded on their device first,
+   by the call, once the saves in flight ended, on every rank
    (:func:`deltackpt.saving.encode_at_call`): only the tensors it stores
    exactly are snapshotted, and only coded bytes cross to the host.
 3. **queue** (this module): a :class:`SaveQueue` hands the save to one

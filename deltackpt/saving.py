@@ -22,10 +22,11 @@ asynchronous one:
    against the base, whose values it updates in place to what a reader
    decodes) and writes them into data files of its own, on the manager's
    encoding threads (:func:`~deltackpt.writer.write_data`). A failure on
-   any rank is raised on every rank. A single process's delta of tensors
-   the Triton kernels code (CUDA tensors) is encoded on their device first
+   any rank is raised on every rank. A delta of tensors the Triton kernels
+   code (CUDA tensors) is encoded on their device first
    (:mod:`deltackpt.device_encode`); for an asynchronous save, by its call
-   (:func:`encode_at_call`), before the snapshot.
+   (:func:`encode_at_call`: the plan's check of the state and its base too,
+   on every rank), before the snapshot.
 3. **commit**. Rank 0 gathers what every rank wrote, merges it into the
    step's metadata and commits it (:func:`~deltackpt.writer.commit_step`);
    its failure is raised on every rank. A save that fails at any stage
@@ -156,8 +157,7 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
 
     ``encoding``: begun at the call (:func:`encode_at_call`), whose base the plan takes;
     ``devices``: the tensors coded on a device of the state at the call (``captured`` may be
-    its host copies), whose running values are kept there (default: those of ``captured``;
-    none under several ranks, whose deltas are coded on the host)."""
+    its host copies), whose running values are kept there (default: those of ``captured``)."""
     if group.world_size > 1 and manager._cache is not None:
         raise ValueError(f"{manager.path}: cache= serves single-process saves; under "
                          "torch.distributed every rank writes to the checkpoint itself")
@@ -165,7 +165,7 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
     started = time.perf_counter()
     pool = manager._workers(group)  # a collective at a group's first save: before any can fail
     if devices is None:
-        devices = device_coded(captured) if group.world_size == 1 else {}
+        devices = device_coded(captured)
     try:
         plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
                          encoding=encoding)
@@ -203,14 +203,35 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
 
 
 def encode_at_call(manager: CheckpointManager, step: int, captured: CapturedState,
-                   devices: Mapping[str, torch.device]) -> Encoding:
-    """Plan a single process's save of ``captured`` as ``step`` at its call, once no save is in
-    flight: full, or a delta against the last committed step whose tensors coded on
-    ``devices`` are encoded there now (:mod:`deltackpt.device_encode`); the state the
-    encoding's writer writes is then snapshotted."""
-    parts = shard_parts(captured, None)
-    base = delta_base(manager, step, captured, parts, manager._workers())
-    return begin(manager, captured, base, parts, devices)
+                   group: Group, devices: Mapping[str, torch.device]) -> Encoding:
+    """Begin a save of ``captured`` as ``step`` at its call, once no save is in flight, on
+    every rank of ``group`` (collective, on the caller's thread; for several ranks the
+    manager's own gloo group): the state checked across ranks, the rank's layout, the base
+    every rank agrees on, and for a delta the tensors coded on ``devices`` encoded there now
+    (:mod:`deltackpt.device_encode`). The state the encoding's writer writes is then
+    snapshotted, and :func:`save_step` goes on from there on the save thread. Any rank's
+    failure is raised on every rank."""
+    check_same_state(captured, group, at_call=True)  # the first collective: see its doc
+    pool = manager._workers(group)
+    parts = shard_parts(captured, group)
+    base, error = None, None
+    try:
+        base = delta_base(manager, step, captured, parts, pool)
+    except Exception as exc:  # raised on every rank by the check below
+        error = exc
+    group.check(error, f"save of step {step}")
+    base = agreed_base(base, group)
+    encoding, error = None, None
+    try:
+        encoding = begin(manager, captured, base, parts, devices)
+    except Exception as exc:  # raised on every rank by the check below
+        error = exc
+    try:
+        group.check(error, f"save of step {step}")
+    except BaseException:  # another rank's failure: this rank's delta changed its base too
+        manager._stale_values = manager._stale_values or base is not None
+        raise
+    return encoding
 
 
 def begin(manager: CheckpointManager, captured: CapturedState, base: Reconstruction | None,
@@ -231,10 +252,11 @@ def begin(manager: CheckpointManager, captured: CapturedState, base: Reconstruct
 def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, group: Group, *,
               overwrite: bool, pool: WorkerPool, encoding: Encoding | None = None) -> SavePlan:
     """Plan this rank's part of saving ``captured`` as ``step`` (collective): its layout, the
-    base every rank agreed on (``encoding``'s, where it was begun at the call) and, from rank
-    0, the step's directory and the save's name. Any rank's failure is raised on every rank,
-    and leaves nothing written."""
-    check_same_state(captured, group)
+    base every rank agreed on (``encoding``'s, where it was begun at the call, which checked
+    the state) and, from rank 0, the step's directory and the save's name. Any rank's failure
+    is raised on every rank, and leaves nothing written."""
+    if encoding is None:
+        check_same_state(captured, group)
     storage = manager.storage if manager._cache is None else manager._cache.storage
     step_dir = step_dir_name(step)
     parts: dict[str, list[Part]] = {}
@@ -257,15 +279,20 @@ def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, gr
         error = exc
     try:
         group.check(error, f"save of step {step}")
-        bases = group.all_gather(None if base is None else (base.step, base.save_id))
-        if None in bases or len(set(bases)) > 1:  # every rank codes against one step, or none
-            base = None
+        base = agreed_base(base, group)
         save_id, created = group.broadcast((save_id, created))
     except BaseException:
         if created:  # on rank 0, for another rank's failure
             _remove_step_dir(storage, step)
         raise
     return SavePlan(step, captured, group, storage, parts, base, save_id, created, present)
+
+
+def agreed_base(base: Reconstruction | None, group: Group) -> Reconstruction | None:
+    """``base`` where every rank of ``group`` chose the same step as its base (collective):
+    every rank codes against one step, or none."""
+    bases = group.all_gather(None if base is None else (base.step, base.save_id))
+    return None if None in bases or len(set(bases)) > 1 else base
 
 
 def delta_base(manager: CheckpointManager, step: int, captured: CapturedState,

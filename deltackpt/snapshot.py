@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt.distributed import is_dtensor, local_values
+from deltackpt.distributed import local_values, with_local
 from deltackpt.dtypes import spec_for
 from deltackpt.state import CapturedState
 
@@ -52,17 +52,6 @@ class Snapshot:
         for event in self._device_copies:
             event.synchronize()
         self._device_copies = []
-
-
-def _like(tensor: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-    """``copy`` of ``tensor``'s values in its place: for a DTensor, a DTensor of the same global
-    shape, mesh and placements whose local shard is ``copy`` (built as ``DTensor.from_local``
-    builds one, without its move to the mesh's device)."""
-    if not is_dtensor(tensor):
-        return copy
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(copy, tensor._spec, requires_grad=False)
 
 
 def _allocate(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -138,7 +127,7 @@ class HostBuffers:
             del self._buffers[name]
             self._pinned.discard(name)
         events = [self._copy_from_device(device, pairs) for device, pairs in from_device.items()]
-        tensors = [replace(item, tensor=_like(item.tensor, copies[item.alias_of or item.name]))
+        tensors = [replace(item, tensor=with_local(item.tensor, copies[item.alias_of or item.name]))
                    for item in captured.tensors]
         return Snapshot(CapturedState(tensors, captured.tree), self.nbytes, events)
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,9 +22,11 @@ import torch
 from helpers import assert_state_dicts_equal, data_files
 from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
 from test_async import _fail_writes_of, _hold_saves, _in_thread, _mutate_everything
+from test_distributed import _fsdp_trained, run_ranks
 from torch import nn
 
-from deltackpt import CheckpointManager, WriteFailedError, device_encode
+import deltackpt.distributed
+from deltackpt import CheckpointManager, DistributedError, WriteFailedError, device_encode
 from deltackpt.codecs import quant as quant_codec
 from deltackpt.errors import ConfigError
 
@@ -309,6 +314,84 @@ def test_running_values_stay_in_their_buffers(tmp_path: Path,
             assert buffers[1] == buffers[0]
             if DEVICE == "cuda":
                 assert buffers[2] == buffers[0]
+
+
+def _fsdp_saves(rank: int, world: int, path: str, on_device: bool, blocking: bool,
+                report: str) -> None:
+    """A full step and two deltas of FSDP2 shards, trained right after each call; coded by the
+    Triton kernels (the switch: the device path) or by Numba. Reports the chunks each rank
+    encoded on the device and the (thread, group) of each collective of the saves."""
+    os.environ[quant_codec.KERNELS_ENV] = "triton" if on_device else "auto"
+    encodes = []
+    encode = gpu.encode_on_device
+    gpu.encode_on_device = lambda x, *a, **k: encodes.append(x.numel()) or encode(x, *a, **k)
+    calls = []
+
+    def recording(collective):
+        def recorded(*args, **kwargs):
+            calls.append((threading.current_thread().name, kwargs.get("group") is not None))
+            return collective(*args, **kwargs)
+        return recorded
+
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
+        setattr(deltackpt.distributed.dist, name, recording(getattr(torch.distributed, name)))
+    with CheckpointManager(path, full_every=3, workers=1, chunk_bytes=1024,
+                           blocking=blocking) as mgr:
+        for step in range(3):
+            out = mgr.save(step, model, optimizer, rng=False)
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            for _ in range(3):
+                model(torch.randn(4, 8, generator=generator)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            info = out if blocking else out.wait()
+            assert info.kind == ("full" if step == 0 else "delta"), (step, info)
+    with open(f"{report}.{rank}", "w") as f:
+        json.dump({"encodes": encodes, "calls": calls}, f)
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_fsdp_ranks_encode_their_shards_on_the_device(tmp_path: Path, blocking: bool) -> None:
+    """Two FSDP2 ranks: the steps the device path writes are byte for byte the host path's;
+    every rank encodes its own shards of each delta on the device; every collective of a save
+    runs on the manager's gloo group, an asynchronous save's plan at the call (the caller's
+    thread), the rest on the save thread."""
+    report = str(tmp_path / "report")
+    run_ranks(_fsdp_saves, 2, str(tmp_path / "host"), False, True, report + "-host")
+    run_ranks(_fsdp_saves, 2, str(tmp_path / "device"), True, blocking, report)
+    _assert_same_steps(tmp_path / "host", tmp_path / "device", 3)
+    for rank in range(2):
+        with open(f"{report}-host.{rank}") as f:
+            assert json.load(f)["encodes"] == []
+        with open(f"{report}.{rank}") as f:
+            done = json.load(f)
+        # each rank's shards of inner.weight and outer.weight (those of at least 16 elements)
+        # and of their 2 moments, coded by the 2 deltas
+        assert len(done["encodes"]) == 2 * 2 * 3, done["encodes"]
+        threads = {thread for thread, _ in done["calls"]}
+        if blocking:
+            assert threads == {"MainThread"}
+        else:
+            assert all(on_own_group for _, on_own_group in done["calls"]), done["calls"]
+            assert "MainThread" in threads and any(t.startswith("deltackpt-save") for t in threads)
+
+
+def _kernels_differ(rank: int, world: int, path: str) -> None:
+    """Rank 0 codes its deltas on the device (the switch), rank 1 on the host: the delta's call
+    on rank 0 and its save on rank 1 fail with one error; no step is written."""
+    os.environ[quant_codec.KERNELS_ENV] = "triton" if rank == 0 else "auto"
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
+    with CheckpointManager(path, full_every=3, workers=1, blocking=False) as mgr:
+        mgr.save(0, model, optimizer, rng=False).wait()
+        with pytest.raises(DistributedError, match="ranks 0 plan the save at its call"):
+            mgr.save(1, model, optimizer, rng=False).wait()
+        assert mgr.steps() == [0]
+
+
+def test_ranks_that_would_encode_in_different_places_fail_together(tmp_path: Path) -> None:
+    run_ranks(_kernels_differ, 2, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt" / "step-000000000001").exists()
 
 
 if not IN_PROCESS:  # the tests above run in a fresh process: not here too
