@@ -417,6 +417,9 @@ class CheckpointManager(CheckpointDirectory):
             if encoding is not None and encoding.base is not None:  # encoded: values changed
                 self._stale_values = True
             raise
+        # Freed before the save thread is woken: freeing the capture's tensor views releases
+        # the GIL, which a woken save thread would take and keep for up to its switch interval
+        del captured
         if encoding is not None:  # what it writes: the copies, no live tensor
             encoding = dataclasses.replace(encoding, captured=snapshot.captured)
             encoding.encoder.release_state()
