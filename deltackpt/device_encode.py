@@ -76,12 +76,15 @@ def device_coded(captured: CapturedState) -> dict[str, torch.device]:
     """The stored tensors of ``captured`` of a dtype a delta may code lossily whose chunks the
     Triton kernels code, by name, with the device of their values (a DTensor's local shard)."""
     out = {}
+    coded_on: dict[torch.device, bool] = {}  # the kernels' choice depends on the device alone
     for item in captured.tensors:
         if item.alias_of is None:
             values = local_values(item.tensor)
-            if not values.is_meta and spec_for(values.dtype, item.name).name in LOSSY_DTYPES \
-                    and on_device(values):
-                out[item.name] = values.device
+            device = values.device
+            if device not in coded_on:
+                coded_on[device] = not values.is_meta and on_device(values)
+            if coded_on[device] and spec_for(values.dtype, item.name).name in LOSSY_DTYPES:
+                out[item.name] = device
     return out
 
 

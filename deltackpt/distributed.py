@@ -19,6 +19,7 @@ one rank commits the metadata that lists them all. Which boxes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import socket
@@ -167,6 +168,7 @@ class Part:
     values: torch.Tensor
 
 
+@functools.cache
 def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
