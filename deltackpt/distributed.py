@@ -23,9 +23,9 @@ import functools
 import math
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
     from deltackpt.format import TensorRecord
     from deltackpt.state import CapturedState
+
+T = TypeVar("T")
 
 # Roles whose tensors only rank 0 writes (they may differ between ranks, by design).
 RANK0_ROLES = frozenset({"rng", "extra"})
@@ -127,6 +129,17 @@ class Group:
         if errors:
             raise DistributedError(f"{what} failed on " + "; ".join(
                 f"rank {r}: {e}" for r, e in errors)) from error
+
+    def together(self, what: str, work: Callable[[], T]) -> T:
+        """``work()`` on every rank (each calls this at the same point), its result returned;
+        any rank's failure raised on every rank by :meth:`check`."""
+        result, error = None, None
+        try:
+            result = work()
+        except Exception as exc:  # raised on every rank by the check below
+            error = exc
+        self.check(error, what)
+        return result
 
     def share(self, result: Any, error: BaseException | None) -> Any:
         """Rank 0's ``result`` on every rank, or rank 0's ``error`` raised on every rank (with

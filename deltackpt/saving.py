@@ -214,24 +214,14 @@ def encode_at_call(manager: CheckpointManager, step: int, captured: CapturedStat
     check_same_state(captured, group, at_call=True)  # the first collective: see its doc
     pool = manager._workers(group)
     parts = shard_parts(captured, group)
-    base, error = None, None
+    what = f"save of step {step}"
+    base = agreed_base(group.together(what, lambda: delta_base(manager, step, captured, parts,
+                                                               pool)), group)
     try:
-        base = delta_base(manager, step, captured, parts, pool)
-    except Exception as exc:  # raised on every rank by the check below
-        error = exc
-    group.check(error, f"save of step {step}")
-    base = agreed_base(base, group)
-    encoding, error = None, None
-    try:
-        encoding = begin(manager, captured, base, parts, devices)
-    except Exception as exc:  # raised on every rank by the check below
-        error = exc
-    try:
-        group.check(error, f"save of step {step}")
-    except BaseException:  # another rank's failure: this rank's delta changed its base too
+        return group.together(what, lambda: begin(manager, captured, base, parts, devices))
+    except BaseException:  # another rank's failure too: this rank's delta changed its base
         manager._stale_values = manager._stale_values or base is not None
         raise
-    return encoding
 
 
 def begin(manager: CheckpointManager, captured: CapturedState, base: Reconstruction | None,

@@ -14,7 +14,6 @@ import copy
 import errno
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,9 @@ import torch
 from helpers import assert_state_dicts_equal, data_files
 from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
 from test_async import _fail_writes_of, _hold_saves, _in_thread, _mutate_everything
-from test_distributed import _fsdp_trained, run_ranks
+from test_distributed import _fsdp_trained, record_collectives, run_ranks
 from torch import nn
 
-import deltackpt.distributed
 from deltackpt import CheckpointManager, DistributedError, WriteFailedError, device_encode
 from deltackpt.codecs import quant as quant_codec
 from deltackpt.errors import ConfigError
@@ -325,17 +323,8 @@ def _fsdp_saves(rank: int, world: int, path: str, on_device: bool, blocking: boo
     encodes = []
     encode = gpu.encode_on_device
     gpu.encode_on_device = lambda x, *a, **k: encodes.append(x.numel()) or encode(x, *a, **k)
-    calls = []
-
-    def recording(collective):
-        def recorded(*args, **kwargs):
-            calls.append((threading.current_thread().name, kwargs.get("group") is not None))
-            return collective(*args, **kwargs)
-        return recorded
-
     model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
-    for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
-        setattr(deltackpt.distributed.dist, name, recording(getattr(torch.distributed, name)))
+    calls = record_collectives()
     with CheckpointManager(path, full_every=3, workers=1, chunk_bytes=1024,
                            blocking=blocking) as mgr:
         for step in range(3):

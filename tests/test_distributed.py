@@ -464,24 +464,31 @@ def _save_fsdp_deltas(rank: int, world: int, path: str, expected: str) -> None:
         torch.save(states, expected)
 
 
-def _save_fsdp_async(rank: int, world: int, path: str, expected: str) -> None:
-    """Asynchronous saves of FSDP2 shards, each followed at once by training steps (whose
-    collectives run on the default group while the save's run on the manager's own)."""
+def record_collectives() -> list[tuple[str, bool]]:
+    """From now on in this rank, the thread and whether a group of its own was given (not the
+    default group) of each object collective deltackpt makes, appended to the list returned."""
     import threading
 
     import deltackpt.distributed
 
-    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
-    calls = []  # (thread, group) of each object collective deltackpt made
+    calls: list[tuple[str, bool]] = []
 
     def recording(collective):
         def recorded(*args, **kwargs):
-            calls.append((threading.current_thread().name, kwargs.get("group")))
+            calls.append((threading.current_thread().name, kwargs.get("group") is not None))
             return collective(*args, **kwargs)
         return recorded
 
     for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
         setattr(deltackpt.distributed.dist, name, recording(getattr(dist, name)))
+    return calls
+
+
+def _save_fsdp_async(rank: int, world: int, path: str, expected: str) -> None:
+    """Asynchronous saves of FSDP2 shards, each followed at once by training steps (whose
+    collectives run on the default group while the save's run on the manager's own)."""
+    model, optimizer = _fsdp_trained(rank, inputs=8, hidden=30)
+    calls = record_collectives()
     states = []
     with CheckpointManager(path, full_every=3, blocking=False) as mgr:
         for step in range(1, 4):
@@ -496,8 +503,8 @@ def _save_fsdp_async(rank: int, world: int, path: str, expected: str) -> None:
             assert (info.kind, info.step) == ("full" if step == 1 else "delta", step), info
             assert info.snapshot_bytes > 0
     # every collective of the saves ran on their thread, on the manager's gloo group
-    assert calls and all(thread.startswith("deltackpt-save") and group is not None
-                         for thread, group in calls), calls
+    assert calls and all(thread.startswith("deltackpt-save") and own_group
+                         for thread, own_group in calls), calls
     if rank == 0:
         torch.save(states, expected)
 
