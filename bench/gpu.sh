@@ -19,6 +19,7 @@
 #
 # Figures go to stdout and, when $OUT is set, to $OUT/gpu.txt, with the date and the GPU.
 # Usage: bench/gpu.sh   (env: PYTHON, TORCH_VERSION, GPU_BENCH_ELEMENTS, GPU_BENCH_PARAMS, OUT)
+#        bench/gpu.sh --wheels   (here, before: the wheels an offline GPU machine lacks, into .whl/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report=${OUT:+$OUT/gpu.txt}
@@ -30,19 +31,42 @@ log "deltackpt GPU bench, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-par
 log "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not found')"
 
 # -- 1. environment ------------------------------------------------------------------------
+# A GPU machine without network access (this workplace's) has torch with CUDA, triton, numba,
+# xxhash and pytest but not zstandard: fetch its wheel beforehand, where pip works, into .whl/
+# (`bench/gpu.sh --wheels`; carry .whl), and this step installs it and this package, offline,
+# into a virtual environment over the machine's packages. With network access and no usable
+# torch, a virtual environment of its own is made as a fresh machine would (.venv-gpu).
+if [ "${1:-}" = "--wheels" ]; then
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" \
+        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl zstandard
+    ls .whl; exit 0
+fi
 PYTHON=${PYTHON:-python3}
 ready() {
-    "$1" -c "import os, torch, triton, numba, deltackpt
+    "$1" -c "import os, torch, triton, numba, zstandard, deltackpt.kernels
 assert torch.cuda.is_available() or os.environ.get('GPU_BENCH_DRY_RUN')" 2>/dev/null
 }
 if ! ready "$PYTHON"; then
-    if [ ! -x .venv-gpu/bin/python ]; then
-        "$PYTHON" -m venv .venv-gpu
-        .venv-gpu/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}" "triton==3.9.0"
-        .venv-gpu/bin/pip install -q -e '.[dev]'
+    offline=/tmp/deltackpt-gpu
+    if [ ! -x "$offline/bin/python" ] && "$PYTHON" -c "import torch, triton, numba" 2>/dev/null; then
+        "$PYTHON" -m venv --system-site-packages "$offline"
+        if compgen -G ".whl/*.whl" >/dev/null; then
+            "$offline/bin/pip" install -q --no-index --no-deps .whl/*.whl
+        fi
+        "$offline/bin/pip" install -q --no-index --no-deps --no-build-isolation -e . || true
     fi
-    PYTHON=.venv-gpu/bin/python
-    ready "$PYTHON" || { log "no usable environment: torch with CUDA, triton, deltackpt"; exit 1; }
+    if [ -x "$offline/bin/python" ] && ready "$offline/bin/python"; then
+        PYTHON=$offline/bin/python
+    else
+        if [ ! -x .venv-gpu/bin/python ]; then
+            "$PYTHON" -m venv .venv-gpu
+            .venv-gpu/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}" "triton==3.9.0"
+            .venv-gpu/bin/pip install -q -e '.[dev]'
+        fi
+        PYTHON=.venv-gpu/bin/python
+        ready "$PYTHON" || { log "no usable environment: torch with CUDA, triton, deltackpt"; exit 1; }
+    fi
 fi
 log "python: $("$PYTHON" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)')"
 
