@@ -21,7 +21,7 @@ import torch
 from helpers import assert_state_dicts_equal, data_files
 from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
 from test_async import _fail_writes_of, _hold_saves, _in_thread, _mutate_everything
-from test_distributed import _fsdp_trained, record_collectives, run_ranks
+from test_distributed import _fsdp_trained, record_collectives, run_ranks, train_after_save
 from torch import nn
 
 from deltackpt import CheckpointManager, DistributedError, WriteFailedError, device_encode
@@ -329,11 +329,7 @@ def _fsdp_saves(rank: int, world: int, path: str, on_device: bool, blocking: boo
                            blocking=blocking) as mgr:
         for step in range(3):
             out = mgr.save(step, model, optimizer, rng=False)
-            generator = torch.Generator().manual_seed(100 * step + rank)
-            for _ in range(3):
-                model(torch.randn(4, 8, generator=generator)).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            train_after_save(model, optimizer, step, rank, 3)
             info = out if blocking else out.wait()
             assert info.kind == ("full" if step == 0 else "delta"), (step, info)
     with open(f"{report}.{rank}", "w") as f:

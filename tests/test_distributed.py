@@ -77,6 +77,17 @@ def _fsdp_trained(rank: int, steps: int = 2, inputs: int = 5,
     return model, optimizer
 
 
+def train_after_save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int,
+                     steps: int) -> None:
+    """What a rank trains between the saves of its scenario: ``steps`` steps on inputs of 8
+    features seeded by the save's ``step`` and the ``rank``."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    for _ in range(steps):
+        model(torch.randn(4, 8, generator=generator)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Every tensor by universal name, gathered whole (a collective)."""
     def whole(t: torch.Tensor) -> torch.Tensor:
@@ -167,11 +178,7 @@ def _delta_after_a_failed_delta(rank: int, world: int, path: str, fail: bool) ->
                 info = mgr.save(step, model, optimizer, rng=False)
                 assert (info.kind, info.base_step) == (("full", None) if step == 1 else
                                                        ("delta", 1)), info
-            generator = torch.Generator().manual_seed(100 * step + rank)
-            for _ in range(3):
-                model(torch.randn(4, 8, generator=generator)).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            train_after_save(model, optimizer, step, rank, 3)
 
 
 def test_after_a_failed_delta_the_ranks_code_against_the_last_committed_step(
@@ -455,11 +462,7 @@ def _save_fsdp_deltas(rank: int, world: int, path: str, expected: str) -> None:
             info = mgr.save(step, model, optimizer, rng=False)
             assert info.kind == ("full" if step == 1 else "delta"), (step, info)
             states.append(_full_state(model, optimizer))
-            generator = torch.Generator().manual_seed(100 * step + rank)
-            for _ in range(5):
-                model(torch.randn(4, 8, generator=generator)).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            train_after_save(model, optimizer, step, rank, 5)
     if rank == 0:
         torch.save(states, expected)
 
@@ -494,11 +497,7 @@ def _save_fsdp_async(rank: int, world: int, path: str, expected: str) -> None:
         for step in range(1, 4):
             states.append(_full_state(model, optimizer))
             handle = mgr.save(step, model, optimizer, rng=False)
-            generator = torch.Generator().manual_seed(100 * step + rank)
-            for _ in range(5):
-                model(torch.randn(4, 8, generator=generator)).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            train_after_save(model, optimizer, step, rank, 5)
             info = handle.wait()
             assert (info.kind, info.step) == ("full" if step == 1 else "delta", step), info
             assert info.snapshot_bytes > 0
