@@ -135,33 +135,21 @@ class SaveQueue:
 
     def submit(self, step: int, run: Callable[[], SaveInfo], buffers: HostBuffers) -> SaveHandle:
         """Run ``run`` (the save of ``step``) on the save thread after the saves before it; its
-        snapshot ``buffers`` go back to the pool when it ends.
-
-        The save thread completes the handle itself: once the job is queued the caller takes
-        no lock the save thread may hold (as the executor's future's is while the job starts),
-        which would hand the save thread the GIL until its switch interval, up to 5 ms, before
-        the caller could return."""
-        handle = SaveHandle(step, Future(), self)
-
-        def job() -> None:
+        snapshot ``buffers`` go back to the pool when it ends."""
+        def job() -> SaveInfo:
             self._thread_ids.add(threading.get_ident())
-            info, error = None, None
             try:
-                info = run()
-            except BaseException as exc:  # the handle's: raised by wait, or by the next call
-                error = exc
-            self.snapshots.release(buffers)
-            if error is None:
-                handle._future.set_result(info)
-            else:
-                handle._future.set_exception(error)
-            self._ended(handle)
+                return run()
+            finally:
+                self.snapshots.release(buffers)
 
         with self._changed:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
+            future = self._executor.submit(job)
+            handle = SaveHandle(step, future, self)
             self._in_flight.append(handle)
-            self._executor.submit(job)
+        future.add_done_callback(lambda _: self._ended(handle))
         return handle
 
     def _ended(self, handle: SaveHandle) -> None:

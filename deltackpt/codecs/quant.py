@@ -102,7 +102,7 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
         dither=dither, first=first, scale=None if scale is None else convert(scale.values),
         eps=0.0 if scale is None else scale.eps)
-    if not codable(stats):
+    if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     return quant_chunk(stream, ordinal=ordinal, with_base=pred is not None, step=step,
                        block=block, dither=dither,
@@ -113,12 +113,6 @@ def on_device(*arrays: Any) -> bool:
     """Whether the Triton kernels code ``arrays`` (:func:`_kernels`' choice): on their device,
     :func:`deltackpt.kernels.gpu_quant.encode_on_device` takes them as they are."""
     return _kernels(*arrays)[0] is _tensor
-
-
-def codable(stats: np.ndarray) -> bool:
-    """Whether a chunk whose block statistics (``kernels.quant.STAT_*``) are ``stats`` was coded:
-    no element non-finite or out of the symbol range (else it is stored exactly)."""
-    return not (stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any())
 
 
 def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: float | int,
