@@ -55,7 +55,8 @@ def list_steps(storage: Storage) -> list[int]:
 
     A step directory that is not a directory (a link, a FIFO) is listed
     too, so that reading it reports what it is instead of the step
-    vanishing from view.
+    vanishing from view; one that is gone by the time it is looked at (a
+    failed save's, removed meanwhile) is not.
     """
     files = storage.list_files()
     if files is not None:  # an object store: one listing, and no entry is other than an object
@@ -67,7 +68,8 @@ def list_steps(storage: Storage) -> list[int]:
     steps = []
     for name in storage.listdir():
         match = STEP_DIR_PATTERN.fullmatch(name)
-        if match and (storage.kind(name) != "dir" or storage.exists(f"{name}/{METADATA_FILE}")):
+        if match and (kind := storage.kind(name)) is not None \
+                and (kind != "dir" or storage.exists(f"{name}/{METADATA_FILE}")):
             steps.append(int(match.group(1)))
     return sorted(steps)
 

@@ -207,6 +207,17 @@ def test_a_step_directory_that_is_a_link_is_refused_and_never_followed(
     assert _tree(elsewhere) == before
 
 
+def test_a_step_directory_removed_while_listed_is_not_a_step(tmp_path: Path) -> None:
+    """A step directory listed but gone when looked at (a failed save's, removed by its writer
+    meanwhile, as another rank lists the steps) is not listed as a step."""
+    root = tmp_path / "ckpt"
+    _save(root, [1])
+    reader = CheckpointManager(root, read_only=True)
+    listdir = reader.storage.listdir
+    reader.storage.listdir = lambda rel="": [*listdir(rel), step_dir(root, 2).name]
+    assert reader.steps() == [1]
+
+
 def test_a_fifo_as_root_marker_is_refused(tmp_path: Path) -> None:
     """deltackpt.json that is a FIFO: opening the directory (reader or writer) fails naming it
     instead of waiting for a writer of the FIFO."""
