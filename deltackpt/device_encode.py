@@ -65,6 +65,7 @@ from deltackpt.kernels.quant import (
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
 )
+from deltackpt.optimizers import captured_bnb_states
 from deltackpt.state import CapturedState
 from deltackpt.writer import PendingDigest, chunk_spans
 
@@ -74,11 +75,16 @@ RECONSTRUCTION_PLACES = ("device", "host")
 
 def device_coded(captured: CapturedState) -> dict[str, torch.device]:
     """The stored tensors of ``captured`` of a dtype a delta may code lossily whose chunks the
-    Triton kernels code, by name, with the device of their values (a DTensor's local shard)."""
+    Triton kernels code, by name, with the device of their values (a DTensor's local shard).
+    Not bitsandbytes' code maps and ``absmax``: the host codes them, from their moment's
+    reconstruction or as unchanged (:class:`deltackpt.delta.StepEncoder`), against running
+    values in host memory."""
     out = {}
     coded_on: dict[torch.device, bool] = {}  # the kernels' choice depends on the device alone
+    host_coded = {name for b in captured_bnb_states(captured).values()
+                  for name in (b.absmax, b.qmap)}
     for item in captured.tensors:
-        if item.alias_of is None:
+        if item.alias_of is None and item.name not in host_coded:
             values = local_values(item.tensor)
             device = values.device
             if device not in coded_on:
@@ -123,11 +129,13 @@ class RunningValues:
                 self._buffers.pop(name, None)
                 values[name] = host_array(current)
             else:
-                values[name] = self._put(name, current, device)
+                with _stream_of(device, _placing_streams):  # not the training's stream
+                    values[name] = self._put(name, current, device)
         for device in {v.device for v in values.values() if isinstance(v, torch.Tensor)}:
-            # copies into them on this thread's stream (here, or by a step's exact chunks)
+            # copies into them (here, or on this thread's stream by a step's exact chunks)
             # complete before the side stream of the next delta reads them
             if device.type == "cuda":
+                _placing_streams[device].synchronize()
                 torch.cuda.current_stream(device).synchronize()
         return replace(recon, values=values)
 
@@ -199,7 +207,20 @@ class _Chunk:
     host: list[torch.Tensor] = field(default_factory=list)  # stream, statistics (, rounded)
 
 
-_side_streams: dict[torch.device, Any] = {}
+_side_streams: dict[torch.device, Any] = {}  # a CUDA device's, of the encodes at the call
+_placing_streams: dict[torch.device, Any] = {}  # of the copies into running values
+
+
+def _stream_of(device: torch.device, streams: dict[torch.device, Any],
+               ) -> contextlib.AbstractContextManager:
+    """Make a CUDA ``device``'s stream of ``streams`` (created at its first use) the current
+    one; elsewhere, nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    return torch.cuda.stream(stream)
 # Elements encoded between two synchronizations of the call: bounds the device memory their
 # streams take (2 bytes an element at most) until they are copied to the host.
 BATCH_ELEMENTS = 1 << 27
@@ -215,18 +236,18 @@ def _side_stream(device: torch.device) -> Iterator[list[Any]]:
         yield done
         return
     training = torch.cuda.current_stream(device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
     queued = torch.cuda.Event()
     queued.record(training)
-    side.wait_event(queued)
-    with torch.cuda.stream(side):
-        yield done
-    end = torch.cuda.Event()
-    end.record(side)
-    training.wait_event(end)
-    done.append(end)
+    with _stream_of(device, _side_streams):
+        side = torch.cuda.current_stream(device)
+        side.wait_event(queued)
+        try:
+            yield done
+        finally:  # also after a failure, once kernels were queued that read the state
+            end = torch.cuda.Event()
+            end.record(side)
+            training.wait_event(end)
+            done.append(end)
 
 
 class DeviceDelta:
@@ -364,7 +385,9 @@ def _rounded_stats(x: torch.Tensor, recon: torch.Tensor, nonzero: torch.Tensor) 
     """The statistics row (``STAT_*``) of a chunk of a 16-bit tensor ``x`` restored as its
     running values ``recon`` rounded to its dtype, on ``x``'s device (``delta._error_stats``)."""
     x64 = x.double()
-    err = (recon.to(device=x.device, dtype=x.dtype).double() - x64).abs()
+    # From host memory (reconstruction="host"), a copy queued after the one that fills it:
+    # converting on the host would read it before.
+    err = (recon.to(x.device, non_blocking=True).to(x.dtype).double() - x64).abs()
     rel = torch.where(x64 != 0, err / x64.abs(), 0.0)
     row = torch.zeros((1, N_STATS), dtype=torch.float64, device=x.device)
     row[0, STAT_MAX_ABS] = err.max()

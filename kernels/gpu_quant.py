@@ -393,10 +393,13 @@ def _launch_options() -> dict:
 _interpreter_lock = threading.Lock()
 
 
-def _launching() -> contextlib.AbstractContextManager:
-    """Held while kernels are launched: a lock in the interpreter, which patches
-    ``triton.language`` while a kernel runs (one at a time); nothing on a GPU."""
-    return _interpreter_lock if interpreted() else contextlib.nullcontext()
+def _launching(device: torch.device) -> contextlib.AbstractContextManager:
+    """Held while kernels are launched on ``device``: a lock in the interpreter, which patches
+    ``triton.language`` while a kernel runs (one at a time); on a GPU, ``device`` made the
+    current one (Triton launches on the current device, whatever its arguments' device)."""
+    if interpreted():
+        return _interpreter_lock
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -475,7 +478,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     widths = torch.empty(n_blocks, dtype=torch.uint8, device=device)
     lengths = torch.empty(n_blocks, dtype=torch.int64, device=device)
     rows, cols = _tile(block)
-    with _launching():
+    with _launching(device):
         bf16 = x.dtype == torch.bfloat16
         _encode_kernel[(triton.cdiv(n_blocks, rows),)](
             x.view(torch.int16) if bf16 else x, out_on if pred_on is None else pred_on, out_on,
@@ -585,7 +588,7 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
 
     n_blocks = n_blocks_of(n, streams.block)
     rows, cols = _tile(streams.block)
-    with _launching():
+    with _launching(device):
         _decode_kernel[(triton.cdiv(n_blocks, rows),)](
             streams.data, streams.bounds, streams.offsets, upload(ordinal, np.int32),
             upload([f for f, _ in coded], np.float32), upload([i for _, i in coded], np.int64),

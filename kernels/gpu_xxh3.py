@@ -299,7 +299,7 @@ def xxh3_64_ranges_on_device(data: torch.Tensor,
         table = _to_device(_table(long, np.cumsum([0, *rows[:-1]])), device)
         sums = torch.empty((sum(rows), 16), dtype=torch.int64, device=device)
         acc = torch.empty((len(long), 8), dtype=torch.int64, device=device)
-        with _launching():
+        with _launching(device):
             _block_sums_kernel[(triton.cdiv(max(rows), _BLOCKS), len(long))](
                 data, table, sums, RANGES=_RANGES, BLOCKS=_BLOCKS,
                 ALIGNED=data.data_ptr() % 8 == 0 and all(start % 8 == 0 for start, _ in long),

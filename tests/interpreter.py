@@ -25,6 +25,8 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER_ONLY = pytest.mark.skipif(DEVICE == "cuda", reason="DELTACKPT_KERNELS=triton routes "
+                                      "host arrays through the interpreter, not the GPU")
 
 
 def can_run_here() -> bool:

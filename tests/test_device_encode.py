@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_state_dicts_equal, data_files
-from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
+from interpreter import (
+    DEVICE,
+    INTERPRETER_ONLY,
+    can_run_here,
+    import_kernels,
+    interpreter,
+    only_in_a_fresh_process,
+)
 from test_async import _fail_writes_of, _hold_saves, _in_thread, _mutate_everything
 from test_distributed import _fsdp_trained, record_collectives, run_ranks, train_after_save
 from torch import nn
@@ -27,6 +34,7 @@ from torch import nn
 from deltackpt import CheckpointManager, DistributedError, WriteFailedError, device_encode
 from deltackpt.codecs import quant as quant_codec
 from deltackpt.errors import ConfigError
+from deltackpt.state import capture
 
 IN_PROCESS = can_run_here()
 gpu = import_kernels("gpu_quant", IN_PROCESS)
@@ -271,16 +279,18 @@ def test_a_device_delta_waits_for_the_save_in_flight(tmp_path: Path,
         assert info.waited_seconds >= 0.5 and info.blocked_seconds >= info.waited_seconds
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_reconstruction_kept_on_the_host_gives_the_same_steps(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``reconstruction="host"``: the same steps; the running values of the tensors coded on
-    the device (float32, their elements) are reported, on the device by default, in host
-    memory with the option; other tensors' (none here) in host memory either way."""
-    states = _states(torch.float32, 3)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """``reconstruction="host"``: the same steps, their error statistics too (of 16-bit
+    tensors, from the running values rounded, read on the device after the copy that brings
+    them to host memory); the running values of the tensors coded on the device (float32,
+    their elements) are reported, on the device by default, in host memory with the option;
+    other tensors' (none here) in host memory either way."""
+    states = _states(dtype, 3)
     coded = 4 * sum(t.numel() for t in states[0][0].values() if t.numel() >= 16) * 3
-    device = _run(tmp_path / "device", states, torch.float32, True, monkeypatch)
-    host = _run(tmp_path / "host", states, torch.float32, True, monkeypatch,
-                reconstruction="host")
+    device = _run(tmp_path / "device", states, dtype, True, monkeypatch)
+    host = _run(tmp_path / "host", states, dtype, True, monkeypatch, reconstruction="host")
     assert device.reconstruction_bytes == {DEVICE: coded}
     assert host.reconstruction_bytes == {"cpu": coded}
     if DEVICE == "cuda":
@@ -314,6 +324,25 @@ def test_running_values_stay_in_their_buffers(tmp_path: Path,
                 assert buffers[2] == buffers[0]
 
 
+def test_bitsandbytes_code_maps_and_absmax_are_coded_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of an 8-bit optimizer's state, the device codes none: its codes are not a float dtype,
+    and the host codes its ``absmax`` from the moment's reconstruction and keeps an unchanged
+    code map, against running values in host memory. Its float32 states (of a small bias) and
+    the model's tensors are coded on the device."""
+    bnb = pytest.importorskip("bitsandbytes")
+    _device(monkeypatch, True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 160), nn.ReLU(), nn.Linear(160, 8)).to(DEVICE)
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    _train(model, optimizer, 1)
+    captured = capture(model, optimizer, None, False)
+    host_coded = [t.name for t in captured.tensors if "absmax" in t.name or "qmap" in t.name]
+    assert len(host_coded) == 4  # the first weight's 8-bit moments: absmax1/2 and qmap1/2
+    float_tensors = {t.name for t in captured.tensors if t.tensor.dtype == torch.float32}
+    assert set(device_encode.device_coded(captured)) == float_tensors - set(host_coded)
+
+
 def _fsdp_saves(rank: int, world: int, path: str, on_device: bool, blocking: bool,
                 report: str) -> None:
     """A full step and two deltas of FSDP2 shards, trained right after each call; coded by the
@@ -336,6 +365,7 @@ def _fsdp_saves(rank: int, world: int, path: str, on_device: bool, blocking: boo
         json.dump({"encodes": encodes, "calls": calls}, f)
 
 
+@INTERPRETER_ONLY  # gloo ranks of CPU tensors
 @pytest.mark.parametrize("blocking", [False, True])
 def test_fsdp_ranks_encode_their_shards_on_the_device(tmp_path: Path, blocking: bool) -> None:
     """Two FSDP2 ranks: the steps the device path writes are byte for byte the host path's;
@@ -374,6 +404,7 @@ def _kernels_differ(rank: int, world: int, path: str) -> None:
         assert mgr.steps() == [0]
 
 
+@INTERPRETER_ONLY
 def test_ranks_that_would_encode_in_different_places_fail_together(tmp_path: Path) -> None:
     run_ranks(_kernels_differ, 2, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt" / "step-000000000001").exists()

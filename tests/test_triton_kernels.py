@@ -37,7 +37,14 @@ from deltackpt.kernels.quant import (
     n_blocks_of,
 )
 from helpers import assert_state_dicts_equal, data_files
-from interpreter import DEVICE, can_run_here, import_kernels, interpreter, only_in_a_fresh_process
+from interpreter import (
+    DEVICE,
+    INTERPRETER_ONLY,
+    can_run_here,
+    import_kernels,
+    interpreter,
+    only_in_a_fresh_process,
+)
 from torch import nn
 
 from deltackpt import CheckpointManager
@@ -523,10 +530,6 @@ def test_kernels_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="DELTACKPT_KERNELS='cuda'"):
         quant_codec.encode_quant(np.ones(64, np.float32), None, np.empty(64, np.float32),
                                  ordinal=False, step=0.5, block=64)
-
-
-INTERPRETER_ONLY = pytest.mark.skipif(DEVICE == "cuda", reason="DELTACKPT_KERNELS=triton routes "
-                                      "host arrays through the interpreter, not the GPU")
 
 
 @pytest.mark.parametrize("switch", ["auto", pytest.param("triton", marks=INTERPRETER_ONLY)])
