@@ -78,10 +78,11 @@ fi
 log "python: $("$PYTHON" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__)')"
 
 # -- 2. bit identity on the GPU ---------------------------------------------------------------
-log "== tests/test_triton_kernels.py and tests/test_device_encode.py on the GPU (compiled, no interpreter)"
+log "== tests/test_triton_kernels.py, tests/test_device_encode.py and test_async's CUDA test on the GPU (compiled, no interpreter)"
 set +e
 env -u TRITON_INTERPRET -u DELTACKPT_KERNELS timeout 240 "$PYTHON" -m pytest tests/test_triton_kernels.py \
-    tests/test_device_encode.py -q -x -p no:cacheprovider --durations=10 2>&1 | tail -n 40 | emit
+    tests/test_device_encode.py tests/test_async.py -k "not test_async or cuda" -q -x \
+    -p no:cacheprovider --durations=10 2>&1 | tail -n 40 | emit
 tests=${PIPESTATUS[0]}
 log "tests: exit status $tests"
 
