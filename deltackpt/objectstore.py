@@ -159,7 +159,8 @@ class ObjectStorage:
         self.scheme = scheme
         s3 = scheme in ("s3", "s3a")
         if s3:  # retries are ours (with_retries): one attempt per client call, on our own client
-            options["config_kwargs"] = {"retries": {"max_attempts": 1},
+            # (botocore's total_max_attempts; its max_attempts counts the retries after the first)
+            options["config_kwargs"] = {"retries": {"total_max_attempts": 1},
                                         "max_pool_connections": TRANSFER_THREADS,
                                         **options.get("config_kwargs", {})}
             options.setdefault("skip_instance_cache", True)

@@ -387,6 +387,17 @@ def test_transient_faults_retried(endpoint: str, proxy: FaultProxy) -> None:
     assert proxy.faults["drop"] > 0 and proxy.faults["503"] > 0
 
 
+def test_a_request_failing_every_time_is_sent_retries_times(endpoint: str, proxy: FaultProxy) -> None:
+    """The retries are deltackpt's (objectstore.RETRIES attempts of an operation): its client
+    itself sends a request once, neither retrying nor sleeping before deltackpt's backoff."""
+    storage = ObjectStorage(f"s3://{new_bucket(endpoint)}/run", options(proxy.url))
+    storage.commit_file("probe", b"data")
+    proxy.set_faults(error_rate=1.0, only=r"GET .*/probe")
+    with pytest.raises(OSError, match="reduce your request rate"):
+        storage.read_bytes("probe")
+    assert proxy.faults["503"] == objectstore.RETRIES
+
+
 def test_permanent_error_fails_the_save_cleanly(endpoint: str, proxy: FaultProxy) -> None:
     """Data uploads that keep failing fail the save with WriteFailedError naming the step: no step
     becomes visible, the earlier step is intact, nothing of the failed save stays stored
