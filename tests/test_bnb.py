@@ -8,9 +8,14 @@ fresh optimizer that trains on. A real run measures the ratio and the resumed lo
 from __future__ import annotations
 
 import builtins
+import contextlib
 import copy
+import functools
+import multiprocessing
 import statistics
-from dataclasses import replace
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -184,55 +189,117 @@ MIN_RATIO = {"balanced": 8, "20x": 20, "coarse": 14}
 
 
 RESTORED = (80, 120, 160)  # the third, fifth and seventh delta of the chain
+RESUME = 100  # steps a resumed run trains
+# The cells of the real run: (optimizer, setting). Each optimizer's run is trained once, saved
+# under all of its settings.
+REAL_RUNS = [("AdamW8bit", "balanced"), ("AdamW8bit", "20x"), ("AdamW8bit", "coarse"),
+             ("Lion8bit", "balanced"), ("AdamW", "balanced")]
+
+
+@functools.cache
+def _text() -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and evaluation parts of the real text (read once; forked workers inherit them)."""
+    return split_corpus(load_corpus(1 << 20))
+
+
+def _tiny_gpt(name: str) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    """TinyGPT "tiny" as initialized at step 0 (seed 0), with optimizer ``name``."""
+    torch.manual_seed(0)
+    model = TinyGPT(SIZES["tiny"])
+    return model, _optimizer(name, model)
+
+
+def _figures(losses: list[float], model: TinyGPT) -> tuple[float, float]:
+    """What a resumed run is compared by: the mean of its last 20 training losses, and its eval
+    loss."""
+    return statistics.mean(losses[-20:]), eval_loss(model, _text()[1], batches=8)
+
+
+def _resumed(name: str, path: Path, step: int) -> tuple[float, float]:
+    """The figures of the run restored from ``step`` of the checkpoint at ``path`` into fresh
+    objects, then resumed RESUME steps (in a worker process, forked from the test's)."""
+    torch.set_num_threads(1)
+    model, optimizer = _tiny_gpt(name)
+    with CheckpointManager(path, read_only=True) as mgr:
+        mgr.load(step, model, optimizer)
+    losses = [train_step(model, optimizer, None, _text()[0], 16) for _ in range(RESUME)]
+    return _figures(losses, model)
+
+
+@dataclass
+class RealRun:
+    """One optimizer's run of TinyGPT "tiny" on its real text, saved every 20 steps (a full step
+    then deltas) under each setting it is tested with. ``ratios``: the deltas' ratios per
+    setting; ``exact`` (per step of RESTORED) and ``restored`` (per setting and step): the
+    figures of the exact resume from the step and of the resume restored from its delta."""
+
+    ratios: dict[str, list[float]]
+    exact: dict[int, tuple[float, float]]
+    restored: dict[tuple[str, int], tuple[float, float]]
+
+    @classmethod
+    def trained(cls, name: str, root: Path) -> RealRun:
+        """The run of optimizer ``name``, trained once for all of its cells (saving does not
+        change training, so the one run saves into a manager per setting). It trains on,
+        uninterrupted, RESUME steps past the last restored step: an exact resume from a step (a
+        deep copy of model, optimizer and RNG state loaded into fresh objects) replays the run
+        bit for bit, so the run's figures RESUME steps after a restored step are the exact
+        resume's. The restored runs resume meanwhile, in two worker processes (as many as the
+        CI machine's cores), each as soon as its step is saved."""
+        settings = [s for n, s in REAL_RUNS if n == name]
+        ratios: dict[str, list[float]] = {s: [] for s in settings}
+        exact, pending = {}, {}
+        model, optimizer = _tiny_gpt(name)
+        losses = []
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(2, mp_context=fork) as workers, contextlib.ExitStack() as stack:
+            managers = {s: stack.enter_context(CheckpointManager(
+                root / s, full_every=10, compression=SETTINGS[s])) for s in settings}
+            for step in range(1, max(RESTORED) + RESUME + 1):
+                losses.append(train_step(model, optimizer, None, _text()[0], 16))
+                if step % 20 == 0 and step <= max(RESTORED):
+                    for setting, mgr in managers.items():
+                        info = mgr.save(step, model=model, optimizer=optimizer)
+                        if info.kind == "delta":
+                            ratios[setting].append(info.ratio)
+                        if step in RESTORED:
+                            pending[setting, step] = workers.submit(_resumed, name, root / setting,
+                                                                     step)
+                if step - RESUME in RESTORED:
+                    exact[step - RESUME] = _figures(losses, model)
+            return cls(ratios, exact, {key: done.result() for key, done in pending.items()})
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory: pytest.TempPathFactory,
+              one_torch_thread: None) -> Callable[[str], RealRun]:
+    """The run of an optimizer, trained by the first cell that asks for it and kept for the
+    others."""
+    runs: dict[str, RealRun] = {}
+
+    def run(name: str) -> RealRun:
+        if name not in runs:
+            runs[name] = RealRun.trained(name, tmp_path_factory.mktemp(name))
+        return runs[name]
+
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "setting"), [("AdamW8bit", "balanced"), ("AdamW8bit", "20x"),
-                                               ("AdamW8bit", "coarse"), ("Lion8bit", "balanced"),
-                                               ("AdamW", "balanced")])
-def test_real_run_ratio_and_resumed_loss(tmp_path: Path, name: str, setting: str,
-                                         one_torch_thread: None) -> None:
+@pytest.mark.parametrize(("name", "setting"), REAL_RUNS)
+def test_real_run_ratio_and_resumed_loss(real_runs: Callable[[str], RealRun], name: str,
+                                         setting: str) -> None:
     """TinyGPT "tiny" on its real text, saved every 20 steps (a full step then deltas) with
     each of ``SETTINGS``, restored from deltas deep in the chain and resumed 100 steps beside
     the exact resume. Prints the figures: the deltas' ratios, and the deviation of the resumed
     run's training loss (its last 20 steps) and eval loss from the exact one's. torch's float
     ``AdamW`` is the reference: how far its runs drift apart at ``balanced``."""
-    train, evaluation = split_corpus(load_corpus(1 << 20))
-
-    def fresh() -> tuple[TinyGPT, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = TinyGPT(SIZES["tiny"])
-        return model, _optimizer(name, model)
-
-    def resume(load) -> tuple[float, float]:
-        m, o = fresh()
-        load(m, o)
-        losses = [train_step(m, o, None, train, 16) for _ in range(100)]
-        return statistics.mean(losses[-20:]), eval_loss(m, evaluation, batches=8)
-
-    def exact(m: nn.Module, o: torch.optim.Optimizer, snap: tuple) -> None:
-        m.load_state_dict(snap[0])
-        o.load_state_dict(snap[1])
-        torch.set_rng_state(snap[2])
-
-    model, optimizer = fresh()
-    ratios, snaps, devs = [], {}, {}
-    with CheckpointManager(tmp_path / "ckpt", full_every=10, compression=SETTINGS[setting]) as mgr:
-        for step in range(1, max(RESTORED) + 1):
-            train_step(model, optimizer, None, train, 16)
-            if step % 20 == 0:
-                info = mgr.save(step, model=model, optimizer=optimizer)
-                if info.kind == "delta":
-                    ratios.append(info.ratio)
-                if step in RESTORED:
-                    snaps[step] = (copy.deepcopy(model.state_dict()),
-                                   copy.deepcopy(optimizer.state_dict()), torch.get_rng_state())
-        for step, snap in snaps.items():
-            base = resume(lambda m, o, snap=snap: exact(m, o, snap))
-            restored = resume(lambda m, o, step=step: mgr.load(step, m, o))
-            devs[step] = tuple(r / b - 1 for r, b in zip(restored, base, strict=True))
-    print(f"\n{name} tiny {setting}, every 20 steps: delta ratios {[round(r, 1) for r in ratios]}; "
-          "resumed loss, eval loss deviation from step " + ", ".join(
+    real_run = real_runs(name)
+    ratios = real_run.ratios[setting]
+    devs = {step: tuple(r / b - 1 for r, b in zip(real_run.restored[setting, step], base, strict=True))
+            for step, base in real_run.exact.items()}
+    print(f"\n{name} tiny {setting}, every 20 steps: delta ratios "
+          f"{[round(r, 1) for r in ratios]}; resumed loss, eval loss deviation from step " + ", ".join(
               f"{s}: {d[0]:+.2%} {d[1]:+.2%}" for s, d in devs.items()))
     assert statistics.median(ratios) >= MIN_RATIO[setting]
     assert all(abs(d) < 0.05 for pair in devs.values() for d in pair)
