@@ -622,13 +622,36 @@ def run_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None = None,
         shutil.rmtree(root, ignore_errors=True)
 
 
+def cached_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None, cache: str | Path,
+                seed: int = 0) -> dict:
+    """:func:`run_cell`'s result, kept as JSON in the directory ``cache``: taken from there where
+    the cell was run before (same seed, as many torch threads) under every preset asked, each
+    with the same configuration (a preset's result does not depend on the others run beside it);
+    else run and kept there."""
+    presets = PRESETS if presets is None else presets
+    configs = json.loads(json.dumps({name: asdict(as_config(cfg)) for name, cfg in presets.items()}))
+    path = Path(cache) / f"{c.name.replace('/', '_')}-seed{seed}-threads{torch.get_num_threads()}.json"
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if all(kept["configs"].get(name) == config for name, config in configs.items()):
+            result = kept["result"]
+            return {**result, "presets": {name: result["presets"][name] for name in presets}}
+    result = run_cell(c, presets, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = path.with_suffix(".tmp")  # then renamed: a reader never sees half a file
+    written.write_text(json.dumps({"configs": configs, "result": result}))
+    written.replace(path)
+    return result
+
+
 def run_matrix(cells: Iterable[Cell], presets: dict[str, str | CompressionConfig] | None = None,
-               log: Callable[[str], None] | None = print) -> dict:
-    """Run every cell; ``log`` gets each cell's table rows as it finishes."""
+               log: Callable[[str], None] | None = print, cache: str | Path | None = None) -> dict:
+    """Run every cell; ``log`` gets each cell's table rows as it finishes. ``cache``: a directory
+    where each cell's results are kept and reused (:func:`cached_cell`)."""
     started = time.perf_counter()
     report: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cells": []}
     for c in cells:
-        report["cells"].append(run_cell(c, presets))
+        report["cells"].append(run_cell(c, presets) if cache is None else cached_cell(c, presets, cache))
         if log is not None:
             log(table({"cells": report["cells"][-1:]}, header=not report["cells"][1:]))
     report["seconds"] = time.perf_counter() - started

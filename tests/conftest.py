@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,3 +16,10 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def fidelity_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's cache of fidelity matrix cells (bench/fidelity.py's ``run_matrix(cache=)``):
+    tests/test_fidelity.py's runs, found there by the fidelity notebook's."""
+    return tmp_path_factory.mktemp("fidelity-cache")

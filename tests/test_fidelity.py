@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -40,14 +42,25 @@ BAD = replace(CompressionConfig.preset("balanced"), weights=Quantizer(step=5.0, 
 
 
 @pytest.fixture(scope="module")
-def report(one_torch_thread: None) -> dict:
+def report(one_torch_thread: None, fidelity_cache: Path) -> dict:
     """Adam on the GPT early in training, SGD momentum on the BatchNorm CNN, five restores of
-    the MLP; under the near-lossless reference, balanced and the bad config."""
+    the MLP; under the near-lossless reference, balanced and the bad config. The cells run at
+    once, each in a worker process forked from this one, into the session's cache, which the
+    report then reads. The GPT's and the CNN's are the fidelity notebook's cells in the test
+    suite's short run: they run under its presets too, and its run finds them in the cache
+    (tests/test_notebooks.py)."""
     cells = [fidelity.cell("gpt-tiny", "adamw-0.95", 5, "early"),
              fidelity.cell("cnn-bn", "sgd", 5, "early"),
              fidelity.cell("mlp", "adamw-0.999", 20, "5x")]
     presets = {"near-lossless": fidelity.NEAR_LOSSLESS, "balanced": "balanced", "bad": BAD}
-    return fidelity.run_matrix(cells, presets, log=None)
+    notebook_cells = cells[:2]
+    with ProcessPoolExecutor(len(cells), mp_context=multiprocessing.get_context("fork")) as workers:
+        runs = [workers.submit(fidelity.cached_cell, c,
+                               {**presets, **fidelity.PRESETS} if c in notebook_cells else presets,
+                               fidelity_cache) for c in cells]
+        for run in runs:
+            run.result()
+    return fidelity.run_matrix(cells, presets, log=None, cache=fidelity_cache)
 
 
 def test_report_structure(report: dict) -> None:

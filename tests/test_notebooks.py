@@ -17,10 +17,13 @@ DONE = {"quickstart": ["resumed losses equal", "resumed from delta step"], "fide
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every cell of the notebook runs without error (its own asserts included)."""
+def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           fidelity_cache: Path) -> None:
+    """Every cell of the notebook runs without error (its own asserts included). The fidelity
+    notebook's matrix takes the cells tests/test_fidelity.py ran from the session's cache."""
     monkeypatch.setenv("DELTACKPT_NOTEBOOK_STEPS", "12")
     monkeypatch.setenv("DELTACKPT_NOTEBOOK_SIZE", "tiny")
+    monkeypatch.setenv("DELTACKPT_FIDELITY_CACHE", str(fidelity_cache))
     monkeypatch.delenv("DELTACKPT_REPO", raising=False)
     monkeypatch.chdir(tmp_path)
     notebook = nbformat.read(path, as_version=4)
