@@ -61,6 +61,9 @@ for dtype in (np.uint16, np.uint32, np.uint64):
     split_planes(words, True, planes)
     merge_planes(planes, True, words)
 sampled_entropy_bits(np.zeros((2, 8), dtype=np.uint8), 1)
+# and import what a save imports at its first use: torch's DTensor, which its check of sharded
+# tensors looks up (most of a second, else paid again by every writer's first save)
+import torch.distributed.tensor  # noqa: E402, F401
 
 CONTENT
 
