@@ -139,8 +139,9 @@ class CheckpointManager(CheckpointDirectory):
         self._lock: contextlib.AbstractContextManager[None] | None = None
         self._recon: Reconstruction | None = None
         self._running = RunningValues(reconstruction)  # where device-coded values are kept
-        # _recon's values were changed by a delta that failed: the next delta reads them again
-        # from its step (what a reader decodes) before coding against it
+        # _recon's values were changed by a delta that has not committed (one that failed): the
+        # next delta reads them again from its step (what a reader decodes) before coding
+        # against it
         self._stale_values = False
         target = self.compression.target_ratio
         self._controller = ScaleController(target, self.compression.max_scale) \
@@ -414,8 +415,6 @@ class CheckpointManager(CheckpointDirectory):
             snapshot = buffers.take(encoding.captured if encoding is not None else captured)
         except BaseException:
             queue.snapshots.release(buffers)
-            if encoding is not None and encoding.base is not None:  # encoded: values changed
-                self._stale_values = True
             raise
         # Freed before the save thread is woken: freeing the capture's tensor views releases
         # the GIL, which a woken save thread would take and keep for up to its switch interval

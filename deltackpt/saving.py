@@ -34,9 +34,10 @@ asynchronous one:
    leaves the committed steps as they were.
 4. **the reference advances**. Once the step is committed, the encoder's
    reconstruction becomes the manager's reference, which the next delta is
-   coded against. A delta that failed has changed its base's values: the
-   reference stays the last committed step's, and the next delta reads them
-   again from that step (what a reader decodes) first. Rank 0 then uploads
+   coded against. A delta changes its base's values from the start of its
+   encoding, which marks them stale until its commit: after a delta that
+   failed, the reference stays the last committed step's, and the next
+   delta reads them again from that step (what a reader decodes) first. Rank 0 then uploads
    the step from the cache, if the manager has one, and applies the
    retention policy (``keep``).
 """
@@ -166,14 +167,8 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
     pool = manager._workers(group)  # a collective at a group's first save: before any can fail
     if devices is None:
         devices = device_coded(captured)
-    try:
-        plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
-                         encoding=encoding)
-    except BaseException:
-        # A delta encoded at the call has changed its base's values already
-        manager._stale_values = manager._stale_values or (
-            encoding is not None and encoding.base is not None)
-        raise
+    plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
+                     encoding=encoding)
     written, error = None, None
     try:
         try:
@@ -193,10 +188,7 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
         group.check(error, f"save of step {step}")
         meta, info = commit(plan, encoder, written, started)
     except BaseException:
-        _abandon(plan, written)
-        # A delta updates its base's values in place: the next one reads them again. The
-        # reference still is the last committed step's.
-        manager._stale_values = manager._stale_values or plan.base is not None
+        _abandon(plan, written)  # the reference still is the last committed step's
         raise
     _advance(manager, plan, encoding, meta, info, devices)
     return info
@@ -217,26 +209,20 @@ def encode_at_call(manager: CheckpointManager, step: int, captured: CapturedStat
     what = f"save of step {step}"
     base = agreed_base(group.together(what, lambda: delta_base(manager, step, captured, parts,
                                                                pool)), group)
-    try:
-        return group.together(what, lambda: begin(manager, captured, base, parts, devices))
-    except BaseException:  # another rank's failure too: this rank's delta changed its base
-        manager._stale_values = manager._stale_values or base is not None
-        raise
+    return group.together(what, lambda: begin(manager, captured, base, parts, devices))
 
 
 def begin(manager: CheckpointManager, captured: CapturedState, base: Reconstruction | None,
           parts: dict[str, list[Part]], devices: Mapping[str, torch.device]) -> Encoding:
     """:func:`~deltackpt.device_encode.begin_encoding` with ``manager``'s settings. A delta
-    that fails there has changed its base's values in part: they are read again first by the
-    next one."""
-    try:
-        return begin_encoding(captured, base, parts, devices, config=manager.compression,
-                              controller=manager._controller,
-                              keep=manager.compression.deltas and manager.full_every > 1,
-                              chunk_bytes=manager.chunk_bytes, running=manager._running)
-    except BaseException:
-        manager._stale_values = manager._stale_values or base is not None
-        raise
+    changes its base's values in place from here on: until its step commits (:func:`_advance`),
+    they count as stale, so that a save that fails at any stage leaves them to be read again
+    from the last committed step by the next delta."""
+    manager._stale_values = manager._stale_values or base is not None
+    return begin_encoding(captured, base, parts, devices, config=manager.compression,
+                          controller=manager._controller,
+                          keep=manager.compression.deltas and manager.full_every > 1,
+                          chunk_bytes=manager.chunk_bytes, running=manager._running)
 
 
 def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, group: Group, *,
