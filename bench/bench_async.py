@@ -37,9 +37,7 @@ from pathlib import Path
 import torch
 
 from deltackpt import CheckpointManager
-from deltackpt.snapshot import HostBuffers
-from deltackpt.state import capture
-from deltackpt.training import (
+from deltackpt.app.training import (
     SIZES,
     TinyGPT,
     load_corpus,
@@ -48,6 +46,8 @@ from deltackpt.training import (
     split_corpus,
     train_step,
 )
+from deltackpt.save.capture import capture
+from deltackpt.save.snapshot import HostBuffers
 
 METHODS = ["snapshot", "async", "blocking", "torch.save", "dcp.save", "dcp.async_save"]
 BATCH = 16

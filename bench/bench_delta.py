@@ -38,12 +38,9 @@ import pytest
 import torch
 import xxhash
 from conftest import CACHE, durable_torch_save, note, paired, record
-from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
 
 from deltackpt import CheckpointManager
-from deltackpt.codecs.quant import decode_quant, encode_quant
-from deltackpt.pool import default_workers
-from deltackpt.training import (
+from deltackpt.app.training import (
     SIZES,
     GPTConfig,
     TinyGPT,
@@ -53,7 +50,10 @@ from deltackpt.training import (
     split_corpus,
     train_step,
 )
-from deltackpt.writer import DEFAULT_CHUNK_BYTES
+from deltackpt.codecs.quant import decode_quant, encode_quant
+from deltackpt.io.pool import default_workers
+from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
+from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
 
 ROUNDS = 3
 # Rounds of the benchmarks timed against a baseline: small states take little time, so more of
@@ -368,33 +368,33 @@ def test_restore_end_of_short_chain_new_manager(benchmark, run, chain, tmp_path)
 # variants are timed one by one (``_ENCODERS``/``_DECODERS``, by variant).
 PHASES = [
     ("deltackpt.manager", "capture", "capture (main)"),
-    ("deltackpt.saving", "delta_base", "base check (main)"),
-    ("deltackpt.delta.StepEncoder", "_plan", "plan: steps from samples (main)"),
-    ("deltackpt.delta.StepEncoder", "__call__", "chunk coding, Python"),
-    ("deltackpt.delta.StepEncoder", "_count", "statistics"),
-    ("deltackpt.delta", "_error_stats", "statistics"),
-    ("deltackpt.delta", "encode_lossless", "lossless encode (exact chunks)"),
+    ("deltackpt.save.driver", "delta_base", "base check (main)"),
+    ("deltackpt.encode.encoder.StepEncoder", "_plan", "plan: steps from samples (main)"),
+    ("deltackpt.encode.encoder.StepEncoder", "__call__", "chunk coding, Python"),
+    ("deltackpt.encode.encoder.StepEncoder", "_count", "statistics"),
+    ("deltackpt.encode.encoder", "_error_stats", "statistics"),
+    ("deltackpt.encode.encoder", "encode_lossless", "lossless encode (exact chunks)"),
     ("deltackpt.kernels.quant", "_compact", "stream compaction"),
     ("deltackpt.codecs.quant", "zstd_compress", "zstd, quant streams"),
-    ("deltackpt.writer", "_encode_and_write", "writer task, Python"),
-    ("deltackpt.writer._DataFiles", "append", "file writes"),
-    ("deltackpt.storage.LocalStorage", "finish", "fsync"),
-    ("deltackpt.storage.LocalStorage", "sync_dir", "fsync"),
-    ("deltackpt.delta.StepEncoder", "summary", "metadata: build"),
-    ("deltackpt.writer", "step_metadata", "metadata: build"),
+    ("deltackpt.io.writer", "_encode_and_write", "writer task, Python"),
+    ("deltackpt.io.writer._DataFiles", "append", "file writes"),
+    ("deltackpt.io.storage.LocalStorage", "finish", "fsync"),
+    ("deltackpt.io.storage.LocalStorage", "sync_dir", "fsync"),
+    ("deltackpt.encode.encoder.StepEncoder", "summary", "metadata: build"),
+    ("deltackpt.io.writer", "step_metadata", "metadata: build"),
     ("deltackpt.format.StepMetadata", "to_json", "metadata: serialize + seal"),
-    ("deltackpt.writer", "metadata_bytes", "metadata: zstd"),
-    ("deltackpt.writer", "commit_step", "commit"),
+    ("deltackpt.io.writer", "metadata_bytes", "metadata: zstd"),
+    ("deltackpt.io.writer", "commit_step", "commit"),
     ("deltackpt.manager", "restore_chain", "restore planning (main)"),
-    ("deltackpt.reader", "parse_step_metadata", "metadata: parse + validate"),
-    ("deltackpt.reader", "check_chunks_readable", "chunk checks"),
-    ("deltackpt.reader.ChunkSource", "stored", "chunk reads"),
-    ("deltackpt.reader.ChunkSource", "decode", "lossless decode, Python"),
+    ("deltackpt.io.reader", "parse_step_metadata", "metadata: parse + validate"),
+    ("deltackpt.io.reader", "check_chunks_readable", "chunk checks"),
+    ("deltackpt.io.reader.ChunkSource", "stored", "chunk reads"),
+    ("deltackpt.io.reader.ChunkSource", "decode", "lossless decode, Python"),
     ("deltackpt.codecs.lossless", "huffman_decode", "lossless decode: huffman"),
     ("deltackpt.codecs.lossless", "merge_planes", "lossless decode: merge planes"),
     ("deltackpt.codecs.lossless", "zstd_decompress", "lossless decode: zstd"),
-    ("deltackpt.chain", "_restore_range", "range task, Python"),
-    ("deltackpt.chain", "_restore_derived", "derived task, Python"),
+    ("deltackpt.restore.chain", "_restore_range", "range task, Python"),
+    ("deltackpt.restore.chain", "_restore_derived", "derived task, Python"),
     ("deltackpt.codecs.quant", "zstd_decompress_bounded", "zstd, quant streams"),
     ("deltackpt.codecs.quant", "check_stream", "stream check"),
     ("deltackpt.codecs.quant", "decode_step_streams", "decode kernel: chain of steps"),
@@ -474,7 +474,7 @@ class _CpuAccounting:
 
         timed_xxhash = types.SimpleNamespace(
             xxh3_64=Hasher, xxh3_64_hexdigest=account("checksums", xxhash.xxh3_64_hexdigest))
-        for module in ("deltackpt.writer", "deltackpt.reader"):
+        for module in ("deltackpt.io.writer", "deltackpt.io.reader"):
             self._replace(_resolve(module), "xxhash", timed_xxhash)
         return self
 

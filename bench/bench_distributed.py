@@ -33,8 +33,8 @@ import torch.multiprocessing as mp
 from conftest import note, record
 
 from deltackpt import CheckpointManager
-from deltackpt.reader import ChunkSource
-from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
+from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
+from deltackpt.io.reader import ChunkSource
 
 SIZE, BEFORE, BETWEEN = os.environ.get("DELTACKPT_BENCH_DIST", "large:10:20").split(":")
 ROUNDS = 3

@@ -22,10 +22,10 @@ from conftest import durable_torch_save, note, record
 
 from deltackpt import CheckpointManager
 from deltackpt.codecs import encode_lossless
-from deltackpt.dtypes import raw_bytes, spec_for
-from deltackpt.format import step_dir_name
-from deltackpt.pool import default_workers
-from deltackpt.writer import DEFAULT_CHUNK_BYTES
+from deltackpt.format.dtypes import raw_bytes, spec_for
+from deltackpt.format.metadata import step_dir_name
+from deltackpt.io.pool import default_workers
+from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
 
 ROUNDS = 5
 

@@ -47,7 +47,7 @@ from bench_delta import GAP, _train
 from conftest import note, paired, record
 
 from deltackpt import CheckpointManager
-from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
+from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from remote_ranks import save_on_4_load_on_2

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltackpt.training import (
+from deltackpt.app.training import (
     SIZES,
     TinyGPT,
     load_corpus,

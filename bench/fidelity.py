@@ -14,7 +14,7 @@ state, RNG included, so both see the same data order.
 
 Models (:data:`TASKS`):
 
-* ``gpt-tiny``, ``gpt-small``: :class:`deltackpt.training.TinyGPT`, next-byte
+* ``gpt-tiny``, ``gpt-small``: :class:`deltackpt.app.training.TinyGPT`, next-byte
   language model on the sources;
 * ``mlp``: next byte from the 8 bytes before it (one-hot, two hidden layers);
 * ``cnn-bn``: the sources laid out as a page (one line a row, 64 columns);
@@ -101,8 +101,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltackpt import CheckpointManager
-from deltackpt.compression import CompressionConfig, Quantizer, as_config
-from deltackpt.training import SIZES, TinyGPT, get_batch, load_corpus, make_scheduler, split_corpus
+from deltackpt.app.training import SIZES, TinyGPT, get_batch, load_corpus, make_scheduler, split_corpus
+from deltackpt.encode.policy import CompressionConfig, Quantizer, as_config
 
 FULL_EVERY = 10
 HORIZON = 1000  # steps of the cosine schedule every run follows

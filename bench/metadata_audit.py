@@ -42,7 +42,7 @@ from metadata_fuzz import (
 )
 
 from deltackpt import CheckpointManager, DeltackptError
-from deltackpt.format import METADATA_FILE, step_dir_name
+from deltackpt.format.metadata import METADATA_FILE, step_dir_name
 
 
 def _flip_outcome(root: Path, expected: dict) -> str:

@@ -7,10 +7,10 @@ The public API is :class:`CheckpointManager` (save, restore, load steps),
 The on-disk format is specified in docs/FORMAT.md.
 """
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
+from deltackpt._lazy import lazy_attributes
+from deltackpt._version import __version__
 from deltackpt.errors import (
     BackgroundSaveError,
     ConfigError,
@@ -28,32 +28,31 @@ from deltackpt.errors import (
     WriteFailedError,
     WriterLockedError,
 )
-from deltackpt.lazy import lazy_attributes
 
 # Imported when first used: these import torch and the Numba kernels, which the commands that
 # only read metadata (deltackpt ls, info, du, verify) do without.
 __getattr__, __dir__ = lazy_attributes(__name__, {
-    "EXACT": "deltackpt.compression",
-    "CompressionConfig": "deltackpt.compression",
-    "Quantizer": "deltackpt.compression",
-    "LoadReport": "deltackpt.loading",
+    "EXACT": "deltackpt.encode.policy",
+    "CompressionConfig": "deltackpt.encode.policy",
+    "Quantizer": "deltackpt.encode.policy",
+    "LoadReport": "deltackpt.restore.loading",
     "CheckpointManager": "deltackpt.manager",
-    "SaveHandle": "deltackpt.pipeline",
-    "SaveInfo": "deltackpt.saving",
-    "GCReport": "deltackpt.retention",
-    "RetentionPolicy": "deltackpt.retention",
-    "UniversalCheckpoint": "deltackpt.universal",
-    "load_universal": "deltackpt.universal",
+    "SaveHandle": "deltackpt.save.queue",
+    "SaveInfo": "deltackpt.save.driver",
+    "GCReport": "deltackpt.ops.retention",
+    "RetentionPolicy": "deltackpt.ops.retention",
+    "UniversalCheckpoint": "deltackpt.restore.universal",
+    "load_universal": "deltackpt.restore.universal",
 })
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from deltackpt.compression import EXACT, CompressionConfig, Quantizer
-    from deltackpt.loading import LoadReport
+    from deltackpt.encode.policy import EXACT, CompressionConfig, Quantizer
     from deltackpt.manager import CheckpointManager
-    from deltackpt.pipeline import SaveHandle
-    from deltackpt.retention import GCReport, RetentionPolicy
-    from deltackpt.saving import SaveInfo
-    from deltackpt.universal import UniversalCheckpoint, load_universal
+    from deltackpt.ops.retention import GCReport, RetentionPolicy
+    from deltackpt.restore.loading import LoadReport
+    from deltackpt.restore.universal import UniversalCheckpoint, load_universal
+    from deltackpt.save.driver import SaveInfo
+    from deltackpt.save.queue import SaveHandle
 
 __all__ = [
     "EXACT",

@@ -1,8 +1,8 @@
-"""``python -m deltackpt``: the ``deltackpt`` command (see :mod:`deltackpt.cli`)."""
+"""``python -m deltackpt``: the ``deltackpt`` command (see :mod:`deltackpt.app.cli`)."""
 
 import sys
 
-from deltackpt.cli import main
+from deltackpt.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

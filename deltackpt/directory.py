@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from deltackpt.errors import DeltackptError, NotACheckpointError, StepNotFoundError
-from deltackpt.format import (
+from deltackpt.format.metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_ROOT_MARKER_BYTES,
@@ -28,10 +28,10 @@ from deltackpt.format import (
     check_root_marker,
     step_dir_name,
 )
-from deltackpt.objectstore import LEASE_OBJECT
-from deltackpt.reader import list_steps, read_metadata, step_not_found
-from deltackpt.storage import LOCK_FILE, Storage, open_storage
-from deltackpt.verify import VerifyReport, verify_steps
+from deltackpt.io.objectstore import LEASE_OBJECT
+from deltackpt.io.reader import list_steps, read_metadata, step_not_found
+from deltackpt.io.storage import LOCK_FILE, Storage, open_storage
+from deltackpt.ops.verify import VerifyReport, verify_steps
 
 
 class CheckpointDirectory:
@@ -135,7 +135,7 @@ class CheckpointDirectory:
         list means the step can be restored. A delta step also lists, once
         each, the damaged steps of its chain, and a missing base; the
         report's ``damage`` gives every damaged file once, with the steps that
-        depend on it (:class:`~deltackpt.verify.VerifyReport`). ``deep``
+        depend on it (:class:`~deltackpt.ops.verify.VerifyReport`). ``deep``
         also decodes every chunk (a delta step by restoring its chain).
         """
         steps = [self.resolve_step(step)] if step is not None else self.steps()

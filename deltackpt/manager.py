@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from deltackpt.chain import Reconstruction, restore_chain
-from deltackpt.compression import CompressionConfig, ScaleController, as_config
-from deltackpt.delta import captured_layout
-from deltackpt.device_encode import Encoding, RunningValues, device_coded, reconstruction_bytes
 from deltackpt.directory import CheckpointDirectory, check_step
-from deltackpt.distributed import Group, local_box, shard_like, shard_parts, sharded_targets
+from deltackpt.dist.group import Group
+from deltackpt.dist.shards import local_box, shard_like, shard_parts, sharded_targets
+from deltackpt.encode.device import Encoding, RunningValues, device_coded, reconstruction_bytes
+from deltackpt.encode.encoder import captured_layout
+from deltackpt.encode.policy import CompressionConfig, ScaleController, as_config
+from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import CorruptionError, DeltackptError, StepExistsError, WriterLockedError
-from deltackpt.format import (
+from deltackpt.format.metadata import (
     METADATA_FILE,
     STEP_DIR_PATTERN,
     Box,
@@ -31,15 +32,17 @@ from deltackpt.format import (
     metadata_file,
     step_dir_name,
 )
-from deltackpt.pipeline import SaveHandle, SaveQueue
-from deltackpt.pool import WorkerPool, default_workers
-from deltackpt.reader import chain_of, read_metadata
-from deltackpt.retention import GCReport, RetentionPolicy, collect_garbage
-from deltackpt.saving import SaveInfo, encode_at_call, save_step
-from deltackpt.state import CapturedState, capture
-from deltackpt.tiering import UploadCache
-from deltackpt.universal import UniversalCheckpoint
-from deltackpt.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced
+from deltackpt.format.state import CapturedState
+from deltackpt.io.pool import WorkerPool, default_workers
+from deltackpt.io.reader import chain_of, read_metadata
+from deltackpt.io.tiering import UploadCache
+from deltackpt.io.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced
+from deltackpt.ops.retention import GCReport, RetentionPolicy, collect_garbage
+from deltackpt.restore.chain import restore_chain
+from deltackpt.restore.universal import UniversalCheckpoint
+from deltackpt.save.capture import capture
+from deltackpt.save.driver import SaveInfo, encode_at_call, save_step
+from deltackpt.save.queue import SaveHandle, SaveQueue
 
 log = logging.getLogger("deltackpt")
 
@@ -89,7 +92,7 @@ class CheckpointManager(CheckpointDirectory):
             variables and configuration files apply. They are never written anywhere nor
             shown in errors.
         cache: a local directory each step is saved to first; it is then uploaded to ``path``
-            in the background while training goes on (:mod:`deltackpt.tiering`), and
+            in the background while training goes on (:mod:`deltackpt.io.tiering`), and
             restores read it where it holds the same steps.
         cache_keep: uploaded steps the cache keeps (the newest), besides the steps their
             chains need; a step leaves the cache only once its upload is committed.
@@ -103,7 +106,7 @@ class CheckpointManager(CheckpointDirectory):
             tensors beside them, so that a delta is encoded there and only its coded bytes
             cross to the host; ``"host"``, pinned host memory, which a delta's encode reads
             and updates over PCIe (8 bytes an element) to spare the device's memory. See
-            :attr:`reconstruction_bytes` and :mod:`deltackpt.device_encode`.
+            :attr:`reconstruction_bytes` and :mod:`deltackpt.encode.device`.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
@@ -354,7 +357,7 @@ class CheckpointManager(CheckpointDirectory):
         and encoded on their device by the call, blocking or not, once the
         saves in flight are committed (``waited_seconds``): only the coded
         bytes cross to the host, and the tensors it stores exactly are
-        copied as above (:mod:`deltackpt.device_encode`). Under
+        copied as above (:mod:`deltackpt.encode.device`). Under
         torch.distributed every rank encodes its shards so, and the
         asynchronous save's plan (the check of the state across ranks, the
         base they agree on) runs at the call too, on the manager's gloo group.
@@ -390,7 +393,7 @@ class CheckpointManager(CheckpointDirectory):
                     optimizer: torch.optim.Optimizer | None, extra: Any, *, rng: bool,
                     overwrite: bool, progress: bool, started: float) -> SaveHandle:
         """Capture and snapshot the state here, then plan, encode, write and commit it on the
-        save thread (:mod:`deltackpt.pipeline`, :func:`save_step`). Under torch.distributed
+        save thread (:mod:`deltackpt.save.queue`, :func:`save_step`). Under torch.distributed
         the save's collectives run there, on a gloo group of their own
         (:meth:`Group.background`), and whether the step may be written is decided there, by
         every rank together."""
@@ -439,7 +442,7 @@ class CheckpointManager(CheckpointDirectory):
         """For an asynchronous save of a state with tensors coded on a device (``devices``):
         once the saves in flight ended, so that it is coded against the last committed step,
         begin its encoding at the call, on every rank of ``group``, encoding a delta's tensors
-        there now (:func:`~deltackpt.saving.encode_at_call`). Returns the encoding (None:
+        there now (:func:`~deltackpt.save.driver.encode_at_call`). Returns the encoding (None:
         begun on the save thread, from the snapshot) and the seconds waited. (Every rank
         decides alike: a rank with no reference and no save in flight has heard of the
         failure of every save it made, as have the others, which fail together.)"""
@@ -466,7 +469,7 @@ class CheckpointManager(CheckpointDirectory):
         """Take the writer lock and check that ``step`` may be written. Returns the files of the
         step's directory where the storage lists them in one request (an object store: the
         listing also says whether the step exists), for the commit to delete those its
-        metadata does not reference (:func:`~deltackpt.writer.remove_unreferenced`); else None."""
+        metadata does not reference (:func:`~deltackpt.io.writer.remove_unreferenced`); else None."""
         self.acquire()
         present = self.storage.list_files(step_dir_name(step))
         exists = METADATA_FILE in present if present is not None else \
@@ -491,7 +494,7 @@ class CheckpointManager(CheckpointDirectory):
         manager's compression config (within that config's error of the
         values it restored to), or rewritten as a full step holding exactly
         those values where that is smaller or there is no such step (see
-        :mod:`deltackpt.retention`). When the step this manager codes its
+        :mod:`deltackpt.ops.retention`). When the step this manager codes its
         next save against is replaced, the next save is coded against its
         new version, and full steps still come every ``full_every`` saves.
         ``dry_run`` only reports what would be removed, replaced and freed.

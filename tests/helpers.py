@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import zstandard
 
-from deltackpt.dtypes import BY_NAME
-from deltackpt.format import CHECKSUM_KEY, ZSTD_MAGIC, seal_json
+from deltackpt.format.dtypes import BY_NAME
+from deltackpt.format.metadata import CHECKSUM_KEY, ZSTD_MAGIC, seal_json
 
 
 def raw_bytes_of(t: torch.Tensor) -> bytes:

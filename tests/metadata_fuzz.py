@@ -43,9 +43,9 @@ import zstandard
 from torch import nn
 
 from deltackpt import CheckpointManager, DeltackptError
-from deltackpt.format import CHECKSUM_KEY, METADATA_FILE, seal_json, step_dir_name
-from deltackpt.reader import MAX_METADATA_BYTES, ZSTD_MAGIC
-from deltackpt.state import rng_state, set_rng_state
+from deltackpt.format.metadata import CHECKSUM_KEY, METADATA_FILE, seal_json, step_dir_name
+from deltackpt.io.reader import MAX_METADATA_BYTES, ZSTD_MAGIC
+from deltackpt.save.capture import rng_state, set_rng_state
 
 STEPS = (1, 2, 3)  # a full step and two deltas on it
 _PLACEHOLDER = "\u0000fuzz"  # a string value that the text-level mutations replace
@@ -427,7 +427,7 @@ def run_case(root: Path, case: Case, expected: dict[int, Any],
     """Put ``case`` in place of its step's metadata, then open the directory, verify every step,
     restore the case's step, read its optimizer, ``extra`` and RNG state, load it into
     ``objects`` and print ``deltackpt info`` of it; the original file is put back afterwards."""
-    from deltackpt import cli
+    from deltackpt.app import cli
 
     path = root / step_dir_name(case.step) / METADATA_FILE
     original = path.read_bytes()

@@ -18,7 +18,7 @@ import torch
 from test_distributed import run_ranks
 
 from deltackpt import CheckpointManager
-from deltackpt.reader import ChunkSource
+from deltackpt.io.reader import ChunkSource
 
 Build = Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]]
 """Builds a rank's FSDP2 model and its optimizer, with optimizer state, given the rank."""

@@ -18,8 +18,8 @@ import torch
 from helpers import assert_state_dicts_equal
 from torch import nn
 
-import deltackpt.saving
-import deltackpt.snapshot
+import deltackpt.save.driver
+import deltackpt.save.snapshot
 from deltackpt import (
     BackgroundSaveError,
     CheckpointManager,
@@ -114,14 +114,14 @@ def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     model, optimizer = _model()
     allocated: list[int] = []
-    allocate = deltackpt.snapshot._allocate
+    allocate = deltackpt.save.snapshot._allocate
 
     def counted(shape, dtype, pinned):
         buffer = allocate(shape, dtype, pinned)
         allocated.append(buffer.numel() * buffer.element_size())
         return buffer
 
-    monkeypatch.setattr(deltackpt.snapshot, "_allocate", counted)
+    monkeypatch.setattr(deltackpt.save.snapshot, "_allocate", counted)
     with CheckpointManager(tmp_path / "ckpt", blocking=False) as mgr:
         first = mgr.save(0, model, optimizer).wait()
         state_bytes = first.raw_bytes
@@ -144,13 +144,13 @@ def test_snapshot_buffers_are_allocated_once_and_reused(tmp_path: Path,
 def _hold_saves(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make every save wait, in its write, until the returned event is set."""
     release = threading.Event()
-    write_data = deltackpt.saving.write_data
+    write_data = deltackpt.save.driver.write_data
 
     def held(*args, **kwargs):
         assert release.wait(30)
         return write_data(*args, **kwargs)
 
-    monkeypatch.setattr(deltackpt.saving, "write_data", held)
+    monkeypatch.setattr(deltackpt.save.driver, "write_data", held)
     return release
 
 
@@ -316,14 +316,14 @@ def test_a_process_exiting_with_a_save_in_flight_finishes_it(tmp_path: Path) -> 
     script.write_text(textwrap.dedent("""
         import sys, time
         import torch
-        import deltackpt.saving
+        import deltackpt.save.driver
         from deltackpt import CheckpointManager
 
-        write_data = deltackpt.saving.write_data
+        write_data = deltackpt.save.driver.write_data
         def slow(*args, **kwargs):
             time.sleep(1.0)  # still writing when the main thread is done
             return write_data(*args, **kwargs)
-        deltackpt.saving.write_data = slow
+        deltackpt.save.driver.write_data = slow
 
         mgr = CheckpointManager(sys.argv[1], blocking=False)
         handle = mgr.save(7, extra={"w": torch.arange(1000.0)}, rng=False)

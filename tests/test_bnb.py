@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig, DeltackptError, Quantizer
-from deltackpt.chain import restore_chain
+from deltackpt.app.training import SIZES, TinyGPT, eval_loss, load_corpus, split_corpus, train_step
 from deltackpt.codecs import bnb8
-from deltackpt.training import SIZES, TinyGPT, eval_loss, load_corpus, split_corpus, train_step
+from deltackpt.restore.chain import restore_chain
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed "
                           "(pip install 'deltackpt[bnb]')")

@@ -1,4 +1,4 @@
-"""The restore chain (deltackpt.chain) against a plain reader that decodes every step in turn.
+"""The restore chain (deltackpt.restore.chain) against a plain reader that decodes every step in turn.
 
 The chain restores a chunk range through all its deltas in one pass and checks only the last
 step's ``raw_xxh3``. These tests hold it, bit for bit, to FORMAT.md 5.1 read literally: decode
@@ -21,13 +21,13 @@ from helpers import edit_metadata, step_dir
 from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
-from deltackpt.chain import restore_chain
 from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.codecs.quant import decode_quant, quant_stream, scale_source, zstd_decompress_bounded
-from deltackpt.dtypes import dtype_bytes, float32_values
-from deltackpt.format import Chunk, StepMetadata
-from deltackpt.reader import ChunkSource, read_metadata
-from deltackpt.storage import open_storage
+from deltackpt.format.dtypes import dtype_bytes, float32_values
+from deltackpt.format.metadata import Chunk, StepMetadata
+from deltackpt.io.reader import ChunkSource, read_metadata
+from deltackpt.io.storage import open_storage
+from deltackpt.restore.chain import restore_chain
 
 WEIGHT = "model/0.weight"  # 64 x 32 float32: 8 chunks of 1 KiB
 

@@ -3,7 +3,7 @@
 Each Python start with torch costs seconds, so the checks share processes:
 :func:`test_entry_point` runs ``python -m deltackpt`` itself (stdout, stderr,
 exit codes 0/1/2), and every other invocation runs once, in one fresh
-interpreter that calls ``deltackpt.cli.main(argv)`` per command line (the
+interpreter that calls ``deltackpt.app.cli.main(argv)`` per command line (the
 ``runs`` fixture); the tests then check their outputs.
 """
 
@@ -27,9 +27,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from deltackpt import CheckpointManager, load_universal
-from deltackpt.format import step_dir_name
-from deltackpt.progress import human_bytes
-from deltackpt.tree import decode_tree
+from deltackpt.format.metadata import step_dir_name
+from deltackpt.format.tree import decode_tree
+from deltackpt.io.progress import human_bytes
 
 FQNS = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]  # parameters, the tied one once
 
@@ -59,7 +59,7 @@ def cli_processes(*argvs: list[Any]) -> list[Result]:
 
 _DRIVER = """
 import contextlib, io, json, sys, traceback
-from deltackpt.cli import main
+from deltackpt.app.cli import main
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
@@ -77,7 +77,7 @@ print(json.dumps(results))
 
 
 def cli_in_one_process(*argvs: list[Any]) -> list[Result]:
-    """Run ``deltackpt.cli.main(ARGV)`` for every ARGV, one after another in one fresh interpreter."""
+    """Run ``deltackpt.app.cli.main(ARGV)`` for every ARGV, one after another in one fresh interpreter."""
     proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([list(map(str, a)) for a in argvs])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -463,7 +463,7 @@ def test_help_and_version(runs: Runs) -> None:
         r = runs[f"help {command}".strip()]
         assert r.code == 0, (command, r.err)
         assert r.out.startswith(f"usage: deltackpt {command}".strip()), r.out
-        if command != "demo":  # the demo's options and text come from deltackpt.demo
+        if command != "demo":  # the demo's options and text come from deltackpt.app.demo
             assert "examples:\n  deltackpt " in r.out, command
     assert "weights_only=True" in runs["help restore"].out and "--force" in runs["help restore"].out
     for command in COMMANDS:
@@ -473,14 +473,14 @@ def test_help_and_version(runs: Runs) -> None:
 
 def test_demo_unavailable_is_reported(monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """Without an importable deltackpt.demo the other commands work and ``demo`` says why it cannot run."""
+    """Without an importable deltackpt.app.demo the other commands work and ``demo`` says why."""
     import deltackpt
-    from deltackpt.cli import main
+    from deltackpt.app.cli import main
 
     monkeypatch.delattr(deltackpt, "demo", raising=False)
-    monkeypatch.setitem(sys.modules, "deltackpt.demo", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "deltackpt.app.demo", None)  # makes the import fail
     assert main(["demo", "--steps", "3"]) == 2
-    assert "the demo is unavailable: cannot import deltackpt.demo" in capsys.readouterr().err
+    assert "the demo is unavailable: cannot import deltackpt.app.demo" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0

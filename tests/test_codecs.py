@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from deltackpt.kernels.quant import encode_block_stream
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_huffman import reference_decode  # the huffman stream decoded bit by bit, from FORMAT.md 3.1
@@ -25,7 +24,8 @@ from deltackpt import CorruptionError, DeltackptError, FormatError
 from deltackpt.codecs import CODECS, decode_into, encode_lossless
 from deltackpt.codecs.lossless import MIN_CODED_BYTES, PACKED_PARAMS
 from deltackpt.codecs.quant import decode_quant, encode_quant, quant_params
-from deltackpt.dtypes import BY_NAME, DTypeSpec
+from deltackpt.format.dtypes import BY_NAME, DTypeSpec
+from deltackpt.kernels.quant import encode_block_stream
 
 SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -13,9 +13,9 @@ from helpers import assert_bitwise_equal, assert_state_dicts_equal, edit_metadat
 from torch import nn
 
 from deltackpt import CheckpointManager, CorruptionError, FormatError
-from deltackpt.cli import main
-from deltackpt.format import Chunk, StepMetadata
-from deltackpt.verify import Damage
+from deltackpt.app.cli import main
+from deltackpt.format.metadata import Chunk, StepMetadata
+from deltackpt.ops.verify import Damage
 
 STEPS = (0, 1, 2)
 DAMAGED = 1

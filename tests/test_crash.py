@@ -421,7 +421,7 @@ def test_overwrite_interrupted_by_failure_keeps_one_whole_version(tmp_path: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """An overwrite that dies at any storage operation leaves the step readable as the old version
     (before the commit's rename) or the new one (after it), never a mix or a damaged step."""
-    import deltackpt.storage as storage_module
+    import deltackpt.io.storage as storage_module
 
     root = tmp_path / "ckpt"
     _save_steps(root, range(2))

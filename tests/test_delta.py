@@ -35,18 +35,18 @@ from deltackpt import (
     StepExistsError,
     WriterLockedError,
 )
-from deltackpt.cli import main
-from deltackpt.compression import ScaleController
-from deltackpt.format import StepMetadata
-from deltackpt.optimizers import (
+from deltackpt.app.cli import main
+from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
+from deltackpt.encode.optimizers import (
     SAMPLE_ELEMENTS,
     finite_rms,
     group_hyperparameter,
     movement_units,
     sampled_rms,
 )
-from deltackpt.state import capture
-from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
+from deltackpt.encode.policy import ScaleController
+from deltackpt.format.metadata import StepMetadata
+from deltackpt.save.capture import capture
 
 BINADE = 1 << 23  # ordinal keys per power of two (FORMAT 3.2)
 BALANCED = CompressionConfig.preset("balanced")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltackpt.cli import main
+from deltackpt.app.cli import main
 
 
 def test_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""Delta steps encoded on the device at the call (deltackpt.device_encode): byte for byte the
+"""Delta steps encoded on the device at the call (deltackpt.encode.device): byte for byte the
 host path's step, the state at the call whatever training does after it, chunks the kernels
 cannot code stored exactly, the reference kept to the last committed step, and where the
 running reconstruction lives.
@@ -31,10 +31,11 @@ from test_async import _fail_writes_of, _hold_saves, _in_thread, _mutate_everyth
 from test_distributed import _fsdp_trained, record_collectives, run_ranks, train_after_save
 from torch import nn
 
-from deltackpt import CheckpointManager, DistributedError, WriteFailedError, device_encode
+from deltackpt import CheckpointManager, DistributedError, WriteFailedError
 from deltackpt.codecs import quant as quant_codec
+from deltackpt.encode import device as device_encode
 from deltackpt.errors import ConfigError
-from deltackpt.state import capture
+from deltackpt.save.capture import capture
 
 IN_PROCESS = can_run_here()
 gpu = import_kernels("gpu_quant", IN_PROCESS)

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from deltackpt import CheckpointManager, DistributedError
-from deltackpt.distributed import Group, parts_to_write
+from deltackpt.dist.group import Group
+from deltackpt.dist.shards import parts_to_write
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
@@ -246,12 +247,12 @@ def test_a_failed_gc_after_a_save_leaves_the_step_committed(tmp_path: Path) -> N
 def _rank_0_keeps_what_it_committed(rank: int, world: int, path: str) -> None:
     """Rank 0 checks the base of a delta against the metadata it committed, without reading it
     (the other ranks read its save_id)."""
-    import deltackpt.saving
+    import deltackpt.save.driver
 
     model, optimizer = _fsdp_trained(rank)
     reads = []
-    read_save_id = deltackpt.saving.read_save_id
-    deltackpt.saving.read_save_id = lambda *args: reads.append(args) or read_save_id(*args)
+    read_save_id = deltackpt.save.driver.read_save_id
+    deltackpt.save.driver.read_save_id = lambda *args: reads.append(args) or read_save_id(*args)
     with CheckpointManager(path) as mgr:
         mgr.save(1, model, optimizer, rng=False)
         assert mgr.save(2, model, optimizer, rng=False).kind == "delta"
@@ -296,7 +297,7 @@ def test_replicated_tensors_are_split_between_the_ranks_that_hold_them() -> None
 
 
 def _threads_per_rank(rank: int, world: int, path: str) -> None:
-    from deltackpt.pool import default_workers
+    from deltackpt.io.pool import default_workers
 
     group = Group.current()
     assert group.ranks_on_this_host() == world  # counted by host name
@@ -417,7 +418,7 @@ def test_a_delta_step_loads_into_fsdp_ranks(tmp_path: Path) -> None:
 
 
 def test_a_box_reads_only_the_chunks_that_hold_its_rows(tmp_path: Path, monkeypatch) -> None:
-    from deltackpt.reader import ChunkSource, read_tensors
+    from deltackpt.io.reader import ChunkSource, read_tensors
 
     weight = torch.randn(64, 16)  # 64 rows of 64 bytes; 1 KB chunks hold 16 rows each
     model = nn.Module()
@@ -440,7 +441,7 @@ def test_a_box_reads_only_the_chunks_that_hold_its_rows(tmp_path: Path, monkeypa
 
 def test_overlapping_fragments_are_refused() -> None:
     from deltackpt.errors import FormatError
-    from deltackpt.format import Fragment, TensorRecord, check_tiling
+    from deltackpt.format.metadata import Fragment, TensorRecord, check_tiling
 
     record = TensorRecord("w", "param", "float32", [4, 2], "w", None, None)
     record.fragments = [Fragment([0, 0], [3, 2]), Fragment([2, 0], [1, 2])]
@@ -472,7 +473,7 @@ def record_collectives() -> list[tuple[str, bool]]:
     default group) of each object collective deltackpt makes, appended to the list returned."""
     import threading
 
-    import deltackpt.distributed
+    import deltackpt.dist.group
 
     calls: list[tuple[str, bool]] = []
 
@@ -483,7 +484,7 @@ def record_collectives() -> list[tuple[str, bool]]:
         return recorded
 
     for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
-        setattr(deltackpt.distributed.dist, name, recording(getattr(dist, name)))
+        setattr(deltackpt.dist.group.dist, name, recording(getattr(dist, name)))
     return calls
 
 
@@ -556,8 +557,8 @@ def test_deltas_continue_after_a_load_in_the_saved_layout(tmp_path: Path, monkey
     """A delta step saved by 4 ranks: loading it on 2 ranks reads only the fragments that overlap
     each rank's rows; the next save is a delta on it when 4 ranks load it again (each rank kept
     its boxes' reconstruction), full when 2 ranks or one process do."""
-    from deltackpt.chain import restore_chain
-    from deltackpt.reader import ChunkSource
+    from deltackpt.io.reader import ChunkSource
+    from deltackpt.restore.chain import restore_chain
 
     path = tmp_path / "ckpt"
     run_ranks(_save_fsdp_deltas, 4, str(path), str(tmp_path / "states.pt"))
@@ -591,7 +592,7 @@ def test_deltas_continue_after_a_load_in_the_saved_layout(tmp_path: Path, monkey
 
 
 def _killed_mid_save(rank: int, world: int, path: str, report: str) -> None:
-    import deltackpt.writer as writer
+    import deltackpt.io.writer as writer
 
     model, optimizer = _fsdp_trained(rank)
     with CheckpointManager(path) as mgr:
@@ -626,7 +627,7 @@ def test_a_rank_killed_mid_save_leaves_earlier_steps_and_no_partial_step(tmp_pat
 def _save_tied(rank: int, world: int, path: str, expected: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from deltackpt.training import SIZES, TinyGPT
+    from deltackpt.app.training import SIZES, TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(SIZES["tiny"])  # its output head is tied to the token embedding

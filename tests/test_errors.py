@@ -33,7 +33,7 @@ from deltackpt import (
     StorageError,
     WriterLockedError,
 )
-from deltackpt.format import FORMAT_VERSION
+from deltackpt.format.metadata import FORMAT_VERSION
 
 
 @pytest.fixture

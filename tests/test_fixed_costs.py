@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-import deltackpt.delta
 import deltackpt.directory
+import deltackpt.encode.encoder
+import deltackpt.encode.optimizers
+import deltackpt.io.reader
+import deltackpt.io.storage
 import deltackpt.manager
-import deltackpt.optimizers
-import deltackpt.reader
-import deltackpt.saving
-import deltackpt.storage
+import deltackpt.save.driver
 from deltackpt import CheckpointManager, DeltackptError
-from deltackpt.state import capture
+from deltackpt.save.capture import capture
 
 
 def _trained(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -38,9 +38,9 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> No
 
 
 def _count_calls(monkeypatch, name: str, modules: tuple) -> list[int]:
-    """Count the calls of ``deltackpt.optimizers.<name>`` through any of ``modules``."""
+    """Count the calls of ``deltackpt.encode.optimizers.<name>`` through any of ``modules``."""
     calls = [0]
-    original = getattr(deltackpt.optimizers, name)
+    original = getattr(deltackpt.encode.optimizers, name)
 
     @functools.wraps(original)
     def counted(*args, **kwargs):
@@ -57,7 +57,7 @@ def test_a_delta_save_reads_the_optimizer_state_once(tmp_path, monkeypatch) -> N
     with CheckpointManager(tmp_path / "ckpt", workers=2) as mgr:
         mgr.save(0, model, optimizer, rng=False)
         _train(model, optimizer, 3)
-        modules = (deltackpt.optimizers, deltackpt.delta)
+        modules = (deltackpt.encode.optimizers, deltackpt.encode.encoder)
         by_parameter = _count_calls(monkeypatch, "state_by_parameter", modules)
         bnb = _count_calls(monkeypatch, "captured_bnb_states", modules)
         assert mgr.save(1, model, optimizer, rng=False).kind == "delta"
@@ -75,19 +75,19 @@ def test_units_from_a_state_read_once_are_those_read_anew(optimizer_class) -> No
         {"momentum": 0.9} if optimizer_class is torch.optim.SGD else {}))
     _train(model, optimizer, 2)
     captured = capture(model, optimizer, None, False)
-    states = deltackpt.optimizers.state_by_parameter(captured)
-    assert deltackpt.optimizers.movement_units(captured, states) == \
-        deltackpt.optimizers.movement_units(captured)
-    assert deltackpt.optimizers.adam_bias_corrections(captured, states) == \
-        deltackpt.optimizers.adam_bias_corrections(captured)
-    assert deltackpt.optimizers.movement_units(captured)  # a unit for every parameter
+    states = deltackpt.encode.optimizers.state_by_parameter(captured)
+    assert deltackpt.encode.optimizers.movement_units(captured, states) == \
+        deltackpt.encode.optimizers.movement_units(captured)
+    assert deltackpt.encode.optimizers.adam_bias_corrections(captured, states) == \
+        deltackpt.encode.optimizers.adam_bias_corrections(captured)
+    assert deltackpt.encode.optimizers.movement_units(captured)  # a unit for every parameter
 
 
 def _count_reads(monkeypatch) -> list[int]:
     """Count every read of a step's metadata file (parsed, or its save_id alone)."""
     calls = [0]
-    for module, name in ((deltackpt.reader, "read_metadata"), (deltackpt.manager, "read_metadata"),
-                         (deltackpt.directory, "read_metadata"), (deltackpt.saving, "read_save_id")):
+    for module, name in ((deltackpt.io.reader, "read_metadata"), (deltackpt.manager, "read_metadata"),
+                         (deltackpt.directory, "read_metadata"), (deltackpt.save.driver, "read_save_id")):
         original = getattr(module, name)
 
         def counted(*args, original=original, **kwargs):
@@ -145,7 +145,7 @@ def test_a_save_fsyncs_each_file_once_and_its_new_directory_with_them(tmp_path, 
             synced.append((path, {p.name for p in step.glob("*.bin")}))
             fsync(fd)
 
-        monkeypatch.setattr(deltackpt.storage.os, "fsync", recorded)
+        monkeypatch.setattr(deltackpt.io.storage.os, "fsync", recorded)
         assert mgr.save(1, model, optimizer, rng=False).kind == "delta"
         monkeypatch.undo()
         meta = mgr.metadata(1)

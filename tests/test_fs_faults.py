@@ -30,7 +30,7 @@ from helpers import step_dir
 from test_retention import build, restored
 
 from deltackpt import CheckpointManager, UnsafePathError, WriteFailedError, WriterLockedError
-from deltackpt.cli import main
+from deltackpt.app.cli import main
 
 T = TypeVar("T")
 DEADLINE = 60  # seconds; every call here takes well under one

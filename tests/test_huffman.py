@@ -14,6 +14,9 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from deltackpt.kernels.huffman import (
     BLOCK_SYMBOLS,
     HEADER_BYTES,
@@ -24,8 +27,6 @@ from deltackpt.kernels.huffman import (
     huffman_encode,
     read_header,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RAW, CONSTANT, LIST, RANGE = 0, 1, 2, 3

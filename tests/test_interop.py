@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
 
 from deltackpt import CheckpointManager, UniversalCheckpoint, load_universal
-from deltackpt.cli import main
+from deltackpt.app.cli import main
 from deltackpt.errors import ConversionError
 from deltackpt.interop import convert, export, read_checkpoint
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
 from deltackpt.kernels.byteplane import (
     merge_planes,
     numpy_entropy_bits,
@@ -12,9 +16,6 @@ from deltackpt.kernels.byteplane import (
     sampled_entropy_bits,
     split_planes,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 WORD_DTYPES = [np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8")]
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

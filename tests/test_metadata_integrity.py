@@ -29,11 +29,11 @@ from deltackpt import (
     NotACheckpointError,
     StateMismatchError,
 )
-from deltackpt import reader as reader_module
-from deltackpt import storage as storage_module
-from deltackpt.format import CHECKSUM_KEY, FORMAT_VERSION, ZSTD_MAGIC, seal_json
-from deltackpt.reader import read_metadata
-from deltackpt.storage import open_storage
+from deltackpt.format.metadata import CHECKSUM_KEY, FORMAT_VERSION, ZSTD_MAGIC, seal_json
+from deltackpt.io import reader as reader_module
+from deltackpt.io import storage as storage_module
+from deltackpt.io.reader import read_metadata
+from deltackpt.io.storage import open_storage
 
 FULL, DELTA = 1, 2
 

@@ -1,4 +1,4 @@
-"""Sharding patterns (deltackpt.patterns): hand-sharded layouts merged and cut by one spec.
+"""Sharding patterns (deltackpt.interop.patterns): hand-sharded layouts merged and cut by one spec.
 
 A small Megatron-style GPT block written for tensor parallelism (vocabulary-
 parallel embedding, fused QKV with grouped-query attention, row-parallel
@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from deltackpt import CheckpointManager, StateMismatchError
-from deltackpt.patterns import ShardingSpec, ShardRule, merge_states, split_checkpoint
-from deltackpt.state import capture
+from deltackpt.interop.patterns import ShardingSpec, ShardRule, merge_states, split_checkpoint
+from deltackpt.save.capture import capture
 
 VOCAB, DIM, HEAD, N_Q, N_KV, FFN = 50, 16, 2, 8, 4, 24
 Q, KV = N_Q * HEAD, N_KV * HEAD
@@ -275,7 +275,7 @@ def test_the_documented_megatron_spec_parses_and_fits_megatron_names() -> None:
 def test_ranks_checkpoints_convert_into_one_universal_step(tmp_path) -> None:
     """``deltackpt convert tp0.pt tp1.pt --spec``: the ranks' torch.save files of a hand-sharded
     run merge into the whole model and optimizer state; a spec that does not fit is named."""
-    from deltackpt.cli import main
+    from deltackpt.app.cli import main
     from deltackpt.errors import ConversionError
     from deltackpt.interop import convert
 

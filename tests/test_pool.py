@@ -13,10 +13,10 @@ from helpers import data_files
 from torch import nn
 
 from deltackpt import CheckpointManager
-from deltackpt.format import step_dir_name
-from deltackpt.pool import THREAD_NAME_PREFIX
-from deltackpt.state import capture
-from deltackpt.writer import encode_exact, new_save_id, write_data
+from deltackpt.format.metadata import step_dir_name
+from deltackpt.io.pool import THREAD_NAME_PREFIX
+from deltackpt.io.writer import encode_exact, new_save_id, write_data
+from deltackpt.save.capture import capture
 
 
 def _pool_threads() -> set[int]:

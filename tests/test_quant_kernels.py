@@ -7,6 +7,10 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numba import njit
+
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -39,9 +43,6 @@ from deltackpt.kernels.quant import (
     numpy_quantize,
     numpy_unpack,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from numba import njit
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(SETTINGS, max_examples=25)

@@ -27,12 +27,13 @@ import torch
 from helpers import assert_bitwise_equal
 from s3_server import FaultProxy, moto_server
 
-from deltackpt import CheckpointManager, NotACheckpointError, WriterLockedError, objectstore
-from deltackpt.chain import restore_chain
-from deltackpt.cli import main as cli_main
+from deltackpt import CheckpointManager, NotACheckpointError, WriterLockedError
+from deltackpt.app.cli import main as cli_main
 from deltackpt.errors import StorageError, WriteFailedError
-from deltackpt.objectstore import LEASE_OBJECT, ObjectStorage, is_transient
-from deltackpt.storage import LocalStorage
+from deltackpt.io import objectstore
+from deltackpt.io.objectstore import LEASE_OBJECT, ObjectStorage, is_transient
+from deltackpt.io.storage import LocalStorage
+from deltackpt.restore.chain import restore_chain
 
 pytest.importorskip("s3fs")
 
@@ -304,7 +305,7 @@ KILLED_WRITER = textwrap.dedent('''
     import json, os, signal, sys
     import torch
     from deltackpt import CheckpointManager
-    from deltackpt.objectstore import ObjectStorage
+    from deltackpt.io.objectstore import ObjectStorage
 
     url, opts = sys.argv[1], json.loads(sys.argv[2])
     ObjectStorage.lease_seconds = 5.0
@@ -574,7 +575,7 @@ RACER = textwrap.dedent('''
     import json, os, sys, time
     from pathlib import Path
     from deltackpt import CheckpointManager, WriterLockedError
-    from deltackpt.objectstore import _Lease
+    from deltackpt.io.objectstore import _Lease
 
     url, opts, meeting = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     read = _Lease.storage_get

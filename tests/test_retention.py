@@ -1,4 +1,4 @@
-"""Retention policies and garbage collection (deltackpt.retention, ``CheckpointManager.gc``,
+"""Retention policies and garbage collection (deltackpt.ops.retention, ``CheckpointManager.gc``,
 ``keep=``, ``deltackpt gc``), and the error statistics ``ls`` and ``info`` show for delta steps.
 
 The property every test checks: after gc every kept step is restorable and
@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
-from deltackpt import retention as retention_module
-from deltackpt.chain import chain_of
-from deltackpt.cli import main
-from deltackpt.compression import tensor_class
-from deltackpt.dtypes import spec_named
-from deltackpt.format import step_dir_name
-from deltackpt.retention import GCReport, RetentionPolicy
-from deltackpt.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
-from deltackpt.writer import commit_step, new_save_id, step_metadata, write_data
+from deltackpt.app.cli import main
+from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
+from deltackpt.encode.policy import tensor_class
+from deltackpt.format.dtypes import spec_named
+from deltackpt.format.metadata import step_dir_name
+from deltackpt.io.writer import commit_step, new_save_id, step_metadata, write_data
+from deltackpt.ops import retention as retention_module
+from deltackpt.ops.retention import GCReport, RetentionPolicy
+from deltackpt.restore.chain import chain_of
 
 STEPS = list(range(1, 11))
 

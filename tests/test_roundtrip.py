@@ -24,8 +24,8 @@ from torch import nn
 
 import deltackpt
 from deltackpt import CheckpointManager
-from deltackpt.dtypes import BY_NAME
-from deltackpt.format import FORMAT_VERSION
+from deltackpt.format.dtypes import BY_NAME
+from deltackpt.format.metadata import FORMAT_VERSION
 
 CHUNK = 4096
 

@@ -23,7 +23,7 @@ HEAVY = ("torch", "numba", "deltackpt.kernels")
 # module has been imported so far (the first command that imports one is the culprit).
 _DRIVER = """
 import contextlib, io, json, sys
-from deltackpt.cli import main
+from deltackpt.app.cli import main
 results = []
 heavy = json.loads(sys.argv[2])
 for argv in json.loads(sys.argv[1]):
@@ -92,7 +92,7 @@ def test_package_attributes_import_on_first_use() -> None:
 
 
 def test_import_deltackpt_is_light() -> None:
-    code = f"import sys, deltackpt, deltackpt.cli; print([m for m in {HEAVY!r} if m in sys.modules])"
+    code = f"import sys, deltackpt, deltackpt.app.cli; print([m for m in {HEAVY!r} if m in sys.modules])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parent)
     assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr

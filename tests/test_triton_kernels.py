@@ -21,6 +21,20 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from helpers import assert_state_dicts_equal, data_files
+from interpreter import (
+    DEVICE,
+    INTERPRETER_ONLY,
+    can_run_here,
+    import_kernels,
+    interpreter,
+    only_in_a_fresh_process,
+)
+from torch import nn
+
+from deltackpt import CheckpointManager
+from deltackpt.codecs import quant as quant_codec
+from deltackpt.errors import ConfigError
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -36,20 +50,6 @@ from deltackpt.kernels.quant import (
     encode_block_stream,
     n_blocks_of,
 )
-from helpers import assert_state_dicts_equal, data_files
-from interpreter import (
-    DEVICE,
-    INTERPRETER_ONLY,
-    can_run_here,
-    import_kernels,
-    interpreter,
-    only_in_a_fresh_process,
-)
-from torch import nn
-
-from deltackpt import CheckpointManager
-from deltackpt.codecs import quant as quant_codec
-from deltackpt.errors import ConfigError
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)

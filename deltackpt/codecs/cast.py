@@ -12,7 +12,7 @@ step rounded to the parameter's dtype. A restored parameter is then exactly
 its restored master rounded, as the optimizer would have made it.
 
 Like a ``quant`` chunk, a cast chunk decodes only through the restore chain
-(:mod:`deltackpt.chain`), which has the master's running values.
+(:mod:`deltackpt.restore.chain`), which has the master's running values.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import numpy as np
 import zstandard
 
 from deltackpt.codecs.base import CODECS, EncodedChunk, check_length, register
-from deltackpt.dtypes import BY_NAME, DTypeSpec
 from deltackpt.errors import CorruptionError, FormatError
+from deltackpt.format.dtypes import BY_NAME, DTypeSpec
 from deltackpt.kernels.byteplane import merge_planes, sampled_entropy_bits, split_planes
 from deltackpt.kernels.huffman import huffman_decode, huffman_encode
 

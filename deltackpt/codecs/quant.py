@@ -3,7 +3,7 @@
 A chunk's stored bytes are one zstd frame of the packed symbol stream of
 :mod:`deltackpt.kernels.quant`. Decoding needs the chunk's prediction: zero,
 or the reconstruction of the same elements in the base step (``pred:
-"base"``), which the restore chain (:mod:`deltackpt.chain`) supplies, and for
+"base"``), which the restore chain (:mod:`deltackpt.restore.chain`) supplies, and for
 a chunk with a ``scale`` the decoded values of the tensor it names, whose
 square roots scale its step element by element. The decoded values are
 float32: the running reconstruction. A tensor of a 16-bit dtype is that

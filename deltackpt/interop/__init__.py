@@ -4,14 +4,14 @@
 files or a DeepSpeed universal checkpoint and writes it as a deltackpt
 directory, safetensors, DCP or ``torch.save``. The pieces are public too:
 :func:`read_checkpoint` (:mod:`~deltackpt.interop.sources`) gives any
-source as a :class:`~deltackpt.state.CapturedState`, and :func:`export`
+source as a :class:`~deltackpt.save.capture.CapturedState`, and :func:`export`
 (:mod:`~deltackpt.interop.exporters`) writes one, as ``deltackpt restore
 --format`` does for a restored step.
 """
 
 from typing import TYPE_CHECKING
 
-from deltackpt.lazy import lazy_attributes
+from deltackpt._lazy import lazy_attributes
 
 OUT_FORMATS = ("deltackpt", "safetensors", "dcp", "torch")
 """What :func:`convert` and :func:`export` write."""

@@ -1,5 +1,5 @@
 """Converting a checkpoint from one format to another, losslessly: read it into a
-:class:`~deltackpt.state.CapturedState` (:mod:`~deltackpt.interop.sources`) and write that
+:class:`~deltackpt.save.capture.CapturedState` (:mod:`~deltackpt.interop.sources`) and write that
 (:mod:`~deltackpt.interop.exporters`)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 from deltackpt.interop.exporters import OUT_FORMATS, export, save_standalone
 from deltackpt.interop.files import prepare_out
+from deltackpt.interop.patterns import ShardingSpec
 from deltackpt.interop.sources import read_checkpoint, source_paths
-from deltackpt.objectstore import redact_url
-from deltackpt.patterns import ShardingSpec
-from deltackpt.storage import is_url
+from deltackpt.io.objectstore import redact_url
+from deltackpt.io.storage import is_url
 
 PathLike = str | os.PathLike[str]
 
@@ -47,7 +47,7 @@ def convert(source: PathLike | Sequence[PathLike], out: PathLike, *, source_form
     the step number to record (default: the source's own, else 0).
     ``optimizer_class`` names the optimizer's class where the source does
     not record it and its hyperparameters do not tell. With ``sharding``
-    (a :class:`~deltackpt.patterns.ShardingSpec`), ``source`` lists the
+    (a :class:`~deltackpt.interop.patterns.ShardingSpec`), ``source`` lists the
     checkpoints of the tensor-parallel ranks of a hand-sharded run, in rank
     order, merged into whole tensors by that spec (docs/PATTERNS.md). With
     ``model_only``, only the model (parameters and buffers) and the step are

@@ -1,7 +1,7 @@
 """Writing a training state in other formats: safetensors, ``torch.save``, DCP, or a standalone
 deltackpt directory.
 
-Every exporter takes a :class:`~deltackpt.state.CapturedState` (a restored
+Every exporter takes a :class:`~deltackpt.save.capture.CapturedState` (a restored
 step's :meth:`~deltackpt.UniversalCheckpoint.captured`, or what a reader of
 :mod:`deltackpt.interop.sources` produced) and a step number, so
 ``deltackpt restore --format`` and ``deltackpt convert`` share them. File
@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deltackpt.format import ROOT_MARKER, step_dir_name, tensor_name
+from deltackpt.format.metadata import ROOT_MARKER, step_dir_name, tensor_name
+from deltackpt.format.state import CapturedState
 from deltackpt.interop import OUT_FORMATS
 from deltackpt.interop.files import publish_directory
 from deltackpt.interop.layouts import OPTIMIZER_CLASS_KEY, TORCH_FILE, native_optimizer, weights_only_loadable
-from deltackpt.state import CapturedState
-from deltackpt.storage import LOCK_FILE, is_url, open_storage
+from deltackpt.io.storage import LOCK_FILE, is_url, open_storage
 
 if TYPE_CHECKING:
-    from deltackpt.saving import SaveInfo
+    from deltackpt.save.driver import SaveInfo
 
 
 @dataclass

@@ -5,7 +5,7 @@ dict, an optimizer state dict (keyed by parameter index as
 ``Optimizer.state_dict()`` writes it, or by FQN as
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` does)
 and whatever else the training loop kept. This module turns such a dict into
-the pieces of a :class:`~deltackpt.state.CapturedState` and back.
+the pieces of a :class:`~deltackpt.save.capture.CapturedState` and back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TORCH_FILE = "checkpoint.pt"  # the file of deltackpt's torch export
 
 @dataclass
 class Parts:
-    """A training state as values (what :func:`deltackpt.state.capture_values` takes), and notes
+    """A training state as values (what :func:`deltackpt.save.capture.capture_values` takes), and notes
     on how it was read."""
 
     model: dict[str, torch.Tensor]

@@ -1,4 +1,4 @@
-"""Reading checkpoints of other formats into a :class:`~deltackpt.state.CapturedState`.
+"""Reading checkpoints of other formats into a :class:`~deltackpt.save.capture.CapturedState`.
 
 One reader per format, registered in :data:`READERS`, and
 :func:`detect_format` to pick one from what the path holds:
@@ -39,7 +39,9 @@ from typing import Any, ClassVar
 import torch
 
 from deltackpt.errors import ConversionError, DeltackptError
-from deltackpt.format import ROOT_MARKER
+from deltackpt.format.metadata import ROOT_MARKER
+from deltackpt.format.state import CapturedState
+from deltackpt.format.tree import decode_tree
 from deltackpt.interop import SOURCE_FORMATS
 from deltackpt.interop.files import inside, load_weights_only
 from deltackpt.interop.layouts import (
@@ -50,9 +52,8 @@ from deltackpt.interop.layouts import (
     optimizer_class,
     split_document,
 )
-from deltackpt.patterns import ShardingSpec, merge_states
-from deltackpt.state import CapturedState, capture_values
-from deltackpt.tree import decode_tree
+from deltackpt.interop.patterns import ShardingSpec, merge_states
+from deltackpt.save.capture import capture_values
 
 
 @dataclass
@@ -605,7 +606,7 @@ def source_paths(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str
 def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str | None = None,
                  optimizer_class_name: str | None = None, model_only: bool = False) -> Source:
     """The checkpoints of the tensor-parallel ranks of a hand-sharded run, one path per rank in
-    rank order, merged into whole tensors by ``sharding`` (:func:`~deltackpt.patterns.merge_states`).
+    rank order, merged into whole tensors by ``sharding`` (:func:`~deltackpt.interop.patterns.merge_states`).
 
     Each rank's checkpoint is read as :func:`read_checkpoint` reads one
     (``source_format`` None: detected per path). The step, RNG states,

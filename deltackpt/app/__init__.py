@@ -1,0 +1,1 @@
+"""The command line, the demo and the small GPT it trains."""

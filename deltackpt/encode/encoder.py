@@ -1,0 +1,595 @@
+"""The encoder side of a save: full or delta, and the writer's running reconstruction.
+
+:class:`StepEncoder` codes the chunks of one save for :func:`writer.write_data`.
+For a full step it stores every tensor losslessly and starts a new
+:class:`~deltackpt.restore.chain.Reconstruction`. For a delta step it quantizes each
+tensor as its :class:`~deltackpt.encode.policy.Quantizer` says, against the
+reconstruction of the previous save (closed loop), updating that
+reconstruction in place to exactly what a reader will decode; tensors
+marked exact, too small, not of a float dtype, or holding non-finite values
+in a chunk, are stored losslessly. bitsandbytes' 8-bit moments are coded by
+their dequantized values, their ``absmax`` derived from those
+(:mod:`deltackpt.codecs.bnb8`). It also gathers the per-class error
+statistics that the step's metadata records.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from deltackpt.codecs import EncodedChunk, encode_lossless
+from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
+from deltackpt.codecs.cast import encode_cast
+from deltackpt.codecs.quant import Scale, encode_quant
+from deltackpt.encode.optimizers import (
+    BnbState,
+    adam_bias_corrections,
+    captured_bnb_states,
+    finite_rms,
+    group_hyperparameter,
+    master_copies,
+    movement_units,
+    state_by_parameter,
+    state_meanings,
+    unknown_state_keys,
+)
+from deltackpt.encode.policy import (
+    CompressionConfig,
+    Quantizer,
+    Sample,
+    ScaleController,
+    base_step,
+    finalize_step,
+    needs_residuals,
+    needs_sample,
+    sample_stride,
+    sample_values,
+    tensor_class,
+)
+from deltackpt.encode.reconstruction import Reconstruction
+from deltackpt.errors import ConfigError
+from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for, spec_named
+from deltackpt.format.metadata import Layout, TensorRecord
+from deltackpt.format.state import CapturedState
+from deltackpt.kernels.quant import (
+    N_STATS,
+    STAT_MAX_ABS,
+    STAT_MAX_REL,
+    STAT_NONZERO,
+    STAT_SUM_SQ,
+    STAT_SUM_SQ_ERR,
+    numpy_dither,
+)
+
+if TYPE_CHECKING:
+    from deltackpt.io.writer import PendingDigest
+
+
+def captured_layout(captured: CapturedState,
+                    local: dict[str, torch.Tensor] | None = None) -> Layout:
+    """Role, dtype and shape of every stored tensor of a capture (as ``format.layout_of``), or of
+    the ``local`` parts of its tensors that one rank codes."""
+    if local is None:
+        local = {t.name: t.tensor for t in captured.tensors if t.alias_of is None}
+    return {t.name: (t.role, spec_for(t.tensor.dtype, t.name).name, tuple(local[t.name].shape))
+            for t in captured.tensors if t.name in local}
+
+
+@dataclass
+class _Plan:
+    """How one tensor is coded in this save."""
+
+    cls: str | None
+    quantizer: Quantizer  # this save's: exact where a delta must store the tensor exactly
+    lossy: bool = False  # whether the config codes it lossily (its running values are kept)
+    step: float | int = 0
+    pred: bool = False
+    cast_of: str | None = None  # the float32 master copy the tensor is rounded from
+    dither: int | None = None  # seed of the dither that shifts its quantization grid
+    # (exp_avg_sq, eps, factor) scaling its steps per element: update_step * factor is its step
+    scale: tuple[str, float, float] | None = None
+    bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
+    absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
+    unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
+
+
+@dataclass(frozen=True)
+class QuantCoding:
+    """How the chunks of a tensor are quantized in a delta (the arguments of
+    :func:`codecs.quant.encode_quant` but the arrays): coded against the base's values
+    (``with_base``) or from zero, and with steps scaled by the running values of tensor
+    ``scale[0]`` with ``eps = scale[1]``."""
+
+    ordinal: bool
+    with_base: bool
+    step: float | int
+    block: int
+    dither: int | None
+    scale: tuple[str, float] | None
+
+
+@dataclass
+class _ClassStats:
+    tensors: int = 0
+    elements: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    exact_elements: int = 0
+    nonzero: int = 0
+    max_abs_error: float = 0.0
+    max_rel_error: float | None = None  # tracked in the ordinal (relative) domain only
+    sum_sq_err: float = 0.0
+    sum_sq: float = 0.0
+
+    def merge(self, other: _ClassStats) -> None:
+        """Add another rank's statistics of the same class."""
+        for key in ("tensors", "elements", "raw_bytes", "stored_bytes", "exact_elements",
+                    "nonzero", "sum_sq_err", "sum_sq"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        self.max_abs_error = max(self.max_abs_error, other.max_abs_error)
+        if other.max_rel_error is not None:
+            self.max_rel_error = max(self.max_rel_error or 0.0, other.max_rel_error)
+
+    def as_json(self) -> dict:
+        rms = (self.sum_sq_err / self.sum_sq) ** 0.5 if self.sum_sq > 0 else 0.0
+        return {"tensors": self.tensors, "elements": self.elements, "raw_bytes": self.raw_bytes,
+                "stored_bytes": self.stored_bytes, "exact_elements": self.exact_elements,
+                "nonzero": self.nonzero, "max_abs_error": self.max_abs_error,
+                "max_rel_error": self.max_rel_error, "rms_rel_error": rms}
+
+
+def host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Running values as a numpy array: a copy of those on a device, else a view."""
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
+
+
+def _error_stats(x: np.ndarray, y: np.ndarray, nonzero: int) -> np.ndarray:
+    """One row of the kernels' statistics (``STAT_*``) of a chunk restored as ``y``."""
+    x64 = x.astype(np.float64)
+    err = np.abs(y - x64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(x64 != 0, err / np.abs(x64), 0.0)
+    stats = np.zeros((1, N_STATS))
+    stats[0, [STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO]] = (
+        err.max(initial=0.0), rel.max(initial=0.0), np.dot(err, err), np.dot(x64, x64), nonzero)
+    return stats
+
+
+class StepEncoder:
+    """Codes the chunks of one save and keeps the reconstruction a reader will have.
+
+    Args:
+        captured: the state being saved.
+        config: the compression config.
+        base: reconstruction of the previous save for a delta step, or
+            ``None`` for a full step. A delta updates its arrays in place.
+        controller: meets ``config.target_ratio`` from save to save.
+        local: under torch.distributed, the part of each tensor this rank
+            writes (its one fragment), by name; the encoder codes and keeps
+            the running values of these alone. Default: every tensor whole.
+    """
+
+    def __init__(self, captured: CapturedState, config: CompressionConfig,
+                 base: Reconstruction | None, controller: ScaleController | None, *,
+                 keep: bool = True, local: dict[str, torch.Tensor] | None = None) -> None:
+        self.config, self.base, self.controller, self.keep = config, base, controller, keep
+        self.local = local if local is not None else {
+            t.name: t.tensor for t in captured.tensors if t.alias_of is None}
+        self.layout = captured_layout(captured, self.local)
+        self.scale = 1.0
+        self.estimated_bits: float | None = None
+        self._lock = threading.Lock()
+        self._stats: dict[str, _ClassStats] = {}
+        self._errors: dict[str, float] = {}  # summed squared error per tensor
+        self._plans: dict[str, _Plan] = {}
+        self._numel: dict[str, int] = {}
+        # Running values: numpy arrays, or float32 tensors for tensors coded on a device
+        self._values: dict[str, np.ndarray | torch.Tensor] = {} if base is None else base.values
+        # Chunks coded before the write (on a device, :mod:`deltackpt.encode.device`), by
+        # (tensor, raw offset): what finishes each, as this encoder's __call__ returns
+        self.coded_before: dict[tuple[str, int], Callable[[], tuple[EncodedChunk,
+                                                                    np.ndarray | PendingDigest]]] = {}
+        # What bitsandbytes' 8-bit moments mean: their dequantized values, by name
+        self._dequantized: dict[str, np.ndarray] = {}
+        self._plan(captured)
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether this save is a delta step."""
+        return self.base is not None
+
+    def _plan(self, captured: CapturedState) -> None:
+        samples = []
+        fixed = 0
+        self._check_overrides(captured)
+        bnb_moments = captured_bnb_states(captured)  # what the optimizer state means, read once
+        states = state_by_parameter(captured, bnb_moments)
+        self.unknown_state_keys = unknown_state_keys(captured, states)
+        units = movement_units(captured, states) if self.is_delta else {}
+        masters = master_copies(captured) if self.is_delta else {}
+        meanings = state_meanings(captured, bnb_moments)
+        bnb = self._bnb8(captured, bnb_moments)
+        qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
+            self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
+            for b, _ in bnb.values()}  # code map -> whether it equals the base's
+        scales = self._scales(captured, meanings, bnb, states) if self.is_delta else {}
+        for item in captured.tensors:
+            tensor = self.local.get(item.name)
+            if tensor is None:  # an alias, or a tensor another rank writes
+                continue
+            spec = spec_for(tensor.dtype, item.name)
+            numel = tensor.numel()
+            cls = tensor_class(item.role, meanings.get(item.name, item.state_key),
+                               spec_named("float32") if item.name in bnb else spec, numel)
+            quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
+                exact=True)
+            plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact)
+            self._numel[item.name] = numel
+            if item.name in qmaps:  # kept, so that an unchanged one costs nothing in a delta
+                plan.lossy = True
+                plan.unchanged = qmaps[item.name]
+            if item.name in bnb and not quantizer.exact:
+                self._dequantized[item.name] = bnb[item.name][1]
+                if self.is_delta and not (item.name in self._values
+                                          and qmaps[bnb[item.name][0].qmap]):
+                    # No running values to code against (a base from before 1.6), or its code
+                    # map changed (bnb8 chunks keep it along the chain): stored exactly.
+                    plan.quantizer = Quantizer(exact=True)
+            master = masters.get(item.name)
+            if master is not None and not quantizer.exact and self.is_delta:
+                if torch.equal(tensor, self.local[master].to(tensor.dtype)):
+                    plan.cast_of = master
+                    continue
+                # Changed apart from its master: stored exactly, so that no later delta needs
+                # the running value a cast gave it.
+                plan.quantizer = Quantizer(exact=True)
+            if self.is_delta and quantizer.pred == "base" and item.name in self.base.scaled:
+                # The base step's value came from a scaled chunk, which no delta may code against
+                # (FORMAT.md 3.2): stored exactly once.
+                plan.quantizer = Quantizer(exact=True)
+            if plan.quantizer.exact or not self.is_delta:
+                fixed += numel * spec.itemsize
+                continue
+            plan.bnb = bnb[item.name][0] if item.name in bnb else None
+            ordinal = quantizer.domain == "ordinal"
+            plan.pred = quantizer.pred == "base"
+            unit = units.get(item.fqn) if cls == "weights" else None
+            if quantizer.dithers and (not plan.pred or self.base.deltas == 0 or self.base.resumed):
+                # Coded against the base, the grid is shifted in the first delta on values
+                # training holds exactly (a full step, or a load) and stays shifted; coded from
+                # zero, in every delta. One seed per tensor and base step.
+                plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
+            plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
+            sample, value_rms = None, None
+            if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
+                stride = sample_stride(numel)
+                xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
+                    tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+                value_rms = finite_rms(xs)
+                if self.controller is not None or needs_residuals(quantizer, unit):
+                    ps = host_array(self._values[item.name][::stride]) if plan.pred else None
+                    sample = sample_values(xs, ps, ordinal)
+                if sample is not None and plan.scale is not None:  # in units of each element's step
+                    # The scale will be this save's reconstruction of exp_avg_sq, which moves
+                    # only where exp_avg_sq moved by more than its step: the base's is closer
+                    # to it than exp_avg_sq itself.
+                    source, eps, factor = plan.scale
+                    sample /= factor * (np.sqrt(np.maximum(
+                        host_array(self._values[source][::stride]), 0)) + eps)
+            if plan.scale is not None:
+                plan.step = quantizer.update_step * plan.scale[2]
+            else:
+                carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
+                plan.step = base_step(quantizer, sample, carried, unit, value_rms)
+                if plan.step <= 0:  # nothing moved: a dither would move what stays put
+                    plan.dither = None
+            samples.append((sample, plan.step, numel, plan, ordinal))
+        for name, plan in list(self._plans.items()):
+            if plan.bnb is not None:  # its absmax is derived from its running values
+                self._plans[plan.bnb.absmax].absmax_of = name
+        if samples and self.controller is not None:
+            raw = sum(t.numel() * t.element_size() for t in self.local.values())
+            self.scale, self.estimated_bits = self.controller.choose(
+                [(Sample(s, None if plan.dither is None else numpy_dither(
+                    s.size, plan.dither, stride=sample_stride(n)), ordinal), step, n)
+                 for s, step, n, plan, ordinal in samples], raw, fixed)
+        for _, step, _, plan, ordinal in samples:
+            plan.step = finalize_step(step * self.scale, ordinal)
+
+    def _check_overrides(self, captured: CapturedState) -> None:
+        """Refuse override patterns that match no tensor of the state: a misspelt pattern would
+        otherwise leave the tensors it meant coded as their class says, silently."""
+        unmatched = set(self.config.overrides)
+        for item in captured.tensors:
+            pattern = self.config.override_for(item.name, item.fqn) if unmatched else None
+            unmatched.discard(pattern)
+        if unmatched:
+            raise ConfigError(f"compression override pattern(s) {sorted(unmatched)} match no "
+                              f"tensor of the state (names look like 'model/<fqn>' and "
+                              f"'optimizer/state/<fqn>/<key>', or the FQN alone)")
+
+    def _bnb8(self, captured: CapturedState, states: dict[str, BnbState],
+              ) -> dict[str, tuple[BnbState, np.ndarray]]:
+        """``name -> (state, dequantized values)`` of the bitsandbytes 8-bit moments (of the
+        capture's ``states``) this process holds whole, with their ``absmax`` and ``qmap``, and
+        whose values are finite (others are stored as their bytes: a moment split between
+        ranks, or one no 8-bit state can hold)."""
+        out = {}
+        captured_tensors = captured.by_name()
+        for name, b in states.items():
+            parts = [self.local.get(n) for n in (name, b.absmax, b.qmap)]
+            if b.is_8bit and all(p is not None and p.numel() == captured_tensors[n].numel()
+                                 for p, n in zip(parts, (name, b.absmax, b.qmap), strict=True)):
+                codes, absmax, qmap = (p.detach().reshape(-1).cpu().numpy() for p in parts)
+                values = dequantize(codes, absmax, qmap, b.blocksize)
+                if np.isfinite(values).all():
+                    out[name] = (b, values)
+        return out
+
+    def _scales(self, captured: CapturedState, meanings: dict[str, str],
+                bnb: dict[str, tuple[BnbState, np.ndarray]],
+                states: dict[str, dict[str, torch.Tensor]]) -> dict[str, tuple[str, float, float]]:
+        """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
+        moment can be coded relative to the second (``Quantizer.update_step``): both of one
+        shape with float32 running values (float32, or bitsandbytes 8-bit moments, ``bnb``),
+        the second coded lossily (so its reconstruction is kept).
+
+        Adam's update is ``(m / c1) / (sqrt(v) / c2 + eps)`` with its bias
+        corrections ``c1``, ``c2`` (:func:`adam_bias_corrections`), so an
+        element's step ``update_step * factor * (sqrt(v) + eps')`` with
+        ``factor = c1 / c2`` and ``eps' = eps * c2`` (float32) is
+        ``update_step`` learning rates of that update, early in training too.
+        """
+        epsilons = group_hyperparameter(captured, "eps")
+        corrections = adam_bias_corrections(captured, states)
+        local = self.local
+        second = {t.fqn: t for t in captured.tensors
+                  if meanings.get(t.name) == "exp_avg_sq" and t.name in local}
+
+        def float32_running(name: str) -> bool:
+            return local[name].dtype == torch.float32 or name in bnb
+
+        scales = {}
+        for item in captured.tensors:
+            v = second.get(item.fqn)
+            eps = float(np.float32(epsilons.get(item.fqn, 0.0)))
+            if meanings.get(item.name) != "exp_avg" or item.name not in local or v is None \
+                    or eps <= 0 or not (float32_running(item.name) and float32_running(v.name)) \
+                    or (item.name in bnb) != (v.name in bnb) \
+                    or local[item.name].shape != local[v.name].shape:
+                continue
+            v_cls = tensor_class(v.role, "exp_avg_sq", spec_named("float32"),
+                                 local[v.name].numel())
+            c1, c2 = corrections.get(item.fqn, (1.0, 1.0))
+            eps = float(np.float32(eps * c2))
+            if eps > 0 and v_cls is not None \
+                    and not self.config.quantizer_for(v.name, v.fqn, v_cls).exact:
+                scales[item.name] = (v.name, eps, c1 / c2)
+        return scales
+
+    def release_state(self) -> None:
+        """Drop the references to the state's tensors, which only planning reads (the writer
+        hands each chunk's bytes over): a save planned at its call then keeps no live tensor
+        alive until it is written."""
+        self.local = {}
+
+    @property
+    def running_values(self) -> dict[str, np.ndarray | torch.Tensor]:
+        """The reconstruction this save updates (its base's values, for a delta)."""
+        return self._values
+
+    def quant_coding(self, name: str) -> QuantCoding | None:
+        """How tensor ``name``'s chunks are quantized in this save; None where they are not
+        (a full step, stored exactly, cast or derived from another tensor)."""
+        plan = self._plans.get(name)
+        if plan is None or not self.is_delta or plan.quantizer.exact or plan.cls is None \
+                or plan.cast_of is not None or plan.absmax_of is not None:
+            return None
+        return QuantCoding(plan.quantizer.domain == "ordinal", plan.pred, plan.step,
+                           self.config.block, plan.dither,
+                           None if plan.scale is None else plan.scale[:2])
+
+    def quantized_as_is(self, name: str) -> QuantCoding | None:
+        """:meth:`quant_coding` of a tensor whose chunks quantize its own values (not a
+        bitsandbytes moment's dequantized ones, nor a code map kept when unchanged): what a
+        device can code from the tensor alone."""
+        plan = self._plans.get(name)
+        if plan is None or plan.bnb is not None or plan.unchanged:
+            return None
+        return self.quant_coding(name)
+
+    def __call__(self, record: TensorRecord, spec: DTypeSpec, raw_offset: int,
+                 raw: np.ndarray) -> tuple[EncodedChunk, np.ndarray | PendingDigest]:
+        coded = self.coded_before.pop((record.name, raw_offset), None)
+        if coded is not None:
+            return coded()
+        plan = self._plans[record.name]
+        lo, hi = raw_offset // spec.itemsize, (raw_offset + raw.size) // spec.itemsize
+        if plan.cast_of is not None:
+            return self._cast(record, plan, raw_offset, raw, lo, hi)
+        if plan.absmax_of is not None:
+            return self._absmax(record, plan, raw_offset, raw, lo, hi)
+        if plan.unchanged:  # predicted by the base exactly: every symbol is zero
+            recon = self._values[record.name][lo:hi]
+            chunk, _ = encode_quant(float32_values(raw, record.dtype), recon, recon,
+                                    ordinal=False, step=1.0, block=self.config.block)
+            if chunk is not None and np.array_equal(recon.view(np.uint8), raw):
+                self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+                return chunk, raw
+        coding = self.quant_coding(record.name)
+        if coding is None:
+            chunk = encode_lossless(raw, spec)
+            self._keep_exact(record, plan, raw, lo, hi)
+            self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
+            return chunk, raw
+        bnb = plan.bnb
+        x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
+        recon = self._values[record.name][lo:hi]
+        scale = None if coding.scale is None else Scale(  # coded by now: see coded_last
+            coding.scale[0], self._values[coding.scale[0]][lo:hi], coding.scale[1])
+        chunk, stats = encode_quant(x, recon if coding.with_base else None, recon,
+                                    ordinal=coding.ordinal, step=coding.step, block=coding.block,
+                                    dither=coding.dither, first=lo, scale=scale)
+        if chunk is None:  # non-finite values or a change out of range: stored exactly
+            recon[:] = x
+            if bnb is not None:  # its running values, as a bnb8 chunk's inner chunk
+                chunk = encode_state(encode_lossless(recon.view(np.uint8), spec_named("float32")),
+                                     bnb.qmap, bnb.absmax, bnb.blocksize)
+                self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
+                return chunk, recon.view(np.uint8)
+            chunk = encode_lossless(raw, spec)
+            self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
+            return chunk, raw
+        if bnb is not None:  # its raw_xxh3 covers the running values (FORMAT.md 3.4)
+            self.count_coded(record.name, chunk, raw_offset, raw.size, hi - lo, stats)
+            return encode_state(chunk, bnb.qmap, bnb.absmax, bnb.blocksize), recon.view(np.uint8)
+        decoded = dtype_bytes(recon, record.dtype)
+        rounded = None
+        if spec.itemsize < 4:  # the tensor holds its running values rounded: count that error
+            rounded = _error_stats(x, float32_values(decoded, record.dtype),
+                                   int(stats[:, STAT_NONZERO].sum()))
+        self.count_coded(record.name, chunk, raw_offset, raw.size, hi - lo, stats, rounded)
+        return chunk, decoded
+
+    def count_coded(self, name: str, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
+                    elements: int, stats: np.ndarray, rounded: np.ndarray | None = None) -> None:
+        """Account a quant-coded chunk of tensor ``name`` with the kernels' block statistics
+        ``stats``: its squared error in the running values (carried into the next delta's
+        steps) and its class's statistics, of the values restored (``rounded``, for a tensor of
+        a 16-bit dtype: those of the running values rounded to it, one row)."""
+        error = float(stats[:, STAT_SUM_SQ_ERR].sum())
+        with self._lock:
+            self._errors[name] = self._errors.get(name, 0.0) + error
+        self._count(self._plans[name], chunk, raw_offset, raw_bytes, elements,
+                    stats=stats if rounded is None else rounded)
+
+    def count_exact(self, name: str, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
+                    elements: int) -> None:
+        """Account a chunk of tensor ``name`` stored exactly."""
+        self._count(self._plans[name], chunk, raw_offset, raw_bytes, elements, exact=True)
+
+    def _cast(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
+              lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
+        """A chunk of a 16-bit parameter taken from its master's reconstruction, which
+        :func:`writer.write_data` has finished before (``coded_last``)."""
+        decoded = dtype_bytes(host_array(self._values[plan.cast_of][lo:hi]), record.dtype)
+        x, y = float32_values(raw, record.dtype), float32_values(decoded, record.dtype)
+        stats = _error_stats(x, y, int(np.count_nonzero(y != x)))
+        chunk = encode_cast(plan.cast_of)
+        self._keep_exact(record, plan, decoded, lo, hi)
+        self._count(plan, chunk, raw_offset, raw.size, hi - lo, stats=stats)
+        return chunk, decoded
+
+    def _absmax(self, record: TensorRecord, plan: _Plan, raw_offset: int, raw: np.ndarray,
+                lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
+        """A chunk of the ``absmax`` of a bnb8-coded moment: derived from the moment's running
+        values, coded before (``coded_last``)."""
+        blocksize = self._plans[plan.absmax_of].bnb.blocksize
+        values = self._values[plan.absmax_of][lo * blocksize : hi * blocksize]
+        decoded = block_absmax(values, blocksize).view(np.uint8)
+        chunk = encode_absmax(plan.absmax_of)
+        self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
+        return chunk, decoded
+
+    @property
+    def coded_last(self) -> dict[str, int]:
+        """``name -> phase`` of the tensors whose chunks are coded from other tensors'
+        reconstruction (casts of master copies, first moments scaled by second ones: 1; the
+        ``absmax`` of a bnb8-coded moment: one after the moment's):
+        :func:`writer.write_data` codes each phase after the ones before."""
+        phases = {name: 1 for name, plan in self._plans.items()
+                  if plan.cast_of is not None or plan.scale is not None}
+        for name, plan in self._plans.items():
+            if plan.absmax_of is not None:
+                phases[name] = phases.get(plan.absmax_of, 0) + 1
+        return phases
+
+    def _keep_exact(self, record: TensorRecord, plan: _Plan, raw: np.ndarray, lo: int,
+                    hi: int) -> None:
+        """Record the running values of a tensor's chunk stored exactly (or cast): later deltas
+        may code against them."""
+        if not plan.lossy or not self.keep:
+            return
+        with self._lock:
+            if record.name not in self._values:
+                self._values[record.name] = np.empty(self._numel[record.name], np.float32)
+            values = self._values[record.name]
+        dequantized = self._dequantized.get(record.name)  # a bitsandbytes 8-bit moment's
+        exact = dequantized[lo:hi] if dequantized is not None else float32_values(raw,
+                                                                                   record.dtype)
+        if isinstance(values, np.ndarray):
+            values[lo:hi] = exact
+        else:  # kept on a device
+            values[lo:hi].copy_(torch.from_numpy(exact))
+
+    def _count(self, plan: _Plan, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
+               elements: int, *, exact: bool = False, stats: np.ndarray | None = None) -> None:
+        key = plan.cls if plan.cls is not None and not plan.quantizer.exact else "exact"
+        # the chunk's sums and maxima over its blocks, outside the lock the threads share
+        totals, peaks = (stats.sum(axis=0), stats.max(axis=0)) if stats is not None else (None, None)
+        with self._lock:
+            c = self._stats.setdefault(key, _ClassStats())
+            c.tensors += raw_offset == 0
+            c.elements += elements
+            c.raw_bytes += raw_bytes
+            c.stored_bytes += chunk.length
+            if exact:
+                c.exact_elements += elements
+            if totals is not None:
+                c.nonzero += int(totals[STAT_NONZERO])
+                c.max_abs_error = max(c.max_abs_error, float(peaks[STAT_MAX_ABS]))
+                if plan.quantizer.domain == "ordinal":
+                    c.max_rel_error = max(c.max_rel_error or 0.0, float(peaks[STAT_MAX_REL]))
+                c.sum_sq_err += float(totals[STAT_SUM_SQ_ERR])
+                c.sum_sq += float(totals[STAT_SUM_SQ])
+
+    @property
+    def class_stats(self) -> dict[str, _ClassStats]:
+        """The error statistics of this process's chunks, per tensor class."""
+        return self._stats
+
+    def summary(self, ranks: list[dict[str, _ClassStats]] | None = None) -> dict:
+        """What the step's ``stats`` record: per-class statistics and, for a delta, the config.
+
+        ``ranks``: every rank's :attr:`class_stats` in a distributed save,
+        merged into the step's (default: this process's alone).
+        """
+        merged: dict[str, _ClassStats] = {}
+        for stats in ranks if ranks is not None else [self._stats]:
+            for key, c in stats.items():
+                merged.setdefault(key, _ClassStats()).merge(c)
+        out: dict = {"classes": {k: v.as_json() for k, v in sorted(merged.items())}}
+        if self.is_delta:
+            compression = self.config.describe()
+            compression["scale"] = self.scale
+            if self.controller is not None:
+                compression["at_max_error"] = self.controller.at_floor
+            if self.unknown_state_keys:
+                compression["exact_state_keys"] = self.unknown_state_keys
+            out["compression"] = compression
+        return out
+
+    def reconstruction(self, step: int, save_id: str) -> Reconstruction | None:
+        """The reconstruction a reader has after this save, once it is committed."""
+        if not self.keep:
+            return None
+        deltas = self.base.deltas + 1 if self.base is not None else 0
+        errors = {name: total / self._numel[name] for name, total in self._errors.items()}
+        chain = (self.base.chain if self.base is not None else []) + [step]
+        scaled = frozenset(name for name, plan in self._plans.items() if plan.scale is not None)
+        return Reconstruction(step, deltas, self.layout, self._values, save_id, errors, chain,
+                              scaled=scaled)
+
+    def learn(self) -> None:
+        """Tell the target-ratio controller what this save stored."""
+        if self.controller is not None and self.estimated_bits is not None:
+            exact = self._stats.get("exact")
+            coded = sum(c.stored_bytes for k, c in self._stats.items() if k != "exact")
+            self.controller.update(self.estimated_bits, coded, exact.stored_bytes if exact else 0)

@@ -1,0 +1,488 @@
+"""Compression policy: which tensors a delta step quantizes, how finely, and to what ratio.
+
+A delta step codes each tensor by its class (:func:`tensor_class`), and each
+class's error is bounded in a unit that keeps its meaning from run to run:
+
+* ``weights`` (float parameters, and the float32 master copies
+  mixed-precision optimizers keep of them): closed-loop residual against
+  the reconstruction of the previous step, dithered, with a step in units of
+  how far the optimizer moves the weight in one training step
+  (:func:`deltackpt.encode.optimizers.movement_units`: for Adam ``lr`` times the
+  root mean square of its update, ``lr / sqrt(step)`` for Adagrad, ``lr``
+  times the momentum's root mean square for SGD with momentum), and at most
+  a fraction of the tensor's root mean square;
+* ``first_moment`` (Adam's ``exp_avg``, SGD's and RMSprop's
+  ``momentum_buffer``): coded from zero, dithered (unbiased, never zeroed
+  wholesale), with a step in units of the update it drives: per element
+  ``sqrt(exp_avg_sq) + eps`` for Adam, the tensor's root mean square
+  otherwise;
+* ``second_moment`` (``exp_avg_sq``, ``max_exp_avg_sq``, RMSprop's
+  ``square_avg``, Adagrad's ``sum``): ordinal domain, i.e. a bounded relative
+  error, against the previous reconstruction, dithered so that slow growth
+  or decay is never coded as "no change" (the error is unbiased);
+* ``buffers`` (BatchNorm running statistics and other float buffers):
+  exact unless configured otherwise;
+* everything else (integers, scalars such as Adam's ``step``, optimizer
+  state whose meaning is not known, RNG states, ``extra``, tensors with
+  non-finite values) is stored exactly.
+
+A :class:`Quantizer` gives a class its step. With ``target_ratio`` the
+library scales every step by one factor, chosen per save from the sampled
+entropy of the symbols it would produce and corrected by what the previous
+saves actually achieved, never beyond ``max_error``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from deltackpt.codecs.cast import MASTER_KEYS
+from deltackpt.encode.optimizers import FIRST_MOMENTS, SECOND_MOMENTS
+from deltackpt.errors import ConfigError
+from deltackpt.format.dtypes import DTypeSpec
+from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, numpy_keys
+
+CLASSES = ("weights", "first_moment", "second_moment", "buffers")
+LOSSY_DTYPES = ("float32", "bfloat16", "float16")
+# Tensors smaller than this are stored exactly: coding them saves nothing.
+MIN_LOSSY_ELEMENTS = 16
+BINADE_KEYS = 1 << 23  # ordinal keys between one power of two and the next
+SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate sizes
+DEFAULT_MAX_SCALE = 4.0  # target_ratio never scales the configured errors beyond this by default
+
+
+def _positive(value: float | None, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not (math.isfinite(value) and value > 0)):
+        raise ConfigError(f"{what} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """How one class of tensors is coded in delta steps.
+
+    Args:
+        step: quantization step where no unit below applies. Linear domain: a
+            multiple of the root mean square of the coded values (residuals
+            for ``pred="base"``); the error is then at most ``step / 2`` of
+            it. Ordinal domain: a fraction of a binade, so the relative error
+            is at most about ``step / 2`` binades (1.0: within a factor
+            ``sqrt(2)``).
+        density: instead of ``step``, the fraction of coded values that
+            should stay non-zero (linear domain); the step is then set from
+            a sampled quantile of the values.
+        domain: ``"linear"`` (absolute error <= step / 2) or ``"ordinal"``
+            (relative error; for positive or wide-ranging values).
+        pred: ``"base"`` codes the residual against the previous step's
+            reconstruction (closed loop), ``"zero"`` codes the value itself.
+        move_step: weights: the step as a multiple of how far the optimizer
+            moves the weight in one training step (:func:`movement_units`),
+            used instead of ``step``/``density`` where that is known. A
+            restored weight is then within ``move_step / 2`` training steps'
+            worth of movement of the saved one, however many steps apart the
+            saves are. A step relative to the change since the last save
+            grows with that interval, and so does the error.
+        rel_step: weights: the most the step may be, as a multiple of the
+            root mean square of the tensor's values: a restored weight then
+            also stays within ``rel_step / 2`` of the tensor's typical
+            magnitude, which bounds how much a layer's output changes. It
+            binds early in training, while weights are small against how
+            far each step moves them.
+        update_step: first moments (``pred="zero"``): the step as a multiple
+            of the update the moment drives. Adam's ``exp_avg``, where its
+            ``exp_avg_sq`` is coded lossily too: each element's step is
+            ``update_step * (sqrt(exp_avg_sq) + eps)`` (the reconstructed
+            ``exp_avg_sq`` of the same save; FORMAT.md 3.2, scaled steps),
+            so each element's restored update ``exp_avg / (sqrt(exp_avg_sq)
+            + eps)`` is within ``update_step / 2`` learning rates of the
+            saved one. Other first moments (SGD's momentum, whose update is
+            ``lr * momentum_buffer``): ``update_step`` times the tensor's
+            root mean square.
+        dither: shift each element's quantization grid by its own
+            pseudo-random fraction of a step (FORMAT.md 3.2, ``dither``),
+            which makes the error uniform, unbiased and independent of how
+            the values moved. Coded against the base, the grid is shifted in
+            the first delta after a full step or a load and stays shifted,
+            so elements that do not move still cost nothing; coded from
+            zero, every delta dithers anew. Without it a restored weight
+            lags behind its recent movement, and a slowly growing second
+            moment stays at its old value (resumed training loses both).
+        exact: store the class losslessly in every step instead.
+    """
+
+    step: float | None = 1.0
+    density: float | None = None
+    move_step: float | None = None
+    rel_step: float | None = None
+    update_step: float | None = None
+    domain: Literal["linear", "ordinal"] = "linear"
+    pred: Literal["base", "zero"] = "base"
+    dither: bool = True
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.domain not in ("linear", "ordinal"):
+            raise ConfigError(f"Quantizer domain must be 'linear' or 'ordinal', got {self.domain!r}")
+        if self.pred not in ("base", "zero"):
+            raise ConfigError(f"Quantizer pred must be 'base' or 'zero', got {self.pred!r}")
+        if self.exact:
+            return
+        if (self.step is None) == (self.density is None):
+            raise ConfigError("give a Quantizer exactly one of step= and density=")
+        _positive(self.step, "Quantizer step")
+        if self.domain == "ordinal" and self.dither and self.step is not None \
+                and self.step * BINADE_KEYS > MAX_DITHERED_KEY_STEP:
+            raise ConfigError(f"a dithered ordinal Quantizer step is at most "
+                              f"{MAX_DITHERED_KEY_STEP // BINADE_KEYS} binades, got {self.step!r}")
+        if self.density is not None:
+            if not 0 < self.density <= 1:
+                raise ConfigError(f"Quantizer density must be in (0, 1], got {self.density!r}")
+            if self.domain != "linear":
+                raise ConfigError("Quantizer density= needs the linear domain")
+        for key, pred in (("move_step", "base"), ("rel_step", "base"), ("update_step", "zero")):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            _positive(value, f"Quantizer {key}")
+            if (self.domain, self.pred) != ("linear", pred):
+                raise ConfigError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
+
+    @property
+    def dithers(self) -> bool:
+        """Whether ``dither`` applies (a lossy quantizer)."""
+        return self.dither and not self.exact
+
+
+EXACT = Quantizer(exact=True)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """What delta steps keep: a quantizer per tensor class, overrides, and an optional target.
+
+    Use a preset (``CompressionConfig.preset("balanced")``, or just the
+    name where an API takes a config) and adjust it with
+    :func:`dataclasses.replace`, or build one from scratch.
+
+    Args:
+        weights, first_moment, second_moment, buffers: the quantizer of each
+            class (see the module doc; ``buffers`` is exact by default).
+        overrides: ``{pattern: quantizer}``; a tensor whose universal name
+            (``model/<fqn>``, ``optimizer/state/<fqn>/<key>``) or FQN
+            matches the shell-style ``pattern`` uses that quantizer
+            (first match wins). E.g. ``{"model/tok.*": EXACT}``. A pattern
+            that matches no tensor of a save is an error.
+        target_ratio: aim for this ratio of raw to stored bytes on every
+            delta step by scaling all steps by one factor; the achieved
+            ratio is recorded per step.
+        max_error: the ceiling of that factor, as the largest error of a
+            weight in training steps' worth of its movement (the unit of
+            ``weights.move_step``, whose error is ``move_step / 2``): the
+            scaled steps never exceed ``max_error / (weights.move_step /
+            2)`` times the configured ones, for every class alike (default:
+            four times the configured ones). Where the target cannot be met
+            within it, the save stays at this floor and says so
+            (``SaveInfo.at_max_error``, the step's metadata, one warning per
+            manager).
+        deltas: False makes every save a full lossless checkpoint.
+        block: elements per block of the packed symbol stream.
+        name: the preset this config came from (recorded in the metadata).
+    """
+
+    weights: Quantizer = Quantizer(step=1.0, move_step=32.0, rel_step=0.25)
+    first_moment: Quantizer = Quantizer(step=1.4, update_step=1.4, pred="zero")
+    second_moment: Quantizer = Quantizer(step=2.0, domain="ordinal")
+    buffers: Quantizer = EXACT
+    overrides: Mapping[str, Quantizer] = field(default_factory=dict)
+    target_ratio: float | None = None
+    max_error: float | None = None
+    deltas: bool = True
+    block: int = 1024
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        _positive(self.target_ratio, "target_ratio")
+        if self.target_ratio is not None and self.target_ratio <= 1:
+            raise ConfigError(f"target_ratio must be a number above 1, got {self.target_ratio!r}")
+        _positive(self.max_error, "max_error")
+        if not isinstance(self.block, int) or not 64 <= self.block <= 1 << 20:
+            raise ConfigError(f"block must be an integer in [64, 2**20], got {self.block!r}")
+        for cls in CLASSES:
+            if not isinstance(getattr(self, cls), Quantizer):
+                raise ConfigError(f"{cls} must be a Quantizer, got {getattr(self, cls)!r}")
+        for pattern, quantizer in self.overrides.items():
+            if not isinstance(pattern, str) or not isinstance(quantizer, Quantizer):
+                raise ConfigError(f"overrides maps name patterns to Quantizer, got "
+                                  f"{pattern!r}: {quantizer!r}")
+
+    @classmethod
+    def preset(cls, name: str) -> CompressionConfig:
+        """``"lossless"``, ``"balanced"`` (the default) or ``"aggressive"``."""
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ConfigError(f"unknown compression preset {name!r}; "
+                              f"choose one of {sorted(PRESETS)}") from None
+
+    @property
+    def max_scale(self) -> float:
+        """The largest factor ``target_ratio`` may scale the steps by (see ``max_error``)."""
+        move_step = self.weights.move_step if not self.weights.exact else None
+        if self.max_error is None or not move_step:
+            return DEFAULT_MAX_SCALE
+        return self.max_error / (move_step / 2)
+
+    def quantizer_for(self, name: str, fqn: str | None, cls: str | None) -> Quantizer:
+        """The quantizer of one tensor: an override that matches it, else its class's."""
+        pattern = self.override_for(name, fqn)
+        if pattern is not None:
+            return self.overrides[pattern]
+        return EXACT if cls is None else getattr(self, cls)
+
+    def override_for(self, name: str, fqn: str | None) -> str | None:
+        """The first override pattern matching a tensor's name or FQN, if any."""
+        for pattern in self.overrides:
+            if fnmatch.fnmatchcase(name, pattern) or (fqn is not None
+                                                       and fnmatch.fnmatchcase(fqn, pattern)):
+                return pattern
+        return None
+
+    def describe(self) -> dict:
+        """A JSON summary for step metadata."""
+        def q(quantizer: Quantizer) -> dict:
+            out = {k: v for k, v in vars(quantizer).items()
+                   if k != "dither" and v is not None and v is not False}
+            return {**out, "dither": True} if quantizer.dithers else out
+        out = {"name": self.name, "block": self.block,
+               **{c: q(getattr(self, c)) for c in CLASSES}}
+        if self.overrides:
+            out["overrides"] = {p: q(v) for p, v in self.overrides.items()}
+        if self.target_ratio is not None:
+            out.update(target_ratio=self.target_ratio, max_scale=self.max_scale)
+            if self.max_error is not None:
+                out["max_error"] = self.max_error
+        return out
+
+
+# The presets' steps are in units of what each class drives (module doc), chosen on the matrix
+# of bench/fidelity.py (models, optimizers, intervals, early to late restore points), not on one
+# run. balanced restores a weight within 16 steps' worth of its movement and within 12% of its
+# tensor's root mean square (the second binds early in training, when weights are small
+# against a step's movement: without it, restores right after warm-up cost 2.6% of loss), the
+# update a first moment drives within 0.7 of a learning rate (noisy but unbiased, never zero;
+# within one, an early restore cost 0.5-0.55% of loss over three seeds), and a second moment
+# within one binade of its keys (its update within a factor sqrt(2)). aggressive allows three
+# times the weights' movement, twice their relative error and a first moment within one
+# learning rate. Coarser moments cost more than they saved: a first moment within two learning
+# rates lost 2-3% of loss in early restores, a second moment within four binades 0.7-0.9%;
+# within two, its median drifted to 1.12 over five restores with beta2 = 0.999 (an error
+# uniform in log has a mean above 1, 1.35x for two binades and 1.08x for one, and the
+# optimizer averages it linearly).
+PRESETS = {
+    "lossless": CompressionConfig(deltas=False, name="lossless"),
+    "balanced": CompressionConfig(name="balanced"),
+    "aggressive": CompressionConfig(weights=Quantizer(step=2.0, move_step=96.0, rel_step=0.5),
+                                    first_moment=Quantizer(step=2.0, update_step=2.0, pred="zero"),
+                                    name="aggressive"),
+}
+
+
+def as_config(compression: str | CompressionConfig) -> CompressionConfig:
+    """A config from a preset name or a config."""
+    if isinstance(compression, CompressionConfig):
+        return compression
+    if isinstance(compression, str):
+        return CompressionConfig.preset(compression)
+    raise TypeError(f"compression must be a preset name or a CompressionConfig, "
+                    f"got {type(compression).__name__}")
+
+
+def tensor_class(role: str, state_key: str | None, spec: DTypeSpec, numel: int) -> str | None:
+    """The class a tensor is coded by in delta steps, or None if it is always stored exactly."""
+    if spec.name not in LOSSY_DTYPES or numel < MIN_LOSSY_ELEMENTS:
+        return None
+    if role == "param":
+        return "weights"
+    if role == "buffer":
+        return "buffers"
+    if role != "optimizer" or state_key is None:
+        return None
+    if state_key in MASTER_KEYS:  # a float32 master copy of a parameter is that parameter
+        return "weights"
+    if state_key in FIRST_MOMENTS:
+        return "first_moment"
+    if state_key in SECOND_MOMENTS:
+        return "second_moment"
+    return None
+
+
+def sample_stride(numel: int) -> int:
+    """Stride that samples about SAMPLE_ELEMENTS elements of a tensor."""
+    return max(1, numel // SAMPLE_ELEMENTS)
+
+
+def sample_values(xs: np.ndarray, ps: np.ndarray | None, ordinal: bool) -> np.ndarray:
+    """What the quantizer codes for sampled values ``xs`` and predictions ``ps``: residuals,
+    as float64 or as ordinal keys."""
+    if ordinal:
+        ks = numpy_keys(xs)
+        return ks - numpy_keys(ps) if ps is not None else ks
+    xs = xs.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf: non-finite samples are dropped later
+        return xs - ps if ps is not None else xs
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a quantizer codes at a tensor's sampled elements (:func:`sample_values`), with the
+    dither offsets of those elements (None undithered), to estimate the symbols' entropy."""
+
+    values: np.ndarray
+    dither: np.ndarray | None
+    ordinal: bool
+
+    def bits(self, step: float) -> float:
+        """Order-0 entropy, bits per element, of the symbols the sample quantizes to at
+        ``step``, as the kernels choose them (FORMAT.md 3.2; dithered grids included: a
+        dither turns small residuals into symbols of 1 as often as they cover the step)."""
+        u = 0.0 if self.dither is None else self.dither.astype(np.float64)
+        if self.ordinal:
+            step = float(max(round(step), 1))
+            q = np.rint((self.values - (np.floor((u + 0.5) * step) - np.floor(step / 2))) / step)
+        else:
+            q = np.rint(self.values / step + u)
+        q = q[np.isfinite(q)]
+        if q.size == 0:
+            return 0.0
+        q = np.clip(q, -4096, 4096).astype(np.int64) + 4096
+        counts = np.bincount(q)
+        p = counts[counts > 0] / q.size
+        return float(-(p * np.log2(p)).sum())
+
+
+def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:
+    """Whether :func:`base_step` needs a sample of the values to choose ``quantizer``'s step:
+    of what it codes (:func:`needs_residuals`), or of the values' root mean square."""
+    return needs_residuals(quantizer, unit) or (quantizer.domain == "linear"
+                                                and quantizer.rel_step is not None)
+
+
+def needs_residuals(quantizer: Quantizer, unit: float | None) -> bool:
+    """Whether :func:`base_step` needs a sample of what ``quantizer`` codes (else the step
+    follows from the movement ``unit`` and the values' root mean square)."""
+    return quantizer.domain == "linear" and (quantizer.move_step is None or unit is None)
+
+
+def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
+              unit: float | None = None, value_rms: float | None = None) -> float:
+    """The step ``quantizer`` asks for, before any target-ratio scaling.
+
+    ``sample`` (what the quantizer codes, at sampled elements) may be None
+    where :func:`needs_sample` says it is not used. ``unit`` is how far the
+    optimizer moves the tensor in one training step, if known
+    (:func:`deltackpt.encode.optimizers.movement_units`, for
+    ``Quantizer.move_step``). A first moment's ``update_step`` (unscaled) is
+    relative to the root mean square of the sample: the moment itself.
+    ``carried_error`` is the mean squared error the previous save left in
+    the prediction. A closed-loop residual is the change since that save
+    plus this error; the step follows the change alone, so the error a
+    delta leaves does not feed back into the next delta's step and stays
+    the same however long the chain. ``value_rms`` is the root mean square
+    of the tensor's values (for ``Quantizer.rel_step``).
+    """
+    if quantizer.domain == "ordinal":
+        return quantizer.step * BINADE_KEYS
+    if quantizer.move_step is not None and unit is not None:
+        step = quantizer.move_step * unit
+        if quantizer.rel_step is not None and value_rms:
+            step = min(step, quantizer.rel_step * value_rms)
+        return step
+    finite = sample[np.isfinite(sample)]
+    if finite.size == 0:
+        return 0.0
+    if quantizer.density is not None:
+        mags = np.abs(finite)
+        k = min(mags.size - 1, int(mags.size * (1 - quantizer.density)))
+        return 2 * float(np.partition(mags, k)[k])
+    mean_sq = float(np.mean(finite * finite))
+    if quantizer.update_step is not None:
+        return quantizer.update_step * mean_sq ** 0.5
+    change_sq = max(mean_sq - carried_error, mean_sq / 16)
+    return quantizer.step * change_sq ** 0.5
+
+
+def finalize_step(step: float, ordinal: bool) -> float | int:
+    """A step the kernels accept: an integer key count, or a positive float32 value."""
+    if ordinal:
+        return int(min(max(round(step), 1), MAX_KEY))
+    step32 = float(np.float32(step))
+    if not (math.isfinite(step32) and step32 > 0):
+        step32 = float(np.finfo(np.float32).tiny)
+    return step32
+
+
+@dataclass
+class ScaleController:
+    """Chooses the factor on every step that meets ``target_ratio``, save after save.
+
+    Estimates come from sampled symbol entropies. Two things are learnt from
+    each save: how many bytes the coder actually spent per estimated bit
+    (``correction``), and what the exactly stored tensors took
+    (``exact_bytes``), so the target is met within a few saves even where
+    order-0 entropy misjudges the coder. The factor never exceeds
+    ``max_scale`` (:attr:`CompressionConfig.max_scale`): where the target
+    needs more, the save stays at that floor and ``at_floor`` says so.
+    """
+
+    target_ratio: float
+    max_scale: float = math.inf
+    correction: float = 1.15
+    exact_bytes: int | None = None
+    at_floor: bool = False
+    SCALES: tuple[float, ...] = tuple(2.0 ** (k / 16) for k in range(-64, 65))
+
+    def choose(self, samples: list[tuple[Sample, float, int]], raw_bytes: int,
+               exact_raw_bytes: int) -> tuple[float, float]:
+        """The factor whose estimated size is closest to the target, and its estimated bits.
+
+        ``samples`` holds, per quantized tensor, its sample, its unscaled
+        step and its element count; ``exact_raw_bytes`` the raw size of what
+        is stored exactly (used until a save has shown what it takes).
+        The estimate falls as the factor grows, so the factor is bisected.
+        """
+        budget = raw_bytes / self.target_ratio
+        exact = self.exact_bytes if self.exact_bytes is not None else exact_raw_bytes
+        scales = [s for s in self.SCALES if s <= self.max_scale] or [self.max_scale]
+
+        def bits_at(scale: float) -> float:
+            return sum(s.bits(step * scale) * n for s, step, n in samples if step > 0)
+
+        def size_at(scale: float) -> float:
+            return exact + self.correction * bits_at(scale) / 8
+
+        lo, hi = 0, len(scales) - 1
+        while lo < hi:  # first scale whose estimate fits the budget (the last one if none does)
+            mid = (lo + hi) // 2
+            if size_at(scales[mid]) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        self.at_floor = lo == len(scales) - 1 and size_at(scales[lo]) > budget
+        if lo > 0 and size_at(scales[lo]) > 0 and math.log(
+                size_at(scales[lo - 1]) / budget) < math.log(budget / size_at(scales[lo])):
+            lo -= 1  # the finer neighbour overshoots the budget by less than this one undershoots
+        return scales[lo], bits_at(scales[lo])
+
+    def update(self, estimated_bits: float, coded_bytes: int, exact_bytes: int) -> None:
+        """Learn from the last save: bytes of its quantized chunks against their estimated
+        bits, and bytes of its exactly stored chunks."""
+        self.exact_bytes = exact_bytes
+        if estimated_bits > 0 and coded_bytes > 0:
+            observed = 8 * coded_bytes / estimated_bits
+            self.correction = min(4.0, max(0.5, 0.5 * self.correction + 0.5 * observed))

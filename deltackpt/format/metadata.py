@@ -1,0 +1,614 @@
+"""Step metadata: the data model of docs/FORMAT.md, its JSON form and its validation.
+
+Everything read from disk passes through :func:`parse_step_metadata`, which
+checks the metadata's checksum, then types, ranges and cross references
+(byte ranges against the data files, the state tree against the tensors)
+before any tensor is touched, so a damaged, foreign or hostile file fails
+with a message naming the file and the field, and nothing is allocated on
+the word of an unchecked number.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import reprlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from deltackpt.errors import CorruptionError, FormatError, NotACheckpointError
+from deltackpt.format.dtypes import spec_named
+from deltackpt.format.tree import check_tree
+
+FORMAT_NAME = "deltackpt"
+FORMAT_VERSION = "1.7"
+ROOT_MARKER = "deltackpt.json"
+METADATA_FILE = "metadata.json"
+STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
+DATA_FILE_PATTERN = re.compile(r"d-[0-9a-f]+-r[0-9]+-[0-9]+\.bin")
+XXH3_PATTERN = re.compile(r"[0-9a-f]{16}")
+ROLES = ("param", "buffer", "optimizer", "rng", "extra")  # minor versions may add more
+KINDS = ("full", "delta")
+CHECKSUM_KEY = "xxh3"  # the metadata's own checksum: its last member (FORMAT.md 2)
+CHECKSUM_SINCE = (1, 7)
+_SEAL = re.compile(rb',"xxh3":"([0-9a-f]{16})"\}')
+MAX_INT = 2**63 - 1  # integer fields of the metadata are int64
+MAX_ROOT_MARKER_BYTES = 4096
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a compressed metadata.json starts with it (FORMAT.md 2)
+MAX_METADATA_BYTES = 1 << 28  # of a metadata.json's JSON text, compressed or not
+MAX_METADATA_INFLATION = 64  # of a compressed one's text over its frame
+LOSSLESS_CODECS = ("raw", "zstd", "huffman", "byteplane")
+DELTA_CODECS = ("quant", "cast", "bnb8")  # delta steps only (FORMAT.md 3)
+# No chunk of a lossless codec decodes to more than this many bytes per stored byte: a zstd block
+# of 128 KiB takes at least 4 bytes, a huffman block of 65536 symbols 2.
+MAX_EXPANSION = 1 << 15
+MAX_STATS_DEPTH = 16  # nesting of the informative stats' objects
+MAX_STATE_DEPTH = 70  # nesting of ``state`` (itself level 1): tagged values of 64 levels fit
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of ``step``."""
+    return f"step-{step:012d}"
+
+
+def metadata_file(step: int) -> str:
+    """The path of ``step``'s metadata file in its checkpoint directory."""
+    return f"{step_dir_name(step)}/{METADATA_FILE}"
+
+
+def data_file_name(save_id: str, rank: int, seq: int) -> str:
+    """Name of the ``seq``-th data file that ``rank`` writes during save ``save_id``."""
+    return f"d-{save_id}-r{rank:05d}-{seq:03d}.bin"
+
+
+def escape_component(name: str) -> str:
+    """Escape one tensor-name component as JSON Pointer does (``~``→``~0``, ``/``→``~1``)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def tensor_name(*components: str) -> str:
+    """The unique name of a tensor at this path of the state (FORMAT.md 2.3)."""
+    return "/".join(escape_component(c) for c in components)
+
+
+@dataclass
+class Chunk:
+    """A contiguous byte range of a fragment, coded on its own."""
+
+    file: int
+    offset: int
+    length: int
+    raw_offset: int
+    raw_length: int
+    codec: str
+    params: dict[str, Any]
+    xxh3: str
+    raw_xxh3: str
+
+
+@dataclass
+class Fragment:
+    """A dense box of a global tensor and the chunks that hold its bytes."""
+
+    offsets: list[int]
+    sizes: list[int]
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the box."""
+        return math.prod(self.sizes)
+
+
+@dataclass
+class TensorRecord:
+    """One tensor of a step, in global coordinates."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: list[int]
+    fqn: str | None = None
+    state_key: str | None = None
+    alias_of: str | None = None
+    fragments: list[Fragment] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the global tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Raw size of the global tensor."""
+        return self.numel * spec_named(self.dtype, self.name).itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes its chunks take on disk."""
+        return sum(c.length for f in self.fragments for c in f.chunks)
+
+    @property
+    def codecs(self) -> list[str]:
+        """Distinct codecs of its chunks, in order of first use."""
+        return list(dict.fromkeys(c.codec for f in self.fragments for c in f.chunks))
+
+
+@dataclass
+class DataFile:
+    """A data file of the step, relative to the step directory."""
+
+    name: str
+    rank: int
+    size: int
+
+
+@dataclass
+class StepStats:
+    """Sizes and timing of a save."""
+
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    classes: dict[str, dict[str, Any]] | None = None  # per tensor class of a delta (FORMAT.md 2.4)
+    compression: dict[str, Any] | None = None  # the config, scale and target of a delta
+
+
+@dataclass
+class StepMetadata:
+    """Everything ``step-N/metadata.json`` holds."""
+
+    step: int
+    kind: str
+    base_step: int | None
+    save_id: str
+    created: str
+    library_version: str
+    world_size: int
+    files: list[DataFile]
+    tensors: list[TensorRecord]
+    state: dict[str, Any]
+    stats: StepStats
+    format_version: str = FORMAT_VERSION
+
+    def tensor(self, name: str) -> TensorRecord:
+        """The record named ``name``."""
+        for record in self.tensors:
+            if record.name == name:
+                return record
+        raise KeyError(f"step {self.step} has no tensor {name!r}")
+
+    def to_json(self) -> str:
+        """Serialize as the metadata file's text, checksum included."""
+        fields = {k: v for k, v in vars(self).items() if k != "format_version"}
+        body = {"format": FORMAT_NAME, "format_version": self.format_version, **fields}
+        # Compact separators keep json on its C encoder: metadata of big models has many chunks.
+        return seal_json(json.dumps(body, separators=(",", ":"), allow_nan=False, default=vars))
+
+
+Layout = dict[str, tuple[str, str, tuple[int, ...]]]
+
+
+def layout_of(meta: StepMetadata) -> Layout:
+    """Role, dtype and shape of every stored (non-alias) tensor of a step."""
+    return {r.name: (r.role, r.dtype, tuple(r.shape)) for r in meta.tensors if r.alias_of is None}
+
+
+def seal_json(text: str) -> str:
+    """``text``, the compact JSON of a non-empty object, with its checksum appended as the
+    object's last member (FORMAT.md 2): ``"xxh3":"<xxh3-64 of every byte before it>"``."""
+    head = text[:-1] + ","
+    return f'{head}"{CHECKSUM_KEY}":"{xxhash.xxh3_64_hexdigest(head.encode())}"}}'
+
+
+def check_seal(data: bytes, where: str) -> bool:
+    """Whether the JSON text ``data`` ends with a checksum member (FORMAT.md 2); raises
+    :class:`CorruptionError` when it does and the bytes before it do not match it."""
+    match = _SEAL.match(data, max(0, len(data) - 27))
+    if match is None or match.end() != len(data):
+        return False
+    if xxhash.xxh3_64_hexdigest(data[: match.start() + 1]) != match.group(1).decode():
+        raise CorruptionError(f"{where}: checksum mismatch (the metadata file is damaged)")
+    return True
+
+
+def _not_json(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
+
+
+def load_json(data: bytes, where: str) -> Any:
+    """Parse untrusted JSON: UTF-8 text, strict JSON (no ``NaN`` or ``Infinity``, no number
+    that overflows a float), nested no deeper than the parser's recursion allows. Raises
+    :class:`FormatError` naming ``where`` otherwise."""
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise FormatError(f"{where}: not valid JSON (nested too deep)") from None
+    except ValueError as exc:  # malformed JSON or UTF-8, integers of over 4300 digits, the hooks'
+        raise FormatError(f"{where}: not valid JSON ({exc})") from None
+
+
+def check_format_version(version: Any, where: str) -> tuple[int, int]:
+    """``(major, minor)`` of a ``format_version``; refuses a missing, malformed or newer-major one."""
+    ours = int(FORMAT_VERSION.split(".")[0])
+    match = re.fullmatch(r"(\d{1,9})\.(\d{1,9})", version) if isinstance(version, str) else None
+    if match is None:
+        raise FormatError(f"{where}: format_version {version!r} is not 'MAJOR.MINOR'")
+    if int(match.group(1)) != ours:
+        raise FormatError(f"{where}: written in format {version}, this deltackpt reads major "
+                          f"version {ours} (format {FORMAT_VERSION}); upgrade deltackpt to read it")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_root_marker(data: bytes, where: str) -> None:
+    """Check the text of a root marker ``deltackpt.json`` (FORMAT.md 1): a foreign or damaged
+    one raises :class:`NotACheckpointError`, one of a newer major version :class:`FormatError`."""
+    try:
+        marker = load_json(data, where)
+    except FormatError as exc:
+        raise NotACheckpointError(str(exc)) from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
+        raise NotACheckpointError(f"{where}: not a deltackpt marker")
+    check_format_version(marker.get("format_version"), where)
+
+
+class _Fields:
+    """Typed access to one JSON object. Errors name the field; the parser adds where the object
+    is (:func:`_located`) only when one is raised, so valid metadata pays for no messages."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        if not isinstance(obj, dict):
+            raise FormatError(f"expected an object, found {type(obj).__name__}")
+        self.obj = obj
+
+    def get(self, key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
+        value = self.obj.get(key)
+        # JSON values are exactly these classes, so an identity test suffices (and keeps bools
+        # out of int fields): the fast path of metadata with thousands of chunks.
+        cls = value.__class__
+        if cls is types or (types.__class__ is tuple and cls in types):
+            return value
+        if value is None and optional:
+            return None
+        raise FormatError(f"field {key!r} is {shown(value)}, expected {types}")
+
+    def nonneg(self, key: str, optional: bool = False) -> int | None:
+        value = self.get(key, int, optional)
+        if value is not None and not 0 <= value <= MAX_INT:
+            raise FormatError(f"field {key!r} is {shown(value)}, not an integer in [0, 2**63)")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        value = self.get(key, list)
+        for v in value:
+            if v.__class__ is not int or not 0 <= v <= MAX_INT:
+                raise FormatError(f"field {key!r} must hold integers in [0, 2**63), found "
+                                  f"{shown(value)}")
+        return value
+
+
+def shown(value: Any) -> str:
+    """``value`` for an error message: its repr, cut short (metadata may be hostile)."""
+    return reprlib.repr(value)
+
+
+def check_plain(value: Any, depth: int, what: str) -> None:
+    """Raise :class:`FormatError` unless JSON ``value`` nests at most ``depth`` levels of arrays
+    and objects and its integers are int64: what the informative stats and codec params may
+    hold (their readers format and convert them)."""
+    cls = value.__class__
+    if cls is not dict and cls is not list:
+        if cls is int and not -MAX_INT - 1 <= value <= MAX_INT:
+            raise FormatError(f"{what}: integer {shown(value)} is out of the int64 range")
+        return
+    if depth == 0:
+        raise FormatError(f"{what}: nested too deep")
+    for item in value.values() if cls is dict else value:
+        cls = item.__class__
+        if cls is dict or cls is list or (cls is int and not -MAX_INT - 1 <= item <= MAX_INT):
+            check_plain(item, depth - 1, what)
+
+
+def _located(parse: Callable[..., Any], items: list, what: str, *args: Any) -> list:
+    """``parse(item, *args)`` for each item; an error is prefixed with the item's position
+    (``what`` and its index, and its name if it has one)."""
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(parse(item, *args))
+        except FormatError as exc:
+            name = item.get("name") if isinstance(item, dict) else None
+            label = f"{what} {i}" + (f" ({shown(name)})" if isinstance(name, str) else "")
+            raise FormatError(f"{label}: {exc}") from None
+    return out
+
+
+def _parse_chunk(obj: Any, files: list[DataFile], kind: str) -> Chunk:
+    f = _Fields(obj)
+    chunk = Chunk(
+        file=f.nonneg("file"), offset=f.nonneg("offset"), length=f.nonneg("length"),
+        raw_offset=f.nonneg("raw_offset"), raw_length=f.nonneg("raw_length"),
+        codec=f.get("codec", str), params=f.get("params", dict),
+        xxh3=f.get("xxh3", str), raw_xxh3=f.get("raw_xxh3", str))
+    if chunk.file >= len(files):
+        raise FormatError(f"file index {chunk.file} out of range ({len(files)} files)")
+    for key in ("xxh3", "raw_xxh3"):
+        if not XXH3_PATTERN.fullmatch(getattr(chunk, key)):
+            raise FormatError(f"{key} {shown(getattr(chunk, key))} is not 16 hex digits")
+    file = files[chunk.file]
+    if chunk.offset + chunk.length > file.size:
+        raise FormatError(f"bytes {chunk.offset}..{chunk.offset + chunk.length} lie beyond the "
+                          f"end of data file {file.name} ({file.size} bytes)")
+    if chunk.codec == "raw" and chunk.length != chunk.raw_length:
+        raise FormatError(f"a raw chunk of {chunk.raw_length} bytes stores {chunk.length}")
+    if chunk.codec in LOSSLESS_CODECS and chunk.raw_length > MAX_EXPANSION * chunk.length:
+        raise FormatError(f"a {chunk.codec} chunk of {chunk.length} bytes cannot decode to "
+                          f"{chunk.raw_length}")
+    if kind == "full" and chunk.codec in DELTA_CODECS:
+        raise FormatError(f"codec {chunk.codec!r} belongs to delta steps")
+    if chunk.params:
+        check_plain(chunk.params, 3, "params")
+    return chunk
+
+
+def _parse_fragment(obj: Any, record: TensorRecord, files: list[DataFile], kind: str) -> Fragment:
+    f = _Fields(obj)
+    frag = Fragment(offsets=f.int_list("offsets"), sizes=f.int_list("sizes"))
+    if len(frag.offsets) != len(record.shape) or len(frag.sizes) != len(record.shape):
+        raise FormatError(f"offsets/sizes rank differs from shape {record.shape}")
+    if any(o + s > d for o, s, d in zip(frag.offsets, frag.sizes, record.shape, strict=True)):
+        raise FormatError(f"box {frag.offsets}+{frag.sizes} exceeds shape {record.shape}")
+    frag.chunks = _located(_parse_chunk, f.get("chunks", list), "chunk", files, kind)
+    itemsize = spec_named(record.dtype, record.name).itemsize
+    expected = 0
+    for chunk in frag.chunks:
+        if chunk.raw_offset != expected or chunk.raw_length % itemsize:
+            raise FormatError(f"chunks do not tile the fragment's bytes "
+                              f"(chunk at {chunk.raw_offset}, expected {expected})")
+        expected += chunk.raw_length
+    if expected != frag.numel * itemsize:
+        raise FormatError(f"chunks hold {expected} bytes, the box needs {frag.numel * itemsize}")
+    return frag
+
+
+def _parse_tensor(obj: Any, files: list[DataFile], kind: str) -> TensorRecord:
+    f = _Fields(obj)
+    record = TensorRecord(
+        name=f.get("name", str), role=f.get("role", str), dtype=f.get("dtype", str),
+        shape=f.int_list("shape"), fqn=f.get("fqn", str, optional=True),
+        state_key=f.get("state_key", str, optional=True),
+        alias_of=f.get("alias_of", str, optional=True))
+    itemsize = spec_named(record.dtype, "field 'dtype'").itemsize
+    size = itemsize if 0 not in record.shape else 0
+    for dim in record.shape:
+        size *= dim
+        if size > MAX_INT:
+            raise FormatError(f"shape {shown(record.shape)} holds more than 2**63 bytes")
+    fragments = f.get("fragments", list)
+    if record.alias_of is not None:
+        if fragments:
+            raise FormatError("an alias must not have fragments")
+        return record
+    record.fragments = _located(_parse_fragment, fragments, "fragment", record, files, kind)
+    check_tiling(record)
+    return record
+
+
+Box = tuple[list[int], list[int]]
+"""A dense box of a tensor: offsets and sizes, one each per dimension."""
+
+
+def box_index(offsets: list[int], sizes: list[int], origin: list[int] | None = None) -> tuple:
+    """The index (slices) of box ``offsets``/``sizes`` in a tensor whose own box starts at
+    ``origin`` (default: the whole tensor, at zero)."""
+    origin = origin or [0] * len(offsets)
+    return tuple(slice(o - b, o - b + n) for o, n, b in zip(offsets, sizes, origin, strict=True))
+
+
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The box where boxes ``a`` and ``b`` overlap, or None if they do not."""
+    lo = [max(x, y) for x, y in zip(a[0], b[0], strict=True)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, [h - low for low, h in zip(lo, hi, strict=True)]
+
+
+def check_tiling(record: TensorRecord) -> None:
+    """Raise :class:`FormatError` unless the record's fragments (boxes within its shape) tile
+    it: no two overlap, and together they cover every element (FORMAT.md 2)."""
+    boxes = [f for f in record.fragments if f.numel]
+    covered = sum(frag.numel for frag in boxes)
+    if len(boxes) > 1:
+        lo = np.array([f.offsets for f in boxes], np.int64)
+        hi = lo + np.array([f.sizes for f in boxes], np.int64)
+        overlap = ((lo[:, None] < hi[None]) & (lo[None] < hi[:, None])).all(axis=2)
+        np.fill_diagonal(overlap, False)
+        if overlap.any():
+            i, j = (int(k) for k in np.argwhere(overlap)[0])
+            raise FormatError(f"fragments {boxes[i].offsets}+{boxes[i].sizes} and "
+                              f"{boxes[j].offsets}+{boxes[j].sizes} overlap")
+    if covered != record.numel and record.numel > 0:
+        raise FormatError(f"fragments cover {covered} of {record.numel} elements")
+
+
+def parse_step_metadata(text: str | bytes, where: str) -> StepMetadata:
+    """Parse and validate the text of a ``metadata.json``; ``where`` names it in errors.
+
+    Raises :class:`CorruptionError` when the checksum does not match, or is missing from
+    metadata of a version that has one, and :class:`FormatError` for anything else that
+    breaks FORMAT.md.
+    """
+    data = text.encode() if isinstance(text, str) else text
+    sealed = check_seal(data, where)
+    obj = load_json(data, where)
+    if isinstance(obj, dict) and obj.get("format") == FORMAT_NAME:
+        version = check_format_version(obj.get("format_version"), where)
+        if not sealed and (version >= CHECKSUM_SINCE or CHECKSUM_KEY in obj):
+            raise CorruptionError(f"{where}: the metadata's checksum is missing or unreadable "
+                                  f"(format {obj['format_version']} ends it with one; the file "
+                                  "is damaged)")
+    try:
+        return _parse_step(obj)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+
+
+def _parse_step(obj: Any) -> StepMetadata:
+    f = _Fields(obj)
+    if obj.get("format") != FORMAT_NAME:
+        raise FormatError(f"not deltackpt metadata (format={shown(obj.get('format'))})")
+    kind = f.get("kind", str)
+    files = _located(_parse_file, f.get("files", list), "file")
+    meta = StepMetadata(
+        step=f.nonneg("step"), kind=kind, base_step=f.nonneg("base_step", optional=True),
+        save_id=f.get("save_id", str), created=f.get("created", str),
+        library_version=f.get("library_version", str), world_size=f.nonneg("world_size"),
+        files=files, tensors=_located(_parse_tensor, f.get("tensors", list), "tensor", files, kind),
+        state=f.get("state", dict), stats=_parse_stats(f.get("stats", dict)),
+        format_version=obj["format_version"])
+    if meta.kind not in KINDS:
+        raise FormatError(f"kind {shown(meta.kind)} is not one of {KINDS}")
+    if (meta.kind == "full") != (meta.base_step is None):
+        raise FormatError(f"a {meta.kind} step must {'not ' if meta.kind == 'full' else ''}"
+                          f"have a base_step")
+    if meta.world_size < 1:
+        raise FormatError("world_size must be at least 1")
+    _check_disjoint(meta)
+    records = {t.name: t for t in meta.tensors}
+    if len(records) != len(meta.tensors):
+        raise FormatError("duplicate tensor names")
+    for record in meta.tensors:
+        if record.alias_of is None:
+            continue
+        target = records.get(record.alias_of)
+        if target is None or target.alias_of is not None \
+                or (target.dtype, target.shape) != (record.dtype, record.shape):
+            raise FormatError(f"tensor {shown(record.name)} aliases {shown(record.alias_of)}, "
+                              f"which is no stored tensor of its dtype and shape")
+    _check_state(meta.state, records)
+    return meta
+
+
+def _check_disjoint(meta: StepMetadata) -> None:
+    """Raise :class:`FormatError` if two chunks share stored bytes: each byte is written once,
+    so the bytes a step decodes are bounded by those of its files."""
+    ranges = sorted((c.file, c.offset, c.offset + c.length) for t in meta.tensors
+                    for f in t.fragments for c in f.chunks if c.length)
+    for (file, _, end), (other, start, _) in itertools.pairwise(ranges):
+        if file == other and start < end:
+            raise FormatError(f"two chunks share bytes from {start} of data file "
+                              f"{meta.files[file].name}")
+
+
+def _parse_file(obj: Any) -> DataFile:
+    f = _Fields(obj)
+    name = f.get("name", str)
+    if not DATA_FILE_PATTERN.fullmatch(name):
+        raise FormatError(f"data file name {shown(name)} is not allowed")
+    return DataFile(name, f.nonneg("rank"), f.nonneg("size"))
+
+
+def _parse_stats(obj: dict) -> StepStats:
+    f = _Fields(obj)
+    try:
+        seconds = f.get("seconds", (int, float))
+        if not 0 <= seconds <= MAX_INT:
+            raise FormatError(f"field 'seconds' is {shown(seconds)}")
+        stats = StepStats(raw_bytes=f.nonneg("raw_bytes"), stored_bytes=f.nonneg("stored_bytes"),
+                          seconds=float(seconds), classes=f.get("classes", dict, optional=True),
+                          compression=f.get("compression", dict, optional=True))
+        for name, values in (stats.classes or {}).items():
+            if not isinstance(values, dict) or not all(
+                    v is None or v.__class__ is float or (v.__class__ is int and abs(v) <= MAX_INT)
+                    for v in values.values()):
+                raise FormatError(f"classes: {shown(name)} is not an object of numbers")
+        check_plain(stats.compression, MAX_STATS_DEPTH, "compression")
+        return stats
+    except FormatError as exc:
+        raise FormatError(f"stats: {exc}") from None
+
+
+def _check_state(state: dict[str, Any], records: dict[str, TensorRecord]) -> None:
+    """Raise :class:`FormatError` unless ``state`` is a State of FORMAT.md 2.2 whose tagged
+    values (2.5) decode: an optimizer record whose param groups list each parameter once and
+    whose state belongs to listed parameters, RNG states as the RNGs take them, tensor
+    references to tensors of the step, and nesting within ``MAX_STATE_DEPTH``."""
+    dtypes = {name: r.dtype for name, r in records.items()}
+    for section in ("optimizer", "rng", "extra"):
+        value = state.get(section)
+        where = f"state: {section}"
+        check_tree(value, dtypes, where, MAX_STATE_DEPTH - 1)
+        try:
+            if section == "optimizer" and value is not None:
+                _check_optimizer(value)
+            elif section == "rng" and value is not None:
+                _check_rng(value, records)
+        except FormatError as exc:
+            raise FormatError(f"{where}: {exc}") from None
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    f = _Fields(optimizer)
+    f.get("class", str)
+    listed: set[str] = set()
+    for g, group in enumerate(f.get("param_groups", list)):
+        params = _Fields(group).get("params", list)
+        if not all(p.__class__ is str for p in params) or len(set(params)) != len(params) \
+                or listed & set(params):
+            raise FormatError(f"param group {g}: 'params' must list parameter names, each once "
+                              "in all groups")
+        listed.update(params)
+    for fqn, values in f.get("state", dict).items():
+        if fqn not in listed or not isinstance(values, dict):
+            raise FormatError(f"the state of {shown(fqn)} is not an object for a parameter of "
+                              "the param groups")
+
+
+def _tagged(value: Any, tag: str) -> Any:
+    """The body of ``value`` if it is the tagged value ``{tag: body}`` (FORMAT.md 2.5), else None."""
+    return value[tag] if isinstance(value, dict) and len(value) == 1 and tag in value else None
+
+
+def _check_rng(rng: Any, records: dict[str, TensorRecord]) -> None:
+    """The RNG states as :func:`deltackpt.save.capture.rng_state` captures them: torch's (and CUDA's)
+    byte tensors, numpy's legacy ``MT19937`` tuple and ``random``'s version 3 tuple."""
+    def byte_tensor(value: Any) -> bool:
+        record = records.get(_tagged(value, "$tensor"))
+        return record is not None and record.dtype == "uint8" and len(record.shape) == 1
+
+    cuda = _Fields(rng).get("cuda", list, optional=True) or []
+    if not byte_tensor(rng.get("torch")) or not all(byte_tensor(t) for t in cuda):
+        raise FormatError("torch's states must be uint8 tensors of one dimension")
+    numpy_state = _tagged(rng.get("numpy"), "$tuple")
+    if not (isinstance(numpy_state, list) and len(numpy_state) == 5
+            and numpy_state[0] == "MT19937"
+            and getattr(records.get(_tagged(numpy_state[1], "$ndarray")), "shape", None) == [624]
+            and records[_tagged(numpy_state[1], "$ndarray")].dtype == "uint32"
+            and numpy_state[2].__class__ is int and 0 <= numpy_state[2] <= 624
+            and numpy_state[3].__class__ is int and numpy_state[3] in (0, 1)
+            and numpy_state[4].__class__ in (int, float)):
+        raise FormatError("numpy's state must be ('MT19937', 624 uint32 keys, position, "
+                          "has_gauss, cached_gaussian)")
+    python_state = _tagged(rng.get("python"), "$tuple")
+    words = _tagged(python_state[1], "$tuple") \
+        if isinstance(python_state, list) and len(python_state) == 3 else None
+    if not (isinstance(words, list) and len(words) == 625 and python_state[0] == 3
+            and all(w.__class__ is int and 0 <= w < 2**32 for w in words) and words[-1] <= 624
+            and (python_state[2] is None or python_state[2].__class__ in (int, float))):
+        raise FormatError("random's state must be (3, 625 words of 32 bits, gauss_next)")

@@ -1,0 +1,1 @@
+"""Operations on a whole checkpoint directory: retention (gc) and verification."""

@@ -1,0 +1,122 @@
+"""Checking committed steps: what is damaged, in which file, and which steps it makes unrestorable.
+
+A step is checked chunk by chunk against its checksums
+(:func:`~deltackpt.io.reader.verify_step`). A delta step can be restored only
+if every step of its chain can, so damage in one step reaches every step
+coded on it; the report states that damage once, by step and file, with the
+list of the steps that depend on it, instead of repeating it for each of
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deltackpt.errors import DeltackptError, StepNotFoundError
+from deltackpt.format.metadata import METADATA_FILE, StepMetadata, step_dir_name
+from deltackpt.io.reader import chain_of, read_metadata, verify_step
+from deltackpt.io.storage import Storage
+
+
+@dataclass
+class Damage:
+    """The problems found in one file of one step, and the checked steps whose chain holds that step.
+
+    ``file`` is the URL of a data file or of the step's metadata file; None
+    for problems of the step as a whole (a missing base step, or a delta
+    that does not decode on its chain).
+    """
+
+    step: int
+    file: str | None
+    problems: list[str]
+    dependents: list[int] = field(default_factory=list)
+
+
+class VerifyReport(dict[int, list[str]]):
+    """``{step: [problem, ...]}`` for every checked step; an empty list means it can be restored.
+
+    A step's list holds the damage found in the step itself, then one line
+    per damaged step its chain depends on (``depends on step N, which is
+    damaged (K problems)``), not that step's problems again. ``damage`` lists
+    every damaged file once (:class:`Damage`, ordered by step), including
+    those of steps that were checked only as part of a chain.
+    """
+
+    def __init__(self, problems: dict[int, list[str]], damage: list[Damage]) -> None:
+        super().__init__(problems)
+        self.damage = damage
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def verify_steps(storage: Storage, steps: list[int], *, deep: bool = False, workers: int | None = None,
+                 progress: bool = False) -> VerifyReport:
+    """Check ``steps`` and the chains they depend on; every step is read and checked once.
+
+    ``deep`` also decodes every chunk (a delta step by restoring its chain).
+    """
+    metas: dict[int, StepMetadata | DeltackptError] = {}
+    unreadable: list[int] = []  # steps whose metadata failed to read, in the order they were asked for
+    found: dict[int, dict[str | None, list[str]]] = {}  # the damage of each step, by file
+
+    def metadata(step: int) -> StepMetadata:
+        if step not in metas:
+            try:
+                metas[step] = read_metadata(storage, step)
+            except DeltackptError as exc:
+                metas[step] = exc
+        meta = metas[step]
+        if isinstance(meta, DeltackptError):
+            unreadable.append(step)
+            if not isinstance(meta, StepNotFoundError):
+                found[step] = {f"{storage.url}/{step_dir_name(step)}/{METADATA_FILE}": [str(meta)]}
+            raise meta
+        return meta
+
+    def damage_of(meta: StepMetadata) -> dict[str | None, list[str]]:
+        if meta.step not in found:
+            found[meta.step] = verify_step(storage, meta, deep=deep, workers=workers, progress=progress)
+        return found[meta.step]
+
+    report: dict[int, list[str]] = {}
+    dependents: dict[int, list[int]] = {}
+    for step in steps:
+        try:
+            meta = metadata(step)
+        except DeltackptError as exc:
+            report[step] = [str(exc)]
+            continue
+        own = damage_of(meta)
+        unreadable.clear()
+        try:
+            links = chain_of(storage, meta, metadata)[:-1]
+            for link in links:
+                damage_of(link)
+            bases = [link.step for link in links]
+        except DeltackptError as exc:
+            broken = unreadable[-1] if unreadable else None
+            if broken in found:  # a base whose metadata cannot be read: damage of that step
+                bases = [broken]
+            else:  # a missing base, or a base that is not an earlier step
+                own.setdefault(None, []).append(str(exc))
+                bases = []
+        damaged = [b for b in bases if found.get(b)]
+        for base in damaged:
+            dependents.setdefault(base, []).append(step)
+        report[step] = [p for problems in own.values() for p in problems] + [
+            f"depends on step {b}, which is damaged "
+            f"({_count(sum(map(len, found[b].values())), 'problem')})" for b in damaged]
+        if deep and not report[step] and meta.kind == "delta":
+            from deltackpt.restore.chain import restore_chain  # decoding a chain needs torch and the kernels
+
+            try:
+                restore_chain(storage, meta, workers=workers, progress=progress)
+            except DeltackptError as exc:
+                own.setdefault(None, []).append(str(exc))
+                report[step].append(str(exc))
+    damage = [Damage(step, file, problems, dependents.get(step, []))
+              for step in sorted(found) for file, problems in found[step].items() if problems]
+    return VerifyReport(report, damage)
