@@ -40,13 +40,21 @@ from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
 from deltackpt.errors import ConfigError, CorruptionError, FormatError
 from deltackpt.kernels import quant as numba_kernels
-from deltackpt.kernels.quant import (
-    MAX_DITHERED_KEY_STEP,
-    MAX_KEY,
-    STAT_BAD,
-    STAT_CLIPPED,
-    check_stream,
-)
+from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, check_stream
+
+# What the encoder needs of the kernels, given through the codec: the columns of the block
+# statistics each chunk's coding returns, and the numpy forms of the key and dither arithmetic
+# that estimate a step's cost from a sample (FORMAT.md 3.2).
+from deltackpt.kernels.quant import N_STATS as N_STATS
+from deltackpt.kernels.quant import STAT_BAD as STAT_BAD
+from deltackpt.kernels.quant import STAT_CLIPPED as STAT_CLIPPED
+from deltackpt.kernels.quant import STAT_MAX_ABS as STAT_MAX_ABS
+from deltackpt.kernels.quant import STAT_MAX_REL as STAT_MAX_REL
+from deltackpt.kernels.quant import STAT_NONZERO as STAT_NONZERO
+from deltackpt.kernels.quant import STAT_SUM_SQ as STAT_SUM_SQ
+from deltackpt.kernels.quant import STAT_SUM_SQ_ERR as STAT_SUM_SQ_ERR
+from deltackpt.kernels.quant import numpy_dither as numpy_dither
+from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
 PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "scale", "eps"})

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import xxhash
 
 from deltackpt.format.dtypes import raw_bytes
+from deltackpt.codecs.digest import tensor_digest
 from deltackpt.dist.group import Group
 from deltackpt.errors import DistributedError
 
@@ -87,20 +88,6 @@ def with_local(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, tensor._spec, requires_grad=False)
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """The xxh3-64 hex digest of ``tensor``'s bytes, computed on its device where the Triton
-    kernels code it (:func:`deltackpt.codecs.quant.on_device`: a CUDA tensor is not copied to
-    the host for it), else on the host."""
-    from deltackpt.codecs.quant import on_device
-
-    if not on_device(tensor):
-        return xxhash.xxh3_64_hexdigest(raw_bytes(tensor))
-    from deltackpt.kernels.gpu_xxh3 import xxh3_64_on_device
-
-    values = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return xxh3_64_on_device(values.view(torch.uint8)).hexdigest()
 
 
 def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | None) -> list[Part]:
@@ -167,7 +154,7 @@ def check_same_state(captured: CapturedState, group: Group, *, at_call: bool = F
     try:
         for t in captured.tensors:
             plain = t.alias_of is None and t.role not in RANK0_ROLES and not is_dtensor(t.tensor)
-            digest = _digest(t.tensor) if plain else None
+            digest = tensor_digest(t.tensor) if plain else None
             mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of,
                             local_values(t.tensor).device.type, digest)
     except Exception as exc:  # raised on every rank below

@@ -48,7 +48,18 @@ import numpy as np
 import torch
 
 from deltackpt.codecs import EncodedChunk, encode_lossless
-from deltackpt.codecs.quant import on_device, quant_chunk
+from deltackpt.codecs.quant import (
+    N_STATS,
+    STAT_BAD,
+    STAT_CLIPPED,
+    STAT_MAX_ABS,
+    STAT_MAX_REL,
+    STAT_NONZERO,
+    STAT_SUM_SQ,
+    STAT_SUM_SQ_ERR,
+    on_device,
+    quant_chunk,
+)
 from deltackpt.dist.shards import Part, local_parts, local_values, with_local
 from deltackpt.encode.encoder import StepEncoder, host_array
 from deltackpt.encode.optimizers import captured_bnb_states
@@ -58,16 +69,6 @@ from deltackpt.errors import ConfigError
 from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, raw_bytes, spec_for
 from deltackpt.format.state import CapturedState
 from deltackpt.io.writer import PendingDigest, chunk_spans
-from deltackpt.kernels.quant import (
-    N_STATS,
-    STAT_BAD,
-    STAT_CLIPPED,
-    STAT_MAX_ABS,
-    STAT_MAX_REL,
-    STAT_NONZERO,
-    STAT_SUM_SQ,
-    STAT_SUM_SQ_ERR,
-)
 
 RECONSTRUCTION_PLACES = ("device", "host")
 """Where a manager keeps the running values of tensors coded on a device."""

@@ -2,7 +2,7 @@
 
 :class:`StepEncoder` codes the chunks of one save for :func:`writer.write_data`.
 For a full step it stores every tensor losslessly and starts a new
-:class:`~deltackpt.restore.chain.Reconstruction`. For a delta step it quantizes each
+:class:`~deltackpt.encode.reconstruction.Reconstruction`. For a delta step it quantizes each
 tensor as its :class:`~deltackpt.encode.policy.Quantizer` says, against the
 reconstruction of the previous save (closed loop), updating that
 reconstruction in place to exactly what a reader will decode; tensors
@@ -27,7 +27,17 @@ import torch
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
 from deltackpt.codecs.cast import encode_cast
-from deltackpt.codecs.quant import Scale, encode_quant
+from deltackpt.codecs.quant import (
+    N_STATS,
+    STAT_MAX_ABS,
+    STAT_MAX_REL,
+    STAT_NONZERO,
+    STAT_SUM_SQ,
+    STAT_SUM_SQ_ERR,
+    Scale,
+    encode_quant,
+    numpy_dither,
+)
 from deltackpt.encode.optimizers import (
     BnbState,
     adam_bias_corrections,
@@ -58,15 +68,6 @@ from deltackpt.errors import ConfigError
 from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for, spec_named
 from deltackpt.format.metadata import Layout, TensorRecord
 from deltackpt.format.state import CapturedState
-from deltackpt.kernels.quant import (
-    N_STATS,
-    STAT_MAX_ABS,
-    STAT_MAX_REL,
-    STAT_NONZERO,
-    STAT_SUM_SQ,
-    STAT_SUM_SQ_ERR,
-    numpy_dither,
-)
 
 if TYPE_CHECKING:
     from deltackpt.io.writer import PendingDigest

@@ -43,10 +43,10 @@ from typing import Literal
 import numpy as np
 
 from deltackpt.codecs.cast import MASTER_KEYS
+from deltackpt.codecs.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, numpy_keys
 from deltackpt.encode.optimizers import FIRST_MOMENTS, SECOND_MOMENTS
 from deltackpt.errors import ConfigError
 from deltackpt.format.dtypes import DTypeSpec
-from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, numpy_keys
 
 CLASSES = ("weights", "first_moment", "second_moment", "buffers")
 LOSSY_DTYPES = ("float32", "bfloat16", "float16")
