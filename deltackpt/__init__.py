@@ -42,15 +42,15 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "GCReport": "deltackpt.ops.retention",
     "RetentionPolicy": "deltackpt.ops.retention",
     "UniversalCheckpoint": "deltackpt.restore.universal",
-    "load_universal": "deltackpt.restore.universal",
+    "load_universal": "deltackpt.manager",
 })
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from deltackpt.encode.policy import EXACT, CompressionConfig, Quantizer
-    from deltackpt.manager import CheckpointManager
+    from deltackpt.manager import CheckpointManager, load_universal
     from deltackpt.ops.retention import GCReport, RetentionPolicy
     from deltackpt.restore.loading import LoadReport
-    from deltackpt.restore.universal import UniversalCheckpoint, load_universal
+    from deltackpt.restore.universal import UniversalCheckpoint
     from deltackpt.save.driver import SaveInfo
     from deltackpt.save.queue import SaveHandle
 

@@ -10,27 +10,20 @@ adds saving, restoring, loading and retention to it.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import operator
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from deltackpt.errors import DeltackptError, NotACheckpointError, StepNotFoundError
+from deltackpt.errors import StepNotFoundError
 from deltackpt.format.metadata import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MAX_ROOT_MARKER_BYTES,
     METADATA_FILE,
-    ROOT_MARKER,
     StepMetadata,
-    check_root_marker,
     step_dir_name,
 )
-from deltackpt.io.objectstore import LEASE_OBJECT
-from deltackpt.io.reader import list_steps, read_metadata, step_not_found
-from deltackpt.io.storage import LOCK_FILE, Storage, open_storage
+from deltackpt.io.reader import dependents, list_steps, read_metadata, step_not_found
+from deltackpt.io.root import open_root
+from deltackpt.io.storage import Storage, open_storage
 from deltackpt.ops.verify import VerifyReport, verify_steps
 
 
@@ -58,36 +51,10 @@ class CheckpointDirectory:
         self.storage: Storage = open_storage(path, storage_options)
         self.path = self.storage.url
         self.workers = workers
-        self._open_directory(create)
+        open_root(self.storage, create=create)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r})"
-
-    def _open_directory(self, create: bool) -> None:
-        storage = self.storage
-        if storage.exists(ROOT_MARKER):
-            where = f"{self.path}/{ROOT_MARKER}"
-            if storage.size(ROOT_MARKER) > MAX_ROOT_MARKER_BYTES:
-                raise NotACheckpointError(f"{where}: too large for a deltackpt marker")
-            check_root_marker(storage.read_bytes(ROOT_MARKER), where)
-        elif not create:
-            state = "does not exist" if not storage.exists("") else "has no " + ROOT_MARKER
-            raise NotACheckpointError(f"{self.path} is not a deltackpt checkpoint directory "
-                                      f"(it {state})")
-        elif storage.exists("") and any(n not in (LOCK_FILE, LEASE_OBJECT, ROOT_MARKER)
-                                        and not n.endswith(".tmp")
-                                        for n in storage.listdir()):
-            raise NotACheckpointError(
-                f"{self.path} exists, is not empty and is not a deltackpt checkpoint directory "
-                f"(no {ROOT_MARKER}); refusing to write into it")
-        else:
-            storage.makedirs()
-            try:
-                storage.commit_file(ROOT_MARKER, json.dumps(
-                    {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
-            except FileNotFoundError:  # another process (a rank) created it at the same time,
-                if not storage.exists(ROOT_MARKER):  # and its clean-up took our temporary file
-                    raise
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -119,13 +86,7 @@ class CheckpointDirectory:
 
     def dependents(self, step: int) -> list[int]:
         """Committed delta steps coded directly against ``step``."""
-        out = []
-        for s in self.steps():
-            if s > step:
-                with contextlib.suppress(DeltackptError):
-                    if self.metadata(s).base_step == step:
-                        out.append(s)
-        return out
+        return dependents(self.storage, check_step(step))
 
     def verify(self, step: int | None = None, *, deep: bool = False,
                progress: bool = False) -> VerifyReport:

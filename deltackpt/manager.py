@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -21,28 +22,27 @@ from deltackpt.encode.device import Encoding, RunningValues, device_coded, recon
 from deltackpt.encode.encoder import captured_layout
 from deltackpt.encode.policy import CompressionConfig, ScaleController, as_config
 from deltackpt.encode.reconstruction import Reconstruction
-from deltackpt.errors import CorruptionError, DeltackptError, StepExistsError, WriterLockedError
+from deltackpt.errors import DeltackptError
 from deltackpt.format.metadata import (
-    METADATA_FILE,
-    STEP_DIR_PATTERN,
     Box,
     StepMetadata,
     box_index,
     layout_of,
     metadata_file,
-    step_dir_name,
 )
 from deltackpt.format.state import CapturedState
-from deltackpt.io.pool import WorkerPool, default_workers
-from deltackpt.io.reader import chain_of, read_metadata
+from deltackpt.io.pool import WorkerPool, default_workers, rank_threads
+from deltackpt.io.reader import chain_of
 from deltackpt.io.tiering import UploadCache
-from deltackpt.io.writer import DEFAULT_CHUNK_BYTES, remove_unreferenced
+from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
 from deltackpt.ops.retention import GCReport, RetentionPolicy, collect_garbage
-from deltackpt.restore.chain import restore_chain
+from deltackpt.restore.cached import restore_cached
 from deltackpt.restore.universal import UniversalCheckpoint
 from deltackpt.save.capture import capture
-from deltackpt.save.driver import SaveInfo, encode_at_call, save_step
+from deltackpt.save.driver import Saved, SaveInfo, SaveSettings, Writer, encode_at_call, save_step
 from deltackpt.save.queue import SaveHandle, SaveQueue
+from deltackpt.save.reference import Reference
+from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
 
@@ -135,26 +135,20 @@ class CheckpointManager(CheckpointDirectory):
         self._background_group: Group | None = None  # their collectives' group
         self._rank_workers: int | None = None  # threads of each rank under torch.distributed
         self._pool: WorkerPool | None = None
-        # The metadata of the steps of the chain last saved or restored, with the identity of
-        # its file when read (Storage.identity): parsed once while the file stays the same.
-        self._known: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
         self.read_only = read_only
-        self._lock: contextlib.AbstractContextManager[None] | None = None
-        self._recon: Reconstruction | None = None
+        self._reference = Reference()  # what the next delta is coded against
         self._running = RunningValues(reconstruction)  # where device-coded values are kept
-        # _recon's values were changed by a delta that has not committed (one that failed): the
-        # next delta reads them again from its step (what a reader decodes) before coding
-        # against it
-        self._stale_values = False
         target = self.compression.target_ratio
         self._controller = ScaleController(target, self.compression.max_scale) \
             if target is not None else None
         self._warned_target = False
-        self._cache: UploadCache | None = None
         super().__init__(path, workers=workers, create=not read_only,
                          storage_options=storage_options)
-        if cache is not None and not read_only:
-            self._cache = UploadCache(cache, self.storage, cache_keep)
+        self._cache = UploadCache(cache, self.storage, cache_keep) \
+            if cache is not None and not read_only else None
+        self._target = SaveTarget(self.storage, self._cache, read_only=read_only)
+        # how this manager reads a chain: from the cache where it holds the same steps
+        self._read_chain = functools.partial(restore_cached, self.storage, self._cache)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.path!r}, full_every={self.full_every})"
@@ -198,37 +192,16 @@ class CheckpointManager(CheckpointDirectory):
         """Memory of the running reconstruction the next delta codes against, by device kind
         (``{"cpu": ..., "cuda": ...}``): about the size of the saved state in float32, on the
         device of the tensors coded there unless ``reconstruction="host"``."""
-        return reconstruction_bytes(self._recon)
+        return reconstruction_bytes(self._reference.recon)
 
     def _release(self) -> None:
         if self._queue is not None:
             self._queue.close()
-        if self._lock is not None:
-            self._lock.__exit__(None, None, None)
-            self._lock = None
+        self._target.release()
         if self._pool is not None:
             self._pool.close()
 
     # -- directory ---------------------------------------------------------------------
-
-    def _remove_leftovers(self) -> None:
-        """Delete what interrupted saves left behind (caller holds the writer lock): only what a
-        save creates; links, FIFOs and the like are left alone, never followed (readers report
-        them)."""
-        storage = self.storage
-        for name in storage.listdir():
-            kind = storage.kind(name)
-            if name.endswith(".tmp") and kind == "file":
-                storage.remove(name)
-            elif STEP_DIR_PATTERN.fullmatch(name) and kind == "dir":
-                if not storage.exists(f"{name}/{METADATA_FILE}"):
-                    storage.remove_tree(name)
-                else:
-                    try:
-                        meta = read_metadata(storage, int(name[5:]))
-                    except DeltackptError:
-                        continue  # damaged metadata: leave the step for verify to report
-                    remove_unreferenced(storage, name, meta)
 
     def acquire(self) -> None:
         """Become the directory's one writer now (a save or gc does it otherwise): take the writer
@@ -238,17 +211,7 @@ class CheckpointManager(CheckpointDirectory):
         writer. Raises :class:`WriterLockedError` while another manager (in
         this or another process) holds it.
         """
-        if self.read_only:
-            raise PermissionError(f"{self.path}: this manager was opened read_only")
-        if self._lock is None:
-            lock = self.storage.try_lock()
-            if lock is None:
-                raise WriterLockedError(
-                    f"{self.path}: another CheckpointManager (in this or another process) is "
-                    "writing to this directory; only one writer at a time is allowed")
-            lock.__enter__()
-            self._lock = lock
-            self._remove_leftovers()
+        self._target.acquire()
 
     def _threads(self, group: Group | None) -> int | None:
         """Threads to encode and decode with: ``workers`` if given; under torch.distributed, the
@@ -257,7 +220,7 @@ class CheckpointManager(CheckpointDirectory):
         if self.workers is not None or group is None:
             return self.workers
         if self._rank_workers is None:
-            self._rank_workers = max(1, default_workers() // group.ranks_on_this_host())
+            self._rank_workers = rank_threads(group)
         return self._rank_workers
 
     def _workers(self, group: Group | None = None) -> WorkerPool:
@@ -291,16 +254,8 @@ class CheckpointManager(CheckpointDirectory):
         restored is kept, and read again only when its file changed."""
         self._settle()
         step = check_step(step)
-        known = self._kept_metadata(step)
+        known = self._reference.kept_metadata(self.storage, step)
         return known if known is not None else super().metadata(step)
-
-    def _kept_metadata(self, step: int) -> StepMetadata | None:
-        """The metadata of ``step`` kept from this manager's last chain, while its file is the
-        one it wrote or read (else None)."""
-        known = self._known.get(step)
-        if known is not None and self.storage.identity(metadata_file(step)) == known[0]:
-            return known[1]
-        return None
 
     def resolve_step(self, step: int | None = None) -> int:
         self._settle()
@@ -393,7 +348,7 @@ class CheckpointManager(CheckpointDirectory):
                     optimizer: torch.optim.Optimizer | None, extra: Any, *, rng: bool,
                     overwrite: bool, progress: bool, started: float) -> SaveHandle:
         """Capture and snapshot the state here, then plan, encode, write and commit it on the
-        save thread (:mod:`deltackpt.save.queue`, :func:`save_step`). Under torch.distributed
+        save thread (:mod:`deltackpt.save.queue`, :meth:`_save`). Under torch.distributed
         the save's collectives run there, on a gloo group of their own
         (:meth:`Group.background`), and whether the step may be written is decided there, by
         every rank together."""
@@ -407,7 +362,7 @@ class CheckpointManager(CheckpointDirectory):
         queue = self._queue
         queue.raise_failure()
         if group is None:
-            self._prepare_save(step, overwrite)  # refused at once: a step that exists, the lock
+            self._target.prepare(step, overwrite)  # refused at once: a step that exists, the lock
         ranks = Group.single() if group is None else self._background_group
         captured = capture(model, optimizer, extra, rng)
         devices = device_coded(captured)
@@ -430,8 +385,8 @@ class CheckpointManager(CheckpointDirectory):
 
         def run() -> SaveInfo:
             snapshot.ready()
-            info = save_step(self, step, snapshot.captured, ranks, overwrite=overwrite,
-                             progress=progress, encoding=encoding, devices=devices)
+            info = self._save(step, snapshot.captured, ranks, overwrite=overwrite,
+                              progress=progress, encoding=encoding, devices=devices)
             return dataclasses.replace(info, blocked_seconds=blocked, waited_seconds=waited,
                                        snapshot_bytes=snapshot.nbytes)
 
@@ -447,43 +402,81 @@ class CheckpointManager(CheckpointDirectory):
         decides alike: a rank with no reference and no save in flight has heard of the
         failure of every save it made, as have the others, which fail together.)"""
         queue = self._queue
-        if not devices or not (self.compression.deltas and self.full_every > 1) \
-                or (self._recon is None and not queue.in_flight()):
+        if not devices or not self._settings().keeps_reference \
+                or (self._reference.recon is None and not queue.in_flight()):
             return None, 0.0  # a full step: snapshotted whole
         started = time.perf_counter()
         queue.wait_all()
         queue.raise_failure()
         waited = time.perf_counter() - started
-        return encode_at_call(self, step, captured, group, devices), waited
+        return encode_at_call(self._writer(), step, captured, group, devices,
+                              self._workers(group)), waited
 
     def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
                       progress: bool = False) -> SaveInfo:
         """Write already captured state as ``step``, once the saves in flight ended (used by
-        :meth:`save` and :meth:`UniversalCheckpoint.save_universal`)."""
+        :meth:`save`; state merged from hand-sharded ranks, docs/PATTERNS.md)."""
         step = check_step(step)
         self.wait()
-        return save_step(self, step, captured, Group.current() or Group.single(),
-                         overwrite=overwrite, progress=progress)
+        return self._save(step, captured, Group.current() or Group.single(),
+                          overwrite=overwrite, progress=progress)
 
-    def _prepare_save(self, step: int, overwrite: bool) -> list[str] | None:
-        """Take the writer lock and check that ``step`` may be written. Returns the files of the
-        step's directory where the storage lists them in one request (an object store: the
-        listing also says whether the step exists), for the commit to delete those its
-        metadata does not reference (:func:`~deltackpt.io.writer.remove_unreferenced`); else None."""
-        self.acquire()
-        present = self.storage.list_files(step_dir_name(step))
-        exists = METADATA_FILE in present if present is not None else \
-            self.storage.exists(metadata_file(step))
-        if exists:
-            if not overwrite:
-                raise StepExistsError(f"step {step} already exists in {self.path}; "
-                                      "pass overwrite=True to replace it")
-            dependents = self.dependents(step)
-            if dependents:
-                raise StepExistsError(
-                    f"step {step} cannot be overwritten: delta step(s) {dependents} are coded "
-                    "against it; remove them first (gc) or overwrite them")
-        return present
+    def _settings(self) -> SaveSettings:
+        return SaveSettings(self.compression, self.full_every, self.chunk_bytes, self._controller,
+                            self._running)
+
+    def _writer(self) -> Writer:
+        """What the save driver reads and advances: this manager's directory, settings and
+        reference, and how it reads a step back (from the cache where it holds it)."""
+        return Writer(self._target, self._settings(), self._reference, self._read_chain)
+
+    def _save(self, step: int, captured: CapturedState, group: Group, *, overwrite: bool,
+              progress: bool, encoding: Encoding | None = None,
+              devices: Mapping[str, torch.device] | None = None) -> SaveInfo:
+        """Save ``captured`` as ``step`` through the save driver
+        (:func:`~deltackpt.save.driver.save_step`, on every rank of ``group``), then, once it is
+        committed: on rank 0 upload it from the cache and warn of a missed ``target_ratio``;
+        apply the retention policy (its failure raised on every rank)."""
+        if group.world_size > 1 and self._cache is not None:
+            raise ValueError(f"{self.path}: cache= serves single-process saves; under "
+                             "torch.distributed every rank writes to the checkpoint itself")
+        self._settle()
+        pool = self._workers(group)  # a collective at a group's first save: before any can fail
+        saved = save_step(self._writer(), step, captured, group, pool, overwrite=overwrite,
+                          progress=progress, encoding=encoding, devices=devices)
+        self._after_commit(saved, group)
+        return saved.info
+
+    def _after_commit(self, saved: Saved, group: Group) -> None:
+        meta = saved.metadata
+        if meta is not None:  # rank 0, which committed it
+            if self._cache is not None:
+                self._cache.upload(meta)
+            self._warn_target(saved.info, meta)
+        if self.keep is not None:
+            error = None
+            if group.rank == 0:
+                try:
+                    self.gc(self.keep)
+                except Exception as exc:  # raised on every rank by the check below
+                    error = exc
+            group.check(error, f"gc after the save of step {saved.info.step}")
+
+    def _warn_target(self, info: SaveInfo, meta: StepMetadata) -> None:
+        """Warn, once per manager, of a delta that missed ``target_ratio``: because the target
+        needs errors beyond ``max_error``, or because the controller is still learning."""
+        if self._warned_target or info.kind != "delta" or info.target_ratio is None:
+            return
+        if info.at_max_error:
+            self._warned_target = True
+            log.warning("step %d: target_ratio %g needs errors beyond max_error (%.3g times "
+                        "the configured ones); deltas stay at that floor (%.1fx achieved); "
+                        "SaveInfo.at_max_error and the step metadata say so for each save",
+                        info.step, info.target_ratio, self.compression.max_scale, info.ratio)
+        elif info.target_met is False:
+            self._warned_target = True
+            log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",
+                        info.step, info.target_ratio, info.ratio, meta.stats.compression["scale"])
 
     def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
         """Delete the steps a retention policy does not keep (default: the manager's ``keep``).
@@ -508,9 +501,11 @@ class CheckpointManager(CheckpointDirectory):
         if not dry_run:
             self.acquire()
         self._settle()
-        recon = self._recon
-        report, replaced = collect_garbage(self, policy, dry_run=dry_run,
-                                           follow=recon.step if recon is not None else None)
+        recon = self._reference.recon
+        report, replaced = collect_garbage(
+            self, policy, settings=self._settings(),
+            restore=self._read_chain,
+            workers=self.workers, dry_run=dry_run, follow=recon.step if recon is not None else None)
         if self._cache is not None and not dry_run:
             for step in report.removed + report.recoded + report.rewritten:
                 self._cache.drop(step)  # gone from the remote, or replaced there
@@ -521,13 +516,13 @@ class CheckpointManager(CheckpointDirectory):
             # the error against the training state is the old one plus the re-coding's
             errors = {name: recon.errors.get(name, 0.0) + replaced.errors.get(name, 0.0)
                       for name in {*recon.errors, *replaced.errors}}
-            self._recon = dataclasses.replace(replaced, deltas=recon.deltas, errors=errors)
-            self._stale_values = False
+            self._reference.restart(dataclasses.replace(replaced, deltas=recon.deltas,
+                                                        errors=errors))
         elif recon is not None and not dry_run and recon.step in report.kept:
             # its values stay, but steps of its chain may be gone (a full rewrite replaced them)
             with contextlib.suppress(DeltackptError):
                 chain = chain_of(self.storage, self.metadata(recon.step))
-                self._recon = dataclasses.replace(recon, chain=[m.step for m in chain])
+                self._reference.recon = dataclasses.replace(recon, chain=[m.step for m in chain])
         return report
 
     # -- restore -----------------------------------------------------------------------
@@ -544,23 +539,17 @@ class CheckpointManager(CheckpointDirectory):
 
     def _restore(self, meta: StepMetadata, progress: bool,
                  reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction]:
-        tensors, recon = self._restore_chain(meta, workers=self._workers(), progress=progress,
-                                             read=reads)
-        self._known = reads.read
+        tensors, recon = self._restore_chain(meta, reads, workers=self._workers(),
+                                             progress=progress)
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
-    def _restore_chain(self, meta: StepMetadata, **kwargs: Any
+    def _restore_chain(self, meta: StepMetadata, reads: _MetadataReads, **kwargs: Any
                        ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
-        """:func:`restore_chain` of ``meta``, from the cache where it holds the same chain (and
-        from the checkpoint if a cached chunk fails its checksum)."""
-        if self._cache is not None and self._cache.holds(chain_of(self.storage, meta,
-                                                                  kwargs.get("read"))):
-            try:
-                return restore_chain(self._cache.storage, meta, **kwargs)
-            except CorruptionError as exc:
-                log.warning("%s: the cached copy of step %d is damaged (%s); reading %s",
-                            self._cache.storage.url, meta.step, exc, self.path)
-        return restore_chain(self.storage, meta, **kwargs)
+        """Restore ``meta``'s chain (from the cache where it holds it), reading its metadata
+        through ``reads``, whose reads the manager keeps as those of its last chain."""
+        restored = self._read_chain(meta, read=reads, **kwargs)
+        self._reference.known = reads.read
+        return restored
 
     def load(self, step: int | None = None, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
@@ -605,8 +594,8 @@ class CheckpointManager(CheckpointDirectory):
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
         if not self.read_only:  # the loaded tensors went to the optimizer: keep our own copies
-            self._recon = _resumed(recon, meta, boxes, group, model, optimizer, report.extra)
-            self._stale_values = False
+            self._reference.restart(_resumed(recon, meta, boxes, group, model, optimizer,
+                                             report.extra))
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],
@@ -618,9 +607,8 @@ class CheckpointManager(CheckpointDirectory):
         tensors, recon, error = {}, None, None
         pool = self._workers(group)
         try:
-            tensors, recon = self._restore_chain(meta, boxes=boxes, workers=pool,
-                                                 progress=progress, read=reads)
-            self._known = reads.read
+            tensors, recon = self._restore_chain(meta, reads, boxes=boxes, workers=pool,
+                                                 progress=progress)
         except Exception as exc:  # raised on every rank by the check below
             if group is None:
                 raise
@@ -674,3 +662,8 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
     local = {name: part.values for name, part in parts.items()}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
+
+
+def load_universal(path: str | os.PathLike[str], step: int | None = None) -> UniversalCheckpoint:
+    """Read a step (default: the latest) of the checkpoint directory at ``path``."""
+    return CheckpointManager(path, read_only=True).restore(step)

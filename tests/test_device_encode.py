@@ -160,7 +160,7 @@ def test_a_delta_encoded_on_the_device_is_the_host_paths_step(
     assert len(encodes) == 2 * 3 * sum(-(-t.numel() * t.element_size() // 1024) for t in big)
     assert max(encodes) * dtype.itemsize <= 1024
     _assert_same_steps(tmp_path / "host", tmp_path / "device", 3)
-    running = mgr._recon.values
+    running = mgr._reference.recon.values
     mgr.close()
     with CheckpointManager(tmp_path / "device", read_only=True) as reader:
         restored = reader.restore(2)
@@ -255,7 +255,7 @@ def test_a_delta_after_a_load_is_the_host_paths_step(tmp_path: Path,
             mgr.load(1, model, optimizer)
             info = _save(mgr, 2, states[2], torch.float32, device=device).wait()
             assert (info.kind, info.base_step) == ("delta", 1)
-            assert all(isinstance(v, torch.Tensor) for v in mgr._recon.values.values()) \
+            assert all(isinstance(v, torch.Tensor) for v in mgr._reference.recon.values.values()) \
                 == on_device
     _assert_same_steps(tmp_path / "False", tmp_path / "True", 3)
 
@@ -295,7 +295,7 @@ def test_the_reconstruction_kept_on_the_host_gives_the_same_steps(
     assert device.reconstruction_bytes == {DEVICE: coded}
     assert host.reconstruction_bytes == {"cpu": coded}
     if DEVICE == "cuda":
-        assert all(v.is_pinned() for v in host._recon.values.values())
+        assert all(v.is_pinned() for v in host._reference.recon.values.values())
     device.close()
     host.close()
     _assert_same_steps(tmp_path / "device", tmp_path / "host", 3)
@@ -318,8 +318,8 @@ def test_running_values_stay_in_their_buffers(tmp_path: Path,
                 info = _save(mgr, step, state, torch.float32).wait()
                 assert info.kind == ("full" if step % 2 == 0 else "delta")
                 assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32
-                           for v in mgr._recon.values.values())
-                buffers.append({n: v.data_ptr() for n, v in mgr._recon.values.items()})
+                           for v in mgr._reference.recon.values.values())
+                buffers.append({n: v.data_ptr() for n, v in mgr._reference.recon.values.items()})
             assert buffers[1] == buffers[0]
             if DEVICE == "cuda":
                 assert buffers[2] == buffers[0]

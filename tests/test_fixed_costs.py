@@ -86,8 +86,9 @@ def test_units_from_a_state_read_once_are_those_read_anew(optimizer_class) -> No
 def _count_reads(monkeypatch) -> list[int]:
     """Count every read of a step's metadata file (parsed, or its save_id alone)."""
     calls = [0]
-    for module, name in ((deltackpt.io.reader, "read_metadata"), (deltackpt.manager, "read_metadata"),
-                         (deltackpt.directory, "read_metadata"), (deltackpt.save.driver, "read_save_id")):
+    for module, name in ((deltackpt.io.reader, "read_metadata"), (deltackpt.directory, "read_metadata"),
+                         (deltackpt.save.reference, "read_metadata"),
+                         (deltackpt.save.target, "read_metadata"), (deltackpt.save.driver, "read_save_id")):
         original = getattr(module, name)
 
         def counted(*args, original=original, **kwargs):

@@ -31,7 +31,7 @@ from deltackpt._version import __version__
 from deltackpt.directory import CheckpointDirectory
 from deltackpt.errors import DeltackptError, WriterLockedError
 from deltackpt.format.metadata import METADATA_FILE, ROLES, StepMetadata, step_dir_name
-from deltackpt.interop import OUT_FORMATS, SOURCE_FORMATS
+from deltackpt.interop.formats import OUT_FORMATS, SOURCE_FORMATS
 from deltackpt.io.progress import human_bytes
 from deltackpt.io.storage import Storage
 

@@ -4,7 +4,7 @@
 files or a DeepSpeed universal checkpoint and writes it as a deltackpt
 directory, safetensors, DCP or ``torch.save``. The pieces are public too:
 :func:`read_checkpoint` (:mod:`~deltackpt.interop.sources`) gives any
-source as a :class:`~deltackpt.save.capture.CapturedState`, and :func:`export`
+source as a :class:`~deltackpt.format.state.CapturedState`, and :func:`export`
 (:mod:`~deltackpt.interop.exporters`) writes one, as ``deltackpt restore
 --format`` does for a restored step.
 """
@@ -12,14 +12,10 @@ source as a :class:`~deltackpt.save.capture.CapturedState`, and :func:`export`
 from typing import TYPE_CHECKING
 
 from deltackpt._lazy import lazy_attributes
-
-OUT_FORMATS = ("deltackpt", "safetensors", "dcp", "torch")
-"""What :func:`convert` and :func:`export` write."""
-SOURCE_FORMATS = ("torch", "dcp", "safetensors", "deepspeed")
-"""What :func:`convert` and :func:`read_checkpoint` read."""
+from deltackpt.interop.formats import OUT_FORMATS, SOURCE_FORMATS
 
 # Imported when first used (they import torch): the command line builds its options from the
-# format names above without them.
+# format names without them.
 __getattr__, __dir__ = lazy_attributes(__name__, {
     "ConvertReport": "deltackpt.interop.convert",
     "convert": "deltackpt.interop.convert",

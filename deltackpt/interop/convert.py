@@ -1,5 +1,5 @@
 """Converting a checkpoint from one format to another, losslessly: read it into a
-:class:`~deltackpt.save.capture.CapturedState` (:mod:`~deltackpt.interop.sources`) and write that
+:class:`~deltackpt.format.state.CapturedState` (:mod:`~deltackpt.interop.sources`) and write that
 (:mod:`~deltackpt.interop.exporters`)."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltackpt.interop.exporters import OUT_FORMATS, export, save_standalone
+from deltackpt.interop.exporters import export
 from deltackpt.interop.files import prepare_out
+from deltackpt.interop.formats import OUT_FORMATS
 from deltackpt.interop.patterns import ShardingSpec
 from deltackpt.interop.sources import read_checkpoint, source_paths
 from deltackpt.io.objectstore import redact_url
 from deltackpt.io.storage import is_url
+from deltackpt.save.standalone import save_standalone
 
 PathLike = str | os.PathLike[str]
 

@@ -1,35 +1,31 @@
 """Writing a training state in other formats: safetensors, ``torch.save``, DCP, or a standalone
 deltackpt directory.
 
-Every exporter takes a :class:`~deltackpt.save.capture.CapturedState` (a restored
+Every exporter takes a :class:`~deltackpt.format.state.CapturedState` (a restored
 step's :meth:`~deltackpt.UniversalCheckpoint.captured`, or what a reader of
 :mod:`deltackpt.interop.sources` produced) and a step number, so
 ``deltackpt restore --format`` and ``deltackpt convert`` share them. File
 formats are written into a temporary sibling directory and moved into place
-when complete (:func:`~deltackpt.interop.files.publish_directory`).
+when complete (:func:`~deltackpt.io.publish.publish_directory`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from deltackpt.format.metadata import ROOT_MARKER, step_dir_name, tensor_name
 from deltackpt.format.state import CapturedState
-from deltackpt.interop import OUT_FORMATS
-from deltackpt.interop.files import publish_directory
+from deltackpt.interop.formats import OUT_FORMATS
 from deltackpt.interop.layouts import OPTIMIZER_CLASS_KEY, TORCH_FILE, native_optimizer, weights_only_loadable
-from deltackpt.io.storage import LOCK_FILE, is_url, open_storage
-
-if TYPE_CHECKING:
-    from deltackpt.save.driver import SaveInfo
+from deltackpt.io.publish import publish_directory
+from deltackpt.save.standalone import save_standalone
 
 
 @dataclass
@@ -57,35 +53,6 @@ def export(captured: CapturedState, step: int, out: Path, out_format: str, *,
     write, commit_file = writers[out_format]
     files = publish_directory(out, lambda tmp: write(captured, step, tmp), commit_file)
     return Export(files, ["rng"] if captured.tree.get("rng") is not None else [])
-
-
-def save_standalone(captured: CapturedState, step: int, path: str | os.PathLike[str], *,
-                    overwrite: bool = False) -> SaveInfo:
-    """Write ``captured`` losslessly as step ``step`` of the deltackpt directory at ``path``.
-
-    A new or empty ``path`` appears whole, in one rename of a private temporary directory, and
-    holds no writer lock file (nothing writes to it). Into an existing checkpoint directory, or
-    at an object store URL, the step is saved as any step is (``overwrite`` replaces it).
-    """
-    from deltackpt.manager import CheckpointManager
-
-    def save(directory: str | os.PathLike[str]) -> SaveInfo:
-        with CheckpointManager(directory, compression="lossless") as mgr:
-            return mgr.save_captured(step, captured, overwrite=overwrite)
-
-    if is_url(path):  # an object store has no rename; the step's commit is atomic there
-        return save(path)
-    out = Path(open_storage(path).url)
-    if out.exists() and any(out.iterdir()):
-        return save(out)
-    saved = []
-
-    def write(tmp: Path) -> None:
-        saved.append(save(tmp))
-        (tmp / LOCK_FILE).unlink()  # the directory is private: no other writer can hold the lock
-
-    publish_directory(out, write)
-    return saved[0]
 
 
 def _export_deltackpt(captured: CapturedState, step: int, out: Path, overwrite: bool) -> list[Path]:

@@ -5,7 +5,7 @@ dict, an optimizer state dict (keyed by parameter index as
 ``Optimizer.state_dict()`` writes it, or by FQN as
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` does)
 and whatever else the training loop kept. This module turns such a dict into
-the pieces of a :class:`~deltackpt.save.capture.CapturedState` and back.
+the pieces of a :class:`~deltackpt.format.state.CapturedState` and back.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading checkpoints of other formats into a :class:`~deltackpt.save.capture.CapturedState`.
+"""Reading checkpoints of other formats into a :class:`~deltackpt.format.state.CapturedState`.
 
 One reader per format, registered in :data:`READERS`, and
 :func:`detect_format` to pick one from what the path holds:
@@ -42,8 +42,8 @@ from deltackpt.errors import ConversionError, DeltackptError
 from deltackpt.format.metadata import ROOT_MARKER
 from deltackpt.format.state import CapturedState
 from deltackpt.format.tree import decode_tree
-from deltackpt.interop import SOURCE_FORMATS
 from deltackpt.interop.files import inside, load_weights_only
+from deltackpt.interop.formats import SOURCE_FORMATS
 from deltackpt.interop.layouts import (
     TORCH_FILE,
     Parts,

@@ -16,6 +16,10 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltackpt.dist.group import Group
 
 THREAD_NAME_PREFIX = "deltackpt"
 
@@ -23,6 +27,13 @@ THREAD_NAME_PREFIX = "deltackpt"
 def default_workers() -> int:
     """Threads for encoding and decoding: one per CPU this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_threads(group: Group) -> int:
+    """The threads of one rank of ``group``: the CPUs this process may use, shared out between
+    the group's ranks on this machine (one rank per core would otherwise run as many threads as
+    the machine has cores). A collective, unless the group is a single process."""
+    return max(1, default_workers() // group.ranks_on_this_host())
 
 
 class WorkerPool:

@@ -11,6 +11,7 @@ kernels, so this module imports them only where it decodes (``deltackpt ls``,
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -138,6 +139,18 @@ def chain_of(storage: Storage, meta: StepMetadata,
                                   "holds other tensors (names, roles, dtypes or shapes; FORMAT.md 5)")
         layout = below
     return chain[::-1]
+
+
+def dependents(storage: Storage, step: int) -> list[int]:
+    """Committed delta steps coded directly against ``step`` (those whose metadata cannot be read
+    are left out)."""
+    out = []
+    for s in list_steps(storage):
+        if s > step:
+            with contextlib.suppress(DeltackptError):
+                if read_metadata(storage, s).base_step == step:
+                    out.append(s)
+    return out
 
 
 def read_save_id(storage: Storage, step: int) -> str | None:

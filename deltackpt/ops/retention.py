@@ -85,7 +85,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from deltackpt.codecs.bnb8 import NAME as BNB8
 from deltackpt.codecs.bnb8 import self_contained
@@ -96,6 +96,7 @@ from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import DeltackptError, UnsafePathError
 from deltackpt.format.metadata import METADATA_FILE, StepMetadata, layout_of, step_dir_name
 from deltackpt.format.state import CapturedState
+from deltackpt.io.pool import Workers
 from deltackpt.io.progress import human_bytes
 from deltackpt.io.storage import Storage
 from deltackpt.io.writer import (
@@ -107,14 +108,24 @@ from deltackpt.io.writer import (
     step_metadata,
     write_data,
 )
-from deltackpt.restore.chain import restore_chain
-
-if TYPE_CHECKING:
-    from deltackpt.manager import CheckpointManager
+from deltackpt.restore.universal import UniversalCheckpoint
+from deltackpt.save.driver import ChainRestore, SaveSettings
 
 SIXTEEN_BIT = ("bfloat16", "float16")  # dtypes whose running values are not their values
 # Raw bytes per stored byte of a full step, for estimates where no full step of a layout is at hand.
 FULL_STEP_RATIO = 1.2
+
+
+class Steps(Protocol):
+    """What a gc reads of a checkpoint directory: its committed steps and their metadata, and
+    the storage it deletes from and writes to (a
+    :class:`~deltackpt.directory.CheckpointDirectory` is one)."""
+
+    storage: Storage
+
+    def steps(self) -> list[int]: ...
+
+    def metadata(self, step: int) -> StepMetadata: ...
 
 
 @dataclass(frozen=True)
@@ -335,13 +346,13 @@ class _Plan:
     sizes: dict[int, int]  # bytes of each step's directory
 
 
-def _plan(manager: CheckpointManager, policy: RetentionPolicy) -> _Plan:
+def _plan(directory: Steps, policy: RetentionPolicy) -> _Plan:
     """Decide from the metadata alone what to keep and remove, and which kept steps to skip."""
-    steps = manager.steps()
+    steps = directory.steps()
     metas: dict[int, StepMetadata] = {}
     for s in steps:
         with contextlib.suppress(DeltackptError):  # unreadable: kept and left alone
-            metas[s] = manager.metadata(s)
+            metas[s] = directory.metadata(s)
     unreadable = set(steps) - set(metas)
     kept = policy.select(steps, {s: m.kind for s, m in metas.items()}) | unreadable
     broken: dict[int, bool] = {}  # whether a step's chain misses a link or has an unreadable one
@@ -362,7 +373,7 @@ def _plan(manager: CheckpointManager, policy: RetentionPolicy) -> _Plan:
     # a broken step cannot be restored, so it cannot be replaced, and deleting other steps
     # cannot make it worse
     skipped = unreadable | {s for s in kept if is_broken(s)}
-    sizes = {s: _tree_bytes(manager.storage, step_dir_name(s)) for s in steps}
+    sizes = {s: _tree_bytes(directory.storage, step_dir_name(s)) for s in steps}
     return _Plan(steps, sorted(kept), sorted(set(steps) - kept), sorted(skipped), metas, sizes)
 
 
@@ -454,8 +465,10 @@ class _Written:
 class _Replacer:
     """Writes the new versions of the steps a gc replaces (uncommitted), or estimates them."""
 
-    def __init__(self, manager: CheckpointManager, plan: _Plan, follow: int | None) -> None:
-        self.manager, self.plan, self.follow = manager, plan, follow
+    def __init__(self, storage: Storage, settings: SaveSettings, restore: ChainRestore,
+                 workers: Workers, plan: _Plan, follow: int | None) -> None:
+        self.storage, self.settings, self.restore, self.workers = storage, settings, restore, workers
+        self.plan, self.follow = plan, follow
         self.written: dict[int, _Written] = {}
         self.estimates: dict[int, int] = {}
         self._base: tuple[int, Reconstruction] | None = None  # the last base restored
@@ -472,7 +485,8 @@ class _Replacer:
         full step (or ``base`` is None), else a full step. Returns the base chosen."""
         meta = self.plan.metas[step]
         try:
-            captured = self.manager.restore(step).captured()
+            tensors, _ = self.restore(meta, workers=self.workers)
+            captured = UniversalCheckpoint(step, tensors, meta).captured()
             recon = self._reconstruction(base) if base is not None else None
         except DeltackptError as exc:
             raise type(exc)(f"gc stopped before changing anything: kept step {step} must be "
@@ -483,7 +497,7 @@ class _Replacer:
             if written.size < _full_estimate(self.plan, step):
                 self.written[step] = written
                 return base
-            discard(self.manager.storage, written.meta, written.staged)
+            discard(self.storage, written.meta, written.staged)
         classes, compression = meta.stats.classes, meta.stats.compression
         self.written[step] = self._write(step, captured, None, None,
                                          {"classes": classes, "compression": compression})
@@ -492,14 +506,14 @@ class _Replacer:
     def _write(self, step: int, captured: CapturedState, recon: Reconstruction | None, base: int | None,
                summary: dict | None = None) -> _Written:
         """Encode and write ``captured`` as a delta on ``recon`` (full without), uncommitted."""
-        manager, started = self.manager, time.perf_counter()
-        config = manager.compression
+        storage, started = self.storage, time.perf_counter()
+        config = self.settings.config
         controller = ScaleController(config.target_ratio) if config.target_ratio else None
         encoder = StepEncoder(captured, config, recon, controller if recon else None)
         save_id = new_save_id()
-        written = write_data(manager.storage, step, save_id, captured, encoder=encoder,
-                             coded_last=encoder.coded_last, chunk_bytes=manager.chunk_bytes,
-                             workers=manager.workers)
+        written = write_data(storage, step, save_id, captured, encoder=encoder,
+                             coded_last=encoder.coded_last, chunk_bytes=self.settings.chunk_bytes,
+                             workers=self.workers)
         if summary is None:
             summary = encoder.summary()
             old = self.plan.metas[step]
@@ -509,9 +523,9 @@ class _Replacer:
                              kind="delta" if recon else "full", base_step=base, world_size=1,
                              seconds=time.perf_counter() - started, summary=summary)
         try:
-            staged = stage_metadata(manager.storage, meta)
+            staged = stage_metadata(storage, meta)
         except BaseException:
-            discard(manager.storage, meta)
+            discard(storage, meta)
             raise
         size = meta.stats.stored_bytes + len(metadata_bytes(meta))
         return _Written(meta, staged, size, encoder.reconstruction(step, save_id)
@@ -521,8 +535,7 @@ class _Replacer:
         """A private copy of what restoring ``step`` gives (an encoder updates it in place)."""
         if self._base is None or self._base[0] != step:
             self._base = None  # release the previous one first
-            _, recon = restore_chain(self.manager.storage, self.plan.metas[step],
-                                     workers=self.manager.workers)
+            _, recon = self.restore(self.plan.metas[step], workers=self.workers)
             self._base = step, recon
         recon = self._base[1]
         return replace(recon, values={name: v.copy() for name, v in recon.values.items()})
@@ -530,7 +543,7 @@ class _Replacer:
     def abort(self) -> None:
         """Delete every version written and not committed."""
         for written in self.written.values():
-            discard(self.manager.storage, written.meta, written.staged)
+            discard(self.storage, written.meta, written.staged)
         self.written.clear()
 
 
@@ -545,9 +558,10 @@ def _delete_step(storage: Storage, step: int) -> None:
     storage.remove_tree(step_dir)
 
 
-def collect_garbage(manager: CheckpointManager, policy: RetentionPolicy, *, dry_run: bool = False,
+def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: SaveSettings,
+                    restore: ChainRestore, workers: Workers = None, dry_run: bool = False,
                     follow: int | None = None) -> tuple[GCReport, Reconstruction | None]:
-    """Delete every step of ``manager``'s directory that ``policy`` does not keep.
+    """Delete every step of ``directory`` that ``policy`` does not keep.
 
     Kept steps whose chain loses a step are replaced first (re-coded as
     deltas on stable kept steps, or rewritten as full steps; see the module
@@ -574,14 +588,18 @@ def collect_garbage(manager: CheckpointManager, policy: RetentionPolicy, *, dry_
     (:class:`WriteFailedError`): the directory is then as it was (but for
     the steps deleted to make room on a full disk).
     """
-    storage = manager.storage
-    plan = _plan(manager, policy)
+    storage = directory.storage
+    plan = _plan(directory, policy)
     before = sum(plan.sizes.values())
-    replacer = _Replacer(manager, plan, follow)
-    followed, deleted, needed = None, [], 0
+
+    def new_replacer() -> _Replacer:
+        return _Replacer(storage, settings, restore, workers, plan, follow)
 
     def replace_kept(decide: Callable[[int, int | None], int | None]) -> dict[int, int | None]:
-        return _replacements(plan, manager.compression.deltas, manager.full_every, decide)
+        return _replacements(plan, settings.config.deltas, settings.full_every, decide)
+
+    replacer = new_replacer()
+    followed, deleted, needed = None, [], 0
 
     try:
         try:
@@ -599,7 +617,7 @@ def collect_garbage(manager: CheckpointManager, policy: RetentionPolicy, *, dry_
                 if not _no_space(exc):
                     raise
                 replacer.abort()
-                estimator = _Replacer(manager, plan, follow)
+                estimator = new_replacer()
                 replace_kept(estimator.estimate)
                 needed, bases = sum(estimator.estimates.values()), None
         new = replacer.estimates if dry_run else {s: w.size for s, w in replacer.written.items()}

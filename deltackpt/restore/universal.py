@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,9 +13,8 @@ from deltackpt.format.metadata import StepMetadata
 from deltackpt.format.state import CapturedState, CapturedTensor
 from deltackpt.format.tree import decode_tree
 from deltackpt.restore.loading import LoadReport, load_into
-
-if TYPE_CHECKING:
-    from deltackpt.save.driver import SaveInfo
+from deltackpt.save.driver import SaveInfo
+from deltackpt.save.standalone import save_standalone
 
 
 @dataclass
@@ -86,13 +85,4 @@ class UniversalCheckpoint:
         The result is an ordinary deltackpt directory holding one full step:
         ``deltackpt.load_universal(path)`` or any tool of this package reads it.
         """
-        from deltackpt.interop.exporters import save_standalone
-
         return save_standalone(self.captured(), self.step, path, overwrite=overwrite)
-
-
-def load_universal(path: str | os.PathLike[str], step: int | None = None) -> UniversalCheckpoint:
-    """Read a step (default: the latest) of the checkpoint directory at ``path``."""
-    from deltackpt.manager import CheckpointManager
-
-    return CheckpointManager(path, read_only=True).restore(step)

@@ -1,4 +1,4 @@
-"""The stages of a save after its snapshot: plan, encode and write, commit, on every rank.
+"""The driver of a save after its snapshot: plan, encode and write, commit, on every rank.
 
 :mod:`deltackpt.save.queue` tells the whole path of a save; :func:`save_step`
 runs it from the plan on, in one way for a single process and for the ranks
@@ -6,22 +6,25 @@ of a torch.distributed run: a single process is a group of one rank
 (:meth:`Group.single`), whose collectives return what they are given and
 whose failures are raised as they are. Every rank calls it for the same
 step, on the caller's thread for a blocking save, on the save thread for an
-asynchronous one:
+asynchronous one. It receives the :class:`Writer` (where it writes, how it
+codes, the :class:`~deltackpt.save.reference.Reference` it advances) and
+calls nothing above this package:
 
 1. **plan** (:func:`plan_save`). The input is the rank's layout, the boxes
    of each tensor it writes (:func:`~deltackpt.dist.shards.shard_parts`; a
    single process writes every tensor whole). Against it each rank chooses
-   its base, the manager's reconstruction of the last committed step, if a
+   its base, the reference's reconstruction of the last committed step, if a
    delta may be coded against it (:func:`delta_base`); the ranks must agree
    on one base, else the step is full. Rank 0 takes the writer lock, checks
-   that the step may be written, creates its directory and names the save
-   (``save_id``): every rank writes under that name. A failure on any rank
-   is raised on every rank, before anything is written.
+   that the step may be written (:meth:`~deltackpt.save.target.SaveTarget.prepare`),
+   creates its directory and names the save (``save_id``): every rank writes
+   under that name. A failure on any rank is raised on every rank, before
+   anything is written.
 2. **encode and write**. Each rank codes its boxes with a
-   :class:`~deltackpt.encode.encoder.StepEncoder` (full: lossless; delta: quantized
-   against the base, whose values it updates in place to what a reader
-   decodes) and writes them into data files of its own, on the manager's
-   encoding threads (:func:`~deltackpt.io.writer.write_data`). A failure on
+   :class:`~deltackpt.encode.encoder.StepEncoder` (full: lossless; delta:
+   quantized against the base, whose values it updates in place to what a
+   reader decodes) and writes them into data files of its own, on the
+   writer's threads (:func:`~deltackpt.io.writer.write_data`). A failure on
    any rank is raised on every rank. A delta of tensors the Triton kernels
    code (CUDA tensors) is encoded on their device first
    (:mod:`deltackpt.encode.device`); for an asynchronous save, by its call
@@ -33,13 +36,14 @@ asynchronous one:
    deletes what it wrote, unless its step was committed after all, and
    leaves the committed steps as they were.
 4. **the reference advances**. Once the step is committed, the encoder's
-   reconstruction becomes the manager's reference, which the next delta is
-   coded against. A delta changes its base's values from the start of its
-   encoding, which marks them stale until its commit: after a delta that
-   failed, the reference stays the last committed step's, and the next
-   delta reads them again from that step (what a reader decodes) first. Rank 0 then uploads
-   the step from the cache, if the manager has one, and applies the
-   retention policy (``keep``).
+   reconstruction becomes the reference the next delta is coded against. A
+   delta changes its base's values from the start of its encoding, which
+   marks them stale until its commit: after a delta that failed, the
+   reference stays the last committed step's, and the next delta reads them
+   again from that step (what a reader decodes) first.
+
+What follows the commit (an upload from a cache, retention) is the
+manager's, once the driver has returned.
 """
 
 from __future__ import annotations
@@ -48,20 +52,21 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from deltackpt.dist.group import Group
 from deltackpt.dist.shards import Part, check_same_state, local_parts, shard_parts
-from deltackpt.encode.device import Encoding, begin_encoding, device_coded
+from deltackpt.encode.device import Encoding, RunningValues, begin_encoding, device_coded
 from deltackpt.encode.encoder import StepEncoder, captured_layout
+from deltackpt.encode.policy import CompressionConfig, ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import DeltackptError
 from deltackpt.format.metadata import StepMetadata, metadata_file, step_dir_name
 from deltackpt.format.state import CapturedState
+from deltackpt.io.pool import WorkerPool
 from deltackpt.io.reader import read_save_id
 from deltackpt.io.storage import Storage
 from deltackpt.io.writer import (
@@ -74,15 +79,17 @@ from deltackpt.io.writer import (
     write_data,
     writing,
 )
-
-if TYPE_CHECKING:
-    from deltackpt.io.pool import WorkerPool
-    from deltackpt.manager import CheckpointManager
+from deltackpt.save.reference import Reference
+from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
 
 # A delta within this factor of target_ratio counts as meeting it.
 TARGET_TOLERANCE = 1.15
+
+ChainRestore = Callable[..., tuple[dict[str, torch.Tensor], Reconstruction]]
+"""Restores a committed step from its metadata, as :func:`deltackpt.restore.chain.restore_chain`
+does from a storage (``boxes=``, ``workers=``, ...): a step's tensors and its reconstruction."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,45 @@ class SaveInfo:
                    compression.get("at_max_error") is True)
 
 
+@dataclass(frozen=True)
+class SaveSettings:
+    """How a writer codes its saves: the compression config, a full step every ``full_every``
+    saves, at most ``chunk_bytes`` raw bytes a chunk, the ``target_ratio`` controller (which
+    learns from each save) and where the running values of device-coded tensors are kept."""
+
+    config: CompressionConfig
+    full_every: int
+    chunk_bytes: int
+    controller: ScaleController | None = None
+    running: RunningValues = field(default_factory=RunningValues)
+
+    @property
+    def keeps_reference(self) -> bool:
+        """Whether a save keeps its reconstruction for a next delta to be coded against."""
+        return self.config.deltas and self.full_every > 1
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Everything a save reads besides the state it saves: where it writes (``target``), how it
+    codes (``settings``), the reference its delta is coded against and its commit advances,
+    and how a committed step is read back when its values went stale after a failed delta
+    (``restore``; None: such a delta is a full step instead)."""
+
+    target: SaveTarget
+    settings: SaveSettings
+    reference: Reference
+    restore: ChainRestore | None = None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a save committed: its summary and, on the rank that committed it, its metadata."""
+
+    info: SaveInfo
+    metadata: StepMetadata | None
+
+
 @dataclass
 class SavePlan:
     """One rank's part of a save, decided by every rank together before anything is encoded."""
@@ -150,38 +196,34 @@ class SavePlan:
         return "full" if self.base is None else "delta"
 
 
-def save_step(manager: CheckpointManager, step: int, captured: CapturedState, group: Group, *,
-              overwrite: bool, progress: bool, encoding: Encoding | None = None,
-              devices: Mapping[str, torch.device] | None = None) -> SaveInfo:
-    """Plan, encode, write and commit ``captured`` as ``step`` on every rank of ``group``, then
-    advance ``manager``'s reference to it (see the module doc). Any rank's failure is raised
-    on every rank and leaves no step.
+def save_step(writer: Writer, step: int, captured: CapturedState, group: Group,
+              pool: WorkerPool, *, overwrite: bool, progress: bool,
+              encoding: Encoding | None = None,
+              devices: Mapping[str, torch.device] | None = None) -> Saved:
+    """Plan, encode, write and commit ``captured`` as ``step`` on every rank of ``group``, with
+    ``pool``'s threads, then advance ``writer``'s reference to it (see the module doc). Any
+    rank's failure is raised on every rank and leaves no step.
 
     ``encoding``: begun at the call (:func:`encode_at_call`), whose base the plan takes;
     ``devices``: the tensors coded on a device of the state at the call (``captured`` may be
     its host copies), whose running values are kept there (default: those of ``captured``)."""
-    if group.world_size > 1 and manager._cache is not None:
-        raise ValueError(f"{manager.path}: cache= serves single-process saves; under "
-                         "torch.distributed every rank writes to the checkpoint itself")
-    manager._settle()
     started = time.perf_counter()
-    pool = manager._workers(group)  # a collective at a group's first save: before any can fail
     if devices is None:
         devices = device_coded(captured)
-    plan = plan_save(manager, step, captured, group, overwrite=overwrite, pool=pool,
+    plan = plan_save(writer, step, captured, group, overwrite=overwrite, pool=pool,
                      encoding=encoding)
     written, error = None, None
     try:
         try:
             if encoding is None:
-                encoding = begin(manager, captured, plan.base, plan.parts, devices)
+                encoding = begin(writer, captured, plan.base, plan.parts, devices)
             encoding.ready()
             encoder = encoding.encoder
             parts = plan.parts if encoding.captured is captured else \
                 shard_parts(encoding.captured, group)  # of the tensors encoded: meta tensors
             written = write_data(plan.storage, step, plan.save_id, encoding.captured, parts=parts,
                                  rank=group.rank, encoder=encoder, coded_last=encoder.coded_last,
-                                 chunk_bytes=manager.chunk_bytes, workers=pool,
+                                 chunk_bytes=writer.settings.chunk_bytes, workers=pool,
                                  progress=progress and group.rank == 0,
                                  sync_dirs=("",) if plan.created else ())
         except Exception as exc:  # raised on every rank by the check below
@@ -191,12 +233,14 @@ def save_step(manager: CheckpointManager, step: int, captured: CapturedState, gr
     except BaseException:
         _abandon(plan, written)  # the reference still is the last committed step's
         raise
-    _advance(manager, plan, encoding, meta, info, devices)
-    return info
+    encoder.learn()
+    recon = writer.settings.running.placed(encoder.reconstruction(step, plan.save_id), devices)
+    writer.reference.advance(recon, plan.base, writer.target.storage, meta)
+    return Saved(info, meta)
 
 
-def encode_at_call(manager: CheckpointManager, step: int, captured: CapturedState,
-                   group: Group, devices: Mapping[str, torch.device]) -> Encoding:
+def encode_at_call(writer: Writer, step: int, captured: CapturedState, group: Group,
+                   devices: Mapping[str, torch.device], pool: WorkerPool) -> Encoding:
     """Begin a save of ``captured`` as ``step`` at its call, once no save is in flight, on
     every rank of ``group`` (collective, on the caller's thread; for several ranks the
     manager's own gloo group): the state checked across ranks, the rank's layout, the base
@@ -205,28 +249,28 @@ def encode_at_call(manager: CheckpointManager, step: int, captured: CapturedStat
     snapshotted, and :func:`save_step` goes on from there on the save thread. Any rank's
     failure is raised on every rank."""
     check_same_state(captured, group, at_call=True)  # the first collective: see its doc
-    pool = manager._workers(group)
     parts = shard_parts(captured, group)
     what = f"save of step {step}"
-    base = agreed_base(group.together(what, lambda: delta_base(manager, step, captured, parts,
+    base = agreed_base(group.together(what, lambda: delta_base(writer, step, captured, parts,
                                                                pool)), group)
-    return group.together(what, lambda: begin(manager, captured, base, parts, devices))
+    return group.together(what, lambda: begin(writer, captured, base, parts, devices))
 
 
-def begin(manager: CheckpointManager, captured: CapturedState, base: Reconstruction | None,
+def begin(writer: Writer, captured: CapturedState, base: Reconstruction | None,
           parts: dict[str, list[Part]], devices: Mapping[str, torch.device]) -> Encoding:
-    """:func:`~deltackpt.encode.device.begin_encoding` with ``manager``'s settings. A delta
-    changes its base's values in place from here on: until its step commits (:func:`_advance`),
-    they count as stale, so that a save that fails at any stage leaves them to be read again
-    from the last committed step by the next delta."""
-    manager._stale_values = manager._stale_values or base is not None
-    return begin_encoding(captured, base, parts, devices, config=manager.compression,
-                          controller=manager._controller,
-                          keep=manager.compression.deltas and manager.full_every > 1,
-                          chunk_bytes=manager.chunk_bytes, running=manager._running)
+    """:func:`~deltackpt.encode.device.begin_encoding` with ``writer``'s settings. A delta
+    changes its base's values in place from here on: until its step commits, they count as
+    stale, so that a save that fails at any stage leaves them to be read again from the last
+    committed step by the next delta."""
+    if base is not None:
+        writer.reference.stale = True
+    settings = writer.settings
+    return begin_encoding(captured, base, parts, devices, config=settings.config,
+                          controller=settings.controller, keep=settings.keeps_reference,
+                          chunk_bytes=settings.chunk_bytes, running=settings.running)
 
 
-def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, group: Group, *,
+def plan_save(writer: Writer, step: int, captured: CapturedState, group: Group, *,
               overwrite: bool, pool: WorkerPool, encoding: Encoding | None = None) -> SavePlan:
     """Plan this rank's part of saving ``captured`` as ``step`` (collective): its layout, the
     base every rank agreed on (``encoding``'s, where it was begun at the call, which checked
@@ -234,19 +278,16 @@ def plan_save(manager: CheckpointManager, step: int, captured: CapturedState, gr
     is raised on every rank, and leaves nothing written."""
     if encoding is None:
         check_same_state(captured, group)
-    storage = manager.storage if manager._cache is None else manager._cache.storage
+    storage = writer.target.writes_to
     step_dir = step_dir_name(step)
     parts: dict[str, list[Part]] = {}
     base, save_id, created, present, error = None, None, False, None, None
     try:
         if group.rank == 0:
-            present = manager._prepare_save(step, overwrite)
-            if manager._cache is not None:  # the listing is the checkpoint's, not the cache's
-                manager._cache.open()
-                present = None
+            present = writer.target.prepare(step, overwrite)
         parts = shard_parts(captured, group)
         base = encoding.base if encoding is not None else \
-            delta_base(manager, step, captured, parts, pool)
+            delta_base(writer, step, captured, parts, pool)
         if group.rank == 0:
             with writing(storage, step, step_dir):
                 # A new step directory's entry becomes durable while the data files are fsynced.
@@ -272,45 +313,49 @@ def agreed_base(base: Reconstruction | None, group: Group) -> Reconstruction | N
     return None if None in bases or len(set(bases)) > 1 else base
 
 
-def delta_base(manager: CheckpointManager, step: int, captured: CapturedState,
+def delta_base(writer: Writer, step: int, captured: CapturedState,
                parts: dict[str, list[Part]], pool: WorkerPool) -> Reconstruction | None:
     """The reconstruction this rank codes ``step`` against, or None when it must be a full step:
-    the manager's reference, while deltas are due, ``step`` comes after it, the rank's layout
+    the reference's, while deltas are due, ``step`` comes after it, the rank's layout
     (``parts``) is the one it was kept in, and its step is still the one it came from, with its
     chain below. Values that a failed delta changed are read again from its step first."""
-    recon = manager._recon
-    if (recon is None or not manager.compression.deltas
-            or recon.deltas + 1 >= manager.full_every or step <= recon.step
+    recon, settings = writer.reference.recon, writer.settings
+    if (recon is None or not settings.config.deltas
+            or recon.deltas + 1 >= settings.full_every or step <= recon.step
             or recon.layout != captured_layout(captured, local_parts(parts))):
         return None
-    known = manager._kept_metadata(recon.step)  # the very file the manager wrote or read
-    save_id = known.save_id if known is not None else read_save_id(manager.storage, recon.step)
+    storage = writer.target.storage
+    known = writer.reference.kept_metadata(storage, recon.step)  # the very file written or read
+    save_id = known.save_id if known is not None else read_save_id(storage, recon.step)
     if save_id != recon.save_id or not all(
-            manager.storage.exists(metadata_file(s)) for s in recon.chain[:-1]):
+            storage.exists(metadata_file(s)) for s in recon.chain[:-1]):
         return None
-    return _committed_values(manager, recon, parts, pool) if manager._stale_values else recon
+    return _committed_values(writer, recon, parts, pool) if writer.reference.stale else recon
 
 
-def _committed_values(manager: CheckpointManager, recon: Reconstruction,
-                      parts: dict[str, list[Part]], pool: WorkerPool) -> Reconstruction | None:
+def _committed_values(writer: Writer, recon: Reconstruction, parts: dict[str, list[Part]],
+                      pool: WorkerPool) -> Reconstruction | None:
     """``recon`` with the values a reader decodes from its step (of this rank's ``parts``), read
-    again because a delta coded against it failed after changing them, now the manager's
-    reference; None (a full step) if they cannot be."""
+    again because a delta coded against it failed after changing them, now the reference;
+    None (a full step) if they cannot be."""
+    if writer.restore is None:
+        return None
+    storage = writer.target.storage
     boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p}
     try:
-        _, decoded = manager._restore_chain(manager.metadata(recon.step), boxes=boxes,
-                                            workers=pool)
+        _, decoded = writer.restore(writer.reference.metadata(storage, recon.step), boxes=boxes,
+                                    workers=pool)
     except DeltackptError as exc:
         log.warning("%s: step %d, the base of the next delta, cannot be read again after a "
-                    "failed save (%s); the next save is a full step", manager.path, recon.step,
+                    "failed save (%s); the next save is a full step", storage.url, recon.step,
                     exc)
         return None
     if not recon.values.keys() <= decoded.values.keys():
         return None
-    manager._recon = dataclasses.replace(recon, values={
+    refreshed = dataclasses.replace(recon, values={
         name: decoded.values[name].reshape(-1) for name in recon.values})
-    manager._stale_values = False
-    return manager._recon
+    writer.reference.restart(refreshed)
+    return refreshed
 
 
 def commit(plan: SavePlan, encoder: StepEncoder, written: WrittenData,
@@ -357,52 +402,3 @@ def _remove_step_dir(storage: Storage, step: int) -> None:
     """Delete the directory a failed save created for ``step``, and what it holds."""
     with contextlib.suppress(OSError, DeltackptError):
         storage.remove_tree(step_dir_name(step))
-
-
-def _advance(manager: CheckpointManager, plan: SavePlan, encoding: Encoding,
-             meta: StepMetadata | None, info: SaveInfo,
-             devices: Mapping[str, torch.device]) -> None:
-    """After the commit of the plan's step: its reconstruction becomes the manager's reference
-    on every rank (the running values of tensors coded on ``devices`` kept as the manager
-    keeps them); rank 0 keeps the step's metadata, uploads the step from the cache, warns of
-    a missed ``target_ratio``, and applies the retention policy (its failure raised on every
-    rank)."""
-    encoder = encoding.encoder
-    encoder.learn()
-    manager._recon = manager._running.placed(encoder.reconstruction(plan.step, plan.save_id),
-                                             devices)
-    manager._stale_values = False
-    group = plan.group
-    if meta is not None:  # rank 0, which committed it
-        identity = manager.storage.identity(metadata_file(plan.step))
-        known = manager._known
-        chain = {s: known[s] for s in plan.base.chain if s in known} if plan.base else {}
-        manager._known = chain if identity is None else {**chain, plan.step: (identity, meta)}
-        if manager._cache is not None:
-            manager._cache.upload(meta)
-        _warn_target(manager, info, encoder.scale)
-    if manager.keep is not None:
-        error = None
-        if group.rank == 0:
-            try:
-                manager.gc(manager.keep)
-            except Exception as exc:  # raised on every rank by the check below
-                error = exc
-        group.check(error, f"gc after the save of step {plan.step}")
-
-
-def _warn_target(manager: CheckpointManager, info: SaveInfo, scale: float) -> None:
-    """Warn, once per manager, of a delta that missed ``target_ratio``: because the target
-    needs errors beyond ``max_error``, or because the controller is still learning."""
-    if manager._warned_target or info.kind != "delta" or info.target_ratio is None:
-        return
-    if info.at_max_error:
-        manager._warned_target = True
-        log.warning("step %d: target_ratio %g needs errors beyond max_error (%.3g times "
-                    "the configured ones); deltas stay at that floor (%.1fx achieved); "
-                    "SaveInfo.at_max_error and the step metadata say so for each save",
-                    info.step, info.target_ratio, manager.compression.max_scale, info.ratio)
-    elif info.target_met is False:
-        manager._warned_target = True
-        log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",
-                    info.step, info.target_ratio, info.ratio, scale)

@@ -31,7 +31,7 @@ commit:
    the committed step becomes the base of the next delta. Under
    torch.distributed the save thread of every rank runs the save's
    collectives on a gloo group of their own
-   (:meth:`deltackpt.dist.shards.Group.background`).
+   (:meth:`deltackpt.dist.group.Group.background`).
 
 A save's failure in the background is kept until the caller hears of it:
 by its :class:`SaveHandle` (``wait`` raises it, ``exception`` returns it),
