@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deltackpt._version import __version__
 from deltackpt.directory import CheckpointDirectory
@@ -649,24 +649,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args.arguments)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``deltackpt`` command and all its subcommands."""
-    parser = argparse.ArgumentParser(
-        prog="deltackpt",
-        description="Inspect, verify, export and prune deltackpt checkpoint directories, and convert "
-                    "torch.save, DCP, safetensors and DeepSpeed checkpoints. Commands that take PATH "
-                    "(or SRC) only read it (they never create, lock or change anything there), "
-                    "except gc, which deletes the steps a retention policy does not keep.",
-        epilog="examples:\n  deltackpt ls runs/ckpt\n  deltackpt info runs/ckpt --step 100\n"
-               "  deltackpt verify runs/ckpt --deep\n"
-               "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
-               "  deltackpt convert model.pt --out runs/ckpt\n"
-               "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
-               "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), 2 error",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+class _Parents(NamedTuple):
+    """Options several commands share, as argparse parent parsers."""
 
+    path: argparse.ArgumentParser  # PATH and --json
+    one_step: argparse.ArgumentParser  # --step N
+    progress: argparse.ArgumentParser  # --progress
+
+
+def _parents() -> _Parents:
+    """The parsers of the options several commands share."""
     path = argparse.ArgumentParser(add_help=False)
     path.add_argument("path", metavar="PATH",
                       help="checkpoint directory: a local path, file:// URL or fsspec URL (s3://bucket/run1)")
@@ -678,7 +670,11 @@ def build_parser() -> argparse.ArgumentParser:
     progress.add_argument("--progress", action="store_true",
                           help="show a progress bar on stderr even if it is not a terminal "
                                "(it is shown on a terminal anyway; never with --json)")
+    return _Parents(path, one_step, progress)
 
+
+def _add_ls(sub: Any, parents: _Parents) -> None:
+    """The ``ls`` command."""
     _add_command(sub, "ls", "list the steps of a checkpoint directory",
                  "One row per committed step: kind (full or delta), the step it depends on, raw and "
                  "stored size, compression ratio (raw/stored), the error of its weights (relative "
@@ -686,7 +682,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "losslessly), save time and commit time, then a total. Exits 1 if the metadata of "
                  "a step cannot be read.",
                  "  deltackpt ls runs/ckpt\n  deltackpt ls runs/ckpt --json | jq '.total'",
-                 _cmd_ls, [path])
+                 _cmd_ls, [parents.path])
+
+
+def _add_info(sub: Any, parents: _Parents) -> None:
+    """The ``info`` command."""
     _add_command(sub, "info", "describe one step: header, every tensor, the non-tensor state",
                  "The step's header (kind, base step, format and library version, world size, files, "
                  "sizes, the compression preset, scale and target ratio of a delta step), a table of "
@@ -696,7 +696,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "show as 'alias of X') and the non-tensor state it holds "
                  "(optimizer class and param groups, RNG sources, top-level keys of extra).",
                  "  deltackpt info runs/ckpt\n  deltackpt info runs/ckpt --step 100 --json",
-                 _cmd_info, [path, one_step])
+                 _cmd_info, [parents.path, parents.one_step])
+
+
+def _add_restore(sub: Any, parents: _Parents) -> None:
+    """The ``restore`` command."""
     restore = _add_command(
         sub, "restore", "export one step as a deltackpt, safetensors, DCP or torch checkpoint",
         "Decode a step and write it into DIR:\n\n"
@@ -711,11 +715,15 @@ def build_parser() -> argparse.ArgumentParser:
         "  deltackpt restore runs/ckpt --step 100 --format safetensors --out export/\n"
         "  deltackpt restore runs/ckpt --format dcp --out dcp_ckpt/\n"
         "  deltackpt restore runs/ckpt --format torch --out export/ --force",
-        _cmd_restore, [path, one_step, progress])
+        _cmd_restore, [parents.path, parents.one_step, parents.progress])
     restore.add_argument("--out", required=True, metavar="DIR", help="output directory")
     restore.add_argument("--format", choices=("universal", "safetensors", "dcp", "torch"),
                          default="universal", help="output format (default: %(default)s)")
     restore.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+
+
+def _add_convert(sub: Any, parents: _Parents) -> None:
+    """The ``convert`` command."""
     convert = _add_command(
         sub, "convert", "convert a torch.save, DCP, safetensors or DeepSpeed checkpoint",
         "Read a checkpoint of another format and write it, losslessly, into DIR.\n\n"
@@ -775,6 +783,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     convert.add_argument("--json", action="store_true",
                          help="print one JSON document on stdout instead of text")
+
+
+def _add_verify(sub: Any, parents: _Parents) -> None:
+    """The ``verify`` command."""
     verify = _add_command(
         sub, "verify", "check stored bytes against their checksums",
         "Check every chunk of one step (or of all steps) against its xxh3 checksum and report the "
@@ -783,15 +795,23 @@ def build_parser() -> argparse.ArgumentParser:
         "problems. --deep also decodes every chunk and checks the result. Exits 0 if everything "
         "is intact, 1 if anything is damaged.",
         "  deltackpt verify runs/ckpt\n  deltackpt verify runs/ckpt --step 100 --deep",
-        _cmd_verify, [path, progress])
+        _cmd_verify, [parents.path, parents.progress])
     verify.add_argument("--step", type=_step_arg, metavar="N", help="step to check (default: all)")
     verify.add_argument("--deep", action="store_true", help="also decode every chunk")
+
+
+def _add_du(sub: Any, parents: _Parents) -> None:
+    """The ``du`` command."""
     _add_command(sub, "du", "disk usage per step and by tensor role",
                  "Bytes on disk of each step (its data files and metadata.json, measured from the "
                  "files), of the whole directory, and of the stored tensors summed over all steps by "
                  "role (param, buffer, optimizer, rng, extra).",
                  "  deltackpt du runs/ckpt\n  deltackpt du runs/ckpt --json",
-                 _cmd_du, [path])
+                 _cmd_du, [parents.path])
+
+
+def _add_gc(sub: Any, parents: _Parents) -> None:
+    """The ``gc`` command."""
     gc = _add_command(
         sub, "gc", "delete the steps a retention policy does not keep",
         "Delete every step that --keep does not keep; the latest step is always kept.\n\n"
@@ -813,11 +833,33 @@ def build_parser() -> argparse.ArgumentParser:
         "would be removed, re-coded, rewritten and freed, with estimated sizes.",
         "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n"
         "  deltackpt gc runs/ckpt --keep last=3,full_within=5000 --json",
-        _cmd_gc, [path])
+        _cmd_gc, [parents.path])
     gc.add_argument("--keep", required=True, metavar="SPEC",
                     help="retention policy, e.g. last=5,every=1000,full_within=5000")
     gc.add_argument("--dry-run", action="store_true",
                     help="change nothing; report what would be removed, replaced and freed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``deltackpt`` command and all its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="deltackpt",
+        description="Inspect, verify, export and prune deltackpt checkpoint directories, and convert "
+                    "torch.save, DCP, safetensors and DeepSpeed checkpoints. Commands that take PATH "
+                    "(or SRC) only read it (they never create, lock or change anything there), "
+                    "except gc, which deletes the steps a retention policy does not keep.",
+        epilog="examples:\n  deltackpt ls runs/ckpt\n  deltackpt info runs/ckpt --step 100\n"
+               "  deltackpt verify runs/ckpt --deep\n"
+               "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
+               "  deltackpt convert model.pt --out runs/ckpt\n"
+               "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
+               "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), 2 error",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parents = _parents()
+    for add in (_add_ls, _add_info, _add_restore, _add_convert, _add_verify, _add_du, _add_gc):
+        add(sub, parents)
     _add_demo(sub)
     return parser
 

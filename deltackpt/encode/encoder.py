@@ -67,7 +67,7 @@ from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import ConfigError
 from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for, spec_named
 from deltackpt.format.metadata import Layout, TensorRecord
-from deltackpt.format.state import CapturedState
+from deltackpt.format.state import CapturedState, CapturedTensor
 
 if TYPE_CHECKING:
     from deltackpt.io.writer import PendingDigest
@@ -99,6 +99,18 @@ class _Plan:
     bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
     absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
     unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
+
+
+@dataclass(frozen=True)
+class _Meanings:
+    """What the optimizer state of a save means, for coding each tensor (read once)."""
+
+    roles: dict[str, str]  # optimizer state tensors: what each holds (a first moment, ...)
+    units: dict[str, float]  # parameters by FQN: how far one training step moves them
+    masters: dict[str, str]  # 16-bit parameters: their float32 master copy
+    bnb: dict[str, tuple[BnbState, np.ndarray]]  # bnb8-coded moments and their dequantized values
+    qmaps: dict[str, bool]  # bitsandbytes code maps: whether each equals its base's
+    scales: dict[str, tuple[str, float, float]]  # first moments scaled by their second
 
 
 @dataclass(frozen=True)
@@ -207,94 +219,124 @@ class StepEncoder:
         return self.base is not None
 
     def _plan(self, captured: CapturedState) -> None:
-        samples = []
-        fixed = 0
+        """How each tensor this process writes is coded, and with which step."""
         self._check_overrides(captured)
-        bnb_moments = captured_bnb_states(captured)  # what the optimizer state means, read once
-        states = state_by_parameter(captured, bnb_moments)
-        self.unknown_state_keys = unknown_state_keys(captured, states)
-        units = movement_units(captured, states) if self.is_delta else {}
-        masters = master_copies(captured) if self.is_delta else {}
-        meanings = state_meanings(captured, bnb_moments)
-        bnb = self._bnb8(captured, bnb_moments)
-        qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
-            self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
-            for b, _ in bnb.values()}  # code map -> whether it equals the base's
-        scales = self._scales(captured, meanings, bnb, states) if self.is_delta else {}
+        meanings = self._meanings(captured)
+        samples, fixed = [], 0  # fixed: bytes stored exactly, whatever the steps
         for item in captured.tensors:
             tensor = self.local.get(item.name)
             if tensor is None:  # an alias, or a tensor another rank writes
                 continue
-            spec = spec_for(tensor.dtype, item.name)
-            numel = tensor.numel()
-            cls = tensor_class(item.role, meanings.get(item.name, item.state_key),
-                               spec_named("float32") if item.name in bnb else spec, numel)
-            quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
-                exact=True)
-            plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact)
-            self._numel[item.name] = numel
-            if item.name in qmaps:  # kept, so that an unchanged one costs nothing in a delta
-                plan.lossy = True
-                plan.unchanged = qmaps[item.name]
-            if item.name in bnb and not quantizer.exact:
-                self._dequantized[item.name] = bnb[item.name][1]
-                if self.is_delta and not (item.name in self._values
-                                          and qmaps[bnb[item.name][0].qmap]):
-                    # No running values to code against (a base from before 1.6), or its code
-                    # map changed (bnb8 chunks keep it along the chain): stored exactly.
-                    plan.quantizer = Quantizer(exact=True)
-            master = masters.get(item.name)
-            if master is not None and not quantizer.exact and self.is_delta:
-                if torch.equal(tensor, self.local[master].to(tensor.dtype)):
-                    plan.cast_of = master
-                    continue
-                # Changed apart from its master: stored exactly, so that no later delta needs
-                # the running value a cast gave it.
-                plan.quantizer = Quantizer(exact=True)
-            if self.is_delta and quantizer.pred == "base" and item.name in self.base.scaled:
-                # The base step's value came from a scaled chunk, which no delta may code against
-                # (FORMAT.md 3.2): stored exactly once.
-                plan.quantizer = Quantizer(exact=True)
-            if plan.quantizer.exact or not self.is_delta:
-                fixed += numel * spec.itemsize
+            plan = self._plan_coding(item, tensor, meanings)
+            if plan.cast_of is not None:
                 continue
-            plan.bnb = bnb[item.name][0] if item.name in bnb else None
-            ordinal = quantizer.domain == "ordinal"
-            plan.pred = quantizer.pred == "base"
-            unit = units.get(item.fqn) if cls == "weights" else None
-            if quantizer.dithers and (not plan.pred or self.base.deltas == 0 or self.base.resumed):
-                # Coded against the base, the grid is shifted in the first delta on values
-                # training holds exactly (a full step, or a load) and stays shifted; coded from
-                # zero, in every delta. One seed per tensor and base step.
-                plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
-            plan.scale = scales.get(item.name) if quantizer.update_step is not None else None
-            sample, value_rms = None, None
-            if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
-                stride = sample_stride(numel)
-                xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
-                    tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
-                value_rms = finite_rms(xs)
-                if self.controller is not None or needs_residuals(quantizer, unit):
-                    ps = host_array(self._values[item.name][::stride]) if plan.pred else None
-                    sample = sample_values(xs, ps, ordinal)
-                if sample is not None and plan.scale is not None:  # in units of each element's step
-                    # The scale will be this save's reconstruction of exp_avg_sq, which moves
-                    # only where exp_avg_sq moved by more than its step: the base's is closer
-                    # to it than exp_avg_sq itself.
-                    source, eps, factor = plan.scale
-                    sample /= factor * (np.sqrt(np.maximum(
-                        host_array(self._values[source][::stride]), 0)) + eps)
-            if plan.scale is not None:
-                plan.step = quantizer.update_step * plan.scale[2]
-            else:
-                carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-                plan.step = base_step(quantizer, sample, carried, unit, value_rms)
-                if plan.step <= 0:  # nothing moved: a dither would move what stays put
-                    plan.dither = None
-            samples.append((sample, plan.step, numel, plan, ordinal))
+            if plan.quantizer.exact or not self.is_delta:
+                fixed += tensor.numel() * spec_for(tensor.dtype, item.name).itemsize
+                continue
+            samples.append(self._plan_step(item, tensor, plan, meanings))
         for name, plan in list(self._plans.items()):
             if plan.bnb is not None:  # its absmax is derived from its running values
                 self._plans[plan.bnb.absmax].absmax_of = name
+        self._choose_scale(samples, fixed)
+
+    def _meanings(self, captured: CapturedState) -> _Meanings:
+        """What the optimizer state of ``captured`` means, read once for every tensor."""
+        bnb_moments = captured_bnb_states(captured)
+        states = state_by_parameter(captured, bnb_moments)
+        self.unknown_state_keys = unknown_state_keys(captured, states)
+        roles = state_meanings(captured, bnb_moments)
+        bnb = self._bnb8(captured, bnb_moments)
+        qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
+            self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
+            for b, _ in bnb.values()}
+        return _Meanings(
+            roles, movement_units(captured, states) if self.is_delta else {},
+            master_copies(captured) if self.is_delta else {}, bnb, qmaps,
+            self._scales(captured, roles, bnb, states) if self.is_delta else {})
+
+    def _plan_coding(self, item: CapturedTensor, tensor: torch.Tensor,
+                     meanings: _Meanings) -> _Plan:
+        """The tensor's class and quantizer in this save: lossy as the config says, or exact
+        where a delta cannot code it against its base, or a cast of its master copy."""
+        spec = spec_for(tensor.dtype, item.name)
+        numel = tensor.numel()
+        bnb, qmaps = meanings.bnb, meanings.qmaps
+        cls = tensor_class(item.role, meanings.roles.get(item.name, item.state_key),
+                           spec_named("float32") if item.name in bnb else spec, numel)
+        quantizer = self.config.quantizer_for(item.name, item.fqn, cls) if cls else Quantizer(
+            exact=True)
+        plan = self._plans[item.name] = _Plan(cls, quantizer, not quantizer.exact)
+        self._numel[item.name] = numel
+        if item.name in qmaps:  # kept, so that an unchanged one costs nothing in a delta
+            plan.lossy = True
+            plan.unchanged = qmaps[item.name]
+        if item.name in bnb and not quantizer.exact:
+            self._dequantized[item.name] = bnb[item.name][1]
+            if self.is_delta and not (item.name in self._values
+                                      and qmaps[bnb[item.name][0].qmap]):
+                # No running values to code against (a base from before 1.6), or its code
+                # map changed (bnb8 chunks keep it along the chain): stored exactly.
+                plan.quantizer = Quantizer(exact=True)
+        master = meanings.masters.get(item.name)
+        if master is not None and not quantizer.exact and self.is_delta:
+            if torch.equal(tensor, self.local[master].to(tensor.dtype)):
+                plan.cast_of = master
+                return plan
+            # Changed apart from its master: stored exactly, so that no later delta needs
+            # the running value a cast gave it.
+            plan.quantizer = Quantizer(exact=True)
+        if self.is_delta and quantizer.pred == "base" and item.name in self.base.scaled:
+            # The base step's value came from a scaled chunk, which no delta may code against
+            # (FORMAT.md 3.2): stored exactly once.
+            plan.quantizer = Quantizer(exact=True)
+        return plan
+
+    def _plan_step(self, item: CapturedTensor, tensor: torch.Tensor, plan: _Plan,
+                   meanings: _Meanings) -> tuple[np.ndarray | None, float, int, _Plan, bool]:
+        """The step of a tensor a delta codes lossily, from a strided sample of it where its
+        quantizer's bounds or the target ratio need one; returns the sample (in units of each
+        element's step where they vary), the step, its element count, its plan and whether
+        its domain is ordinal, for :meth:`_choose_scale`."""
+        quantizer, numel = plan.quantizer, tensor.numel()
+        plan.bnb = meanings.bnb[item.name][0] if item.name in meanings.bnb else None
+        ordinal = quantizer.domain == "ordinal"
+        plan.pred = quantizer.pred == "base"
+        unit = meanings.units.get(item.fqn) if plan.cls == "weights" else None
+        if quantizer.dithers and (not plan.pred or self.base.deltas == 0 or self.base.resumed):
+            # Coded against the base, the grid is shifted in the first delta on values
+            # training holds exactly (a full step, or a load) and stays shifted; coded from
+            # zero, in every delta. One seed per tensor and base step.
+            plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
+        plan.scale = meanings.scales.get(item.name) if quantizer.update_step is not None else None
+        sample, value_rms = None, None
+        if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
+            stride = sample_stride(numel)
+            xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
+                tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
+            value_rms = finite_rms(xs)
+            if self.controller is not None or needs_residuals(quantizer, unit):
+                ps = host_array(self._values[item.name][::stride]) if plan.pred else None
+                sample = sample_values(xs, ps, ordinal)
+            if sample is not None and plan.scale is not None:  # in units of each element's step
+                # The scale will be this save's reconstruction of exp_avg_sq, which moves
+                # only where exp_avg_sq moved by more than its step: the base's is closer
+                # to it than exp_avg_sq itself.
+                source, eps, factor = plan.scale
+                sample /= factor * (np.sqrt(np.maximum(
+                    host_array(self._values[source][::stride]), 0)) + eps)
+        if plan.scale is not None:
+            plan.step = quantizer.update_step * plan.scale[2]
+        else:
+            carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
+            plan.step = base_step(quantizer, sample, carried, unit, value_rms)
+            if plan.step <= 0:  # nothing moved: a dither would move what stays put
+                plan.dither = None
+        return sample, plan.step, numel, plan, ordinal
+
+    def _choose_scale(self, samples: list[tuple[np.ndarray | None, float, int, _Plan, bool]],
+                      fixed: int) -> None:
+        """Scale every lossy tensor's step by one factor, the target-ratio controller's choice
+        from the samples' entropy (1 without a target), and finalize the steps."""
         if samples and self.controller is not None:
             raw = sum(t.numel() * t.element_size() for t in self.local.values())
             self.scale, self.estimated_bits = self.controller.choose(

@@ -429,17 +429,73 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     chain = chain_of(storage, meta, read)
     for step in chain[1:]:  # the full step's chunks: by read_tensors, before it allocates
         check_chunks_readable(storage, step)
-    full_step = chain[0]
     boxes = boxes or {}
+    if len(chain) == 1:
+        return _restore_full_step(storage, meta, boxes, workers, progress)
+    plan = _plan_chain(chain, boxes)
     values: dict[str, np.ndarray] = {}
-    if len(chain) == 1:  # a full step: read_tensors cuts boxes chunk by chunk
-        tensors = read_tensors(storage, meta, boxes=boxes, workers=workers, progress=progress)
-        for record in meta.tensors:
-            if record.alias_of is None:
-                _state(values, record, tensors[record.name].reshape(-1))
-        _dequantized_moments(meta, tensors, values, boxes)
-        return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
-                                       chain=[meta.step])
+    tensors = _read_from_full_step(storage, plan, workers, progress)
+    pieces, rounds = _range_rounds(plan, tensors, values)
+    sources = [ChunkSource(storage, m) for m in plan.chain]
+    try:
+        _prefetch(sources, plan, rounds)
+        for tasks in rounds:
+            run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
+                            f"apply deltas up to step {meta.step}", progress)
+        _decode_derived(sources[-1], plan, tensors, values, pieces, workers, progress)
+        # Scale sources first: a scaled moment is decoded from their running values.
+        for name in sorted(plan.moments, key=lambda n: _scale_of(plan.final[n]) is not None):
+            _restore_bnb8(storage, plan.chain, plan.records, sources, name, plan.moments[name],
+                          plan.start[name], tensors, values, workers)
+    finally:
+        for source in sources:
+            source.close()
+    for name, tensor_pieces in pieces.items():
+        _assemble(values, plan.final[name], tensors[name], tensor_pieces)
+    _dequantized_moments(meta, tensors, values, boxes)
+    _cut_to_boxes(plan, tensors, values, boxes)
+    scaled = frozenset(plan.scaled).union(n for n in plan.moments
+                                          if _scale_of(plan.final[n]) is not None)
+    return {r.name: tensors[r.alias_of or r.name] for r in meta.tensors}, Reconstruction(
+        meta.step, len(plan.chain) - 1, layout_of(meta), values, meta.save_id,
+        chain=[m.step for m in plan.chain], scaled=scaled)
+
+
+def _restore_full_step(storage: Storage, meta: StepMetadata, boxes: dict[str, Box],
+                       workers: Workers, progress: bool
+                       ) -> tuple[dict[str, torch.Tensor], Reconstruction]:
+    """A full step's tensors (``read_tensors`` cuts boxes chunk by chunk) and reconstruction."""
+    tensors = read_tensors(storage, meta, boxes=boxes, workers=workers, progress=progress)
+    values: dict[str, np.ndarray] = {}
+    for record in meta.tensors:
+        if record.alias_of is None:
+            _state(values, record, tensors[record.name].reshape(-1))
+    _dequantized_moments(meta, tensors, values, boxes)
+    return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
+                                   chain=[meta.step])
+
+
+@dataclass
+class _ChainPlan:
+    """What restoring a delta step's chain decodes, decided from its metadata alone."""
+
+    chain: list[StepMetadata]  # each step restricted to the regions and spans decoded
+    records: list[dict[str, TensorRecord]]  # of each step of ``chain``, by name
+    final: dict[str, TensorRecord]  # the restored step's stored tensors
+    stored: dict[str, TensorRecord]  # the same, unrestricted
+    regions: dict[str, Box]  # tensors stored in fragments: the region of those decoded
+    spans: dict[str, tuple[int, int]]  # tensors stored whole: the span of elements decoded
+    moments: dict[str, _Bnb8]  # bitsandbytes' 8-bit moments in bnb8 chunks
+    derived_absmax: set[str]  # their absmax, derived from the moments
+    casts: dict[str, str]  # 16-bit parameters cast from their master copies: the master
+    scaled: dict[str, str]  # moments coded with scaled steps: the tensor scaling them
+    start: dict[str, int]  # the first step of the chain each tensor is decoded from
+    read_first: set[str]  # tensors read from the full step before the deltas are applied
+
+
+def _plan_chain(chain: list[StepMetadata], boxes: dict[str, Box]) -> _ChainPlan:
+    """Which parts of each tensor the chain decodes, and from which step on."""
+    meta = chain[-1]
     stored = {r.name: r for r in meta.tensors if r.alias_of is None}
     moments = _bnb8_moments(meta, stored)  # restored whole, and cut to their boxes at the end
     derived_absmax = {moments[name].absmax for name in moments}
@@ -455,95 +511,107 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
     scaled = {name: _checked_scale(meta, record, final) for name, record in final.items()
               if _scale_of(record) is not None and name not in moments}
     start = {name: _first_needed(chain, records, name) for name in final}
-    tensors: dict[str, torch.Tensor] = {}
+    # A tensor stored in the full step with the fragments it has in the deltas is decoded from
+    # it inside its chunk ranges' tasks, together with the deltas; others are read from it first.
+    read_first = {n for n, i in start.items()
+                  if i == 0 and _boxes(records[0][n]) != _boxes(final[n])}
+    return _ChainPlan(chain, records, final, stored, regions, spans, moments, derived_absmax,
+                      casts, scaled, start, read_first)
 
-    # A tensor stored in the full step with the fragments it has in the deltas is decoded from it
-    # inside its chunk ranges' tasks, together with the deltas; others are read from it first.
-    read_first = {n for n, i in start.items() if i == 0 and _boxes(records[0][n]) != _boxes(final[n])}
-    for name, tensor in read_tensors(storage, full_step, read_first, workers=workers,
-                                     boxes={n: regions[n] for n in read_first if n in regions},
-                                     progress=progress).items():
-        tensors[name] = tensor.reshape(-1).contiguous()
+
+def _read_from_full_step(storage: Storage, plan: _ChainPlan, workers: Workers,
+                         progress: bool) -> dict[str, torch.Tensor]:
+    """The flat tensors the plan reads from the full step before applying the deltas."""
+    read = read_tensors(storage, plan.chain[0], plan.read_first, workers=workers,
+                        boxes={n: plan.regions[n] for n in plan.read_first if n in plan.regions},
+                        progress=progress)
+    return {name: tensor.reshape(-1).contiguous() for name, tensor in read.items()}
+
+
+def _range_rounds(plan: _ChainPlan, tensors: dict[str, torch.Tensor],
+                  values: dict[str, np.ndarray]
+                  ) -> tuple[dict[str, list[_Piece]], list[list[_RangeTask]]]:
+    """The pieces of each tensor decoded through chunk ranges (allocated in ``tensors``) and the
+    tasks that decode them, in rounds that run one after another."""
     pieces: dict[str, list[_Piece]] = {}
     rounds: list[list[_RangeTask]] = []  # tasks that run at once; each round after the one before
-    for name, record in final.items():
-        if name in casts or name in scaled or name in moments or name in derived_absmax:
+    for name, record in plan.final.items():
+        if name in plan.casts or name in plan.scaled or name in plan.moments \
+                or name in plan.derived_absmax:
             continue  # decoded from other tensors' values, after these
         if name not in tensors:
             spec = spec_named(record.dtype, name)
             tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
-        was_read = name in read_first
+        was_read = name in plan.read_first
         pieces[name] = _pieces(values, record, tensors[name], decoded=was_read,
-                               skip=spans.get(name, (0, 0))[0])
+                               skip=plan.spans.get(name, (0, 0))[0])
         for k, piece in enumerate(pieces[name]):
-            planned = _range_tasks(chain, records, name, 1 if was_read else start[name], k, piece)
+            planned = _range_tasks(plan.chain, plan.records, name,
+                                   1 if was_read else plan.start[name], k, piece)
             rounds += [[] for _ in range(len(planned) - len(rounds))]
             for round_tasks, tasks in zip(rounds, planned, strict=False):
                 round_tasks += tasks
     for tasks in rounds:  # the longest first: no thread is left alone with one at the end
         tasks.sort(key=lambda t: t.chunk.raw_length * len(t.links), reverse=True)
-    sources = [ChunkSource(storage, m) for m in chain]
-    try:
-        needed: list[list[Chunk]] = [[] for _ in chain]  # by step, in the order tasks read them
-        for task in (task for tasks in rounds for task in tasks):
-            for link in task.links:
-                needed[link.depth].append(link.chunk)
-        needed[-1] += [c for name in {**casts, **scaled} for frag in final[name].fragments
-                       for c in frag.chunks]
-        for step_source, chunks in zip(sources, needed, strict=True):
-            step_source.prefetch(chunks)
-        for tasks in rounds:
-            run_chunk_tasks(tasks, lambda t: _restore_range(sources, t), workers,
-                            f"apply deltas up to step {meta.step}", progress)
-        derived = []  # chunks decoded from other tensors' running values in this step
-        for name, source in {**casts, **scaled}.items():
-            record = final[name]
-            spec = spec_named(record.dtype, name)
-            tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
-            pieces[name] = _pieces(values, record, tensors[name], decoded=False,
-                                   skip=spans.get(name, (0, 0))[0])
-            for frag, piece, source_piece in zip(record.fragments, pieces[name], pieces[source],
-                                                 strict=True):
-                for c in frag.chunks:
-                    first = c.raw_offset // spec.itemsize
-                    lo, hi = first - piece.skip, first - piece.skip + c.raw_length // spec.itemsize
-                    derived.append(_DerivedTask(record, c, piece.raw[lo * spec.itemsize :
-                                                                     hi * spec.itemsize],
-                                                source_piece.state[lo:hi], first))
-        run_chunk_tasks(derived, lambda t: _restore_derived(sources[-1], t), workers,
-                        f"decode casts and scaled moments of step {meta.step}", progress)
-        # Scale sources first: a scaled moment is decoded from their running values.
-        for name in sorted(moments, key=lambda n: _scale_of(final[n]) is not None):
-            _restore_bnb8(storage, chain, records, sources, name, moments[name], start[name],
-                          tensors, values, workers)
-    finally:
-        for source in sources:
-            source.close()
-    for name, tensor_pieces in pieces.items():
-        _assemble(values, final[name], tensors[name], tensor_pieces)
+    return pieces, rounds
 
-    _dequantized_moments(meta, tensors, values, boxes)
-    for name, record in final.items():
-        _state(values, record, tensors[name])  # running values of tensors no delta touched
+
+def _prefetch(sources: list[ChunkSource], plan: _ChainPlan,
+              rounds: list[list[_RangeTask]]) -> None:
+    """Ask each step's source for the chunks the tasks read, in the order they read them, and
+    the last step's chunks of casts and scaled moments."""
+    needed: list[list[Chunk]] = [[] for _ in plan.chain]
+    for task in (task for tasks in rounds for task in tasks):
+        for link in task.links:
+            needed[link.depth].append(link.chunk)
+    needed[-1] += [c for name in {**plan.casts, **plan.scaled}
+                   for frag in plan.final[name].fragments for c in frag.chunks]
+    for step_source, chunks in zip(sources, needed, strict=True):
+        step_source.prefetch(chunks)
+
+
+def _decode_derived(source: ChunkSource, plan: _ChainPlan, tensors: dict[str, torch.Tensor],
+                    values: dict[str, np.ndarray], pieces: dict[str, list[_Piece]],
+                    workers: Workers, progress: bool) -> None:
+    """Decode the last step's casts and scaled moments from the running values of the tensors
+    they come from."""
+    derived = []
+    for name, origin in {**plan.casts, **plan.scaled}.items():
+        record = plan.final[name]
+        spec = spec_named(record.dtype, name)
+        tensors[name] = torch.empty(record.numel, dtype=spec.torch_dtype)
+        pieces[name] = _pieces(values, record, tensors[name], decoded=False,
+                               skip=plan.spans.get(name, (0, 0))[0])
+        for frag, piece, origin_piece in zip(record.fragments, pieces[name], pieces[origin],
+                                             strict=True):
+            for c in frag.chunks:
+                first = c.raw_offset // spec.itemsize
+                lo, hi = first - piece.skip, first - piece.skip + c.raw_length // spec.itemsize
+                derived.append(_DerivedTask(record, c, piece.raw[lo * spec.itemsize :
+                                                                 hi * spec.itemsize],
+                                            origin_piece.state[lo:hi], first))
+    run_chunk_tasks(derived, lambda t: _restore_derived(source, t), workers,
+                    f"decode casts and scaled moments of step {plan.chain[-1].step}", progress)
+
+
+def _cut_to_boxes(plan: _ChainPlan, tensors: dict[str, torch.Tensor],
+                  values: dict[str, np.ndarray], boxes: dict[str, Box]) -> None:
+    """Shape every restored tensor, cut to its box where one was asked for, with its running
+    values (those of tensors no delta touched too)."""
+    for name, record in plan.final.items():
+        _state(values, record, tensors[name])
         tensors[name] = tensors[name].reshape(record.shape)
-        if name in spans:
-            shape = stored[name].shape
-            tensors[name] = _cut_span(tensors[name], spans[name][0], shape, boxes[name])
+        if name in plan.spans:
+            shape = plan.stored[name].shape
+            tensors[name] = _cut_span(tensors[name], plan.spans[name][0], shape, boxes[name])
             if name in values:
-                values[name] = _cut_span(torch.from_numpy(values[name]), spans[name][0], shape,
-                                         boxes[name]).reshape(-1).numpy()
+                values[name] = _cut_span(torch.from_numpy(values[name]), plan.spans[name][0],
+                                         shape, boxes[name]).reshape(-1).numpy()
         elif name in boxes:
-            index = box_index(*boxes[name], regions.get(name, (None, None))[0])
+            index = box_index(*boxes[name], plan.regions.get(name, (None, None))[0])
             tensors[name] = tensors[name][index].contiguous()
             if name in values:
                 values[name] = values[name].reshape(record.shape)[index].reshape(-1).copy()
-    out = {}
-    for record in meta.tensors:
-        out[record.name] = tensors[record.alias_of or record.name]
-    deltas = len(chain) - 1
-    return out, Reconstruction(meta.step, deltas, layout_of(meta), values, meta.save_id,
-                               chain=[m.step for m in chain], scaled=frozenset(scaled).union(
-                                   n for n in moments if _scale_of(final[n]) is not None))
 
 
 def _checked_cast(meta: StepMetadata, record: TensorRecord,
