@@ -53,60 +53,36 @@ class CheckpointManager(CheckpointDirectory):
     >>> mgr.save(100, model=model, optimizer=optimizer, extra={"epoch": 3})
     >>> mgr.load(100, model=model, optimizer=optimizer)
 
-    Every save is committed atomically: a crash leaves earlier steps intact
-    and the interrupted one invisible. One manager at a time may write to a
-    directory: it takes an exclusive lock at its first save, gc or
-    :meth:`acquire` (never when it is opened), released by :meth:`close`, and
-    then removes what interrupted saves left; any number may read, even while
-    it writes. The threads that encode and decode are started at the first
-    save or restore and kept until :meth:`close` (a ``with`` block closes the
-    manager).
-
-    Saves alternate between full steps (lossless) and delta steps, coded
-    against the reconstruction of the previous save, so a restored step
-    carries the error of one delta however long its chain. A manager keeps
-    that reconstruction in memory (about the size of the saved state): the
-    first save of a manager is full, and so is the first after any change
-    of the set of tensors, a shape or a dtype. After :meth:`load`, the next
-    save continues the chain of the loaded step.
+    Saves alternate between full (lossless) steps and delta steps coded against the
+    reconstruction a reader will have, so a restored step carries the error of one delta
+    however long its chain. Every save commits atomically; one manager at a time writes to a
+    directory (it takes a lock at its first save, released by :meth:`close`), any number
+    read. The manual's "Saving, restoring and presets" page tells the rest.
 
     Args:
-        path: directory of the checkpoints (created if missing), a ``file://`` URL, or an
-            fsspec URL of a prefix on an object store (``s3://bucket/run1``).
-        full_every: a full checkpoint every this many saves, deltas in between
-            (1: every save is full).
-        compression: ``"balanced"`` (default), ``"aggressive"``,
-            ``"lossless"`` (every save full) or a :class:`CompressionConfig`.
-        keep: a retention policy (:class:`RetentionPolicy` or its string
-            form, e.g. ``"last=5,every=100"``) applied after every save
-            (by rank 0 under torch.distributed; a failure of it is raised by
-            that save, on every rank, and its step stays committed);
-            ``None`` keeps every step. See :meth:`gc`.
-        chunk_bytes: upper bound of the raw bytes coded as one chunk.
-        workers: threads used to encode and decode (default: usable CPUs;
-            under torch.distributed, shared out between the ranks of a machine).
+        path: the checkpoint directory (created if missing), a ``file://`` URL, or an fsspec
+            URL of a prefix on an object store (``s3://bucket/run1``).
+        full_every: a full step every this many saves, deltas in between (1: every save full).
+        compression: ``"balanced"`` (default), ``"aggressive"``, ``"lossless"`` or a
+            :class:`CompressionConfig`.
+        keep: a retention policy (:class:`RetentionPolicy` or its string form,
+            ``"last=5,every=100"``) applied after every save; ``None`` keeps every step.
+        chunk_bytes: the most raw bytes coded as one chunk.
+        workers: encoding and decoding threads (default: the usable CPUs, shared out between
+            the ranks of a machine under torch.distributed).
         read_only: never create, clean up or write anything.
-        storage_options: options of the object store of an fsspec ``path`` (``s3://``,
-            ``gs://``, ``az://``, ``memory://``, ...): endpoint, credentials and the like,
-            passed to its fsspec file system; without them its client's environment
-            variables and configuration files apply. They are never written anywhere nor
-            shown in errors.
-        cache: a local directory each step is saved to first; it is then uploaded to ``path``
-            in the background while training goes on (:mod:`deltackpt.io.tiering`), and
-            restores read it where it holds the same steps.
-        cache_keep: uploaded steps the cache keeps (the newest), besides the steps their
-            chains need; a step leaves the cache only once its upload is committed.
-        blocking: the default of :meth:`save`'s ``blocking``: ``False`` makes every save
-            asynchronous unless it says otherwise.
-        max_in_flight: asynchronous saves that may be in flight at once; a further one waits
-            for the oldest to end. Each holds a copy of the state in host memory
-            (:attr:`snapshot_bytes`) from its call until it is written.
-        reconstruction: where the running reconstruction of tensors coded on a device (CUDA
-            tensors, coded by the Triton kernels) is kept: ``"device"`` (default), float32
-            tensors beside them, so that a delta is encoded there and only its coded bytes
-            cross to the host; ``"host"``, pinned host memory, which a delta's encode reads
-            and updates over PCIe (8 bytes an element) to spare the device's memory. See
-            :attr:`reconstruction_bytes` and :mod:`deltackpt.encode.device`.
+        storage_options: options of the file system of an fsspec ``path`` (endpoint,
+            credentials); never written anywhere nor shown in errors.
+        cache: a local directory each step is saved to first, then uploaded to ``path`` in
+            the background; restores read it where it holds the same steps.
+        cache_keep: uploaded steps the cache keeps (the newest), besides those their chains
+            need.
+        blocking: the default of :meth:`save`'s ``blocking``.
+        max_in_flight: asynchronous saves in flight at once, each holding a host copy of the
+            state (:attr:`snapshot_bytes`); a further one waits for the oldest.
+        reconstruction: where the running values of tensors coded on a GPU are kept:
+            ``"device"`` (default), or pinned ``"host"`` memory to spare the device's
+            (:attr:`reconstruction_bytes`).
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
@@ -271,67 +247,26 @@ class CheckpointManager(CheckpointDirectory):
              optimizer: torch.optim.Optimizer | None = None, extra: Any = None, *,
              rng: bool = True, overwrite: bool = False, progress: bool = False,
              blocking: bool | None = None) -> SaveInfo | SaveHandle:
-        """Save the training state as ``step``.
+        """Save the training state as ``step``; return what was written (:class:`SaveInfo`) or,
+        for an asynchronous save, its :class:`SaveHandle`.
 
         Args:
-            step: training step number (a non-negative int).
-            model: its parameters and persistent buffers are saved by FQN;
-                tied parameters are stored once and restored tied.
-            optimizer: any ``torch.optim`` optimizer over ``model``'s
-                parameters; its state is stored by parameter FQN.
-            extra: anything else to restore exactly: scheduler state dicts,
-                counters, config. JSON-able values, bytes, numpy arrays and
+            step: the training step (a non-negative int).
+            model: its parameters and persistent buffers, saved by FQN (tied ones once).
+            optimizer: any ``torch.optim`` optimizer over ``model``'s parameters; its state is
+                stored by parameter FQN.
+            extra: anything else to restore exactly: JSON-able values, bytes, numpy arrays and
                 tensors, nested in dicts, lists and tuples.
-            rng: also save torch (CPU and CUDA), numpy and ``random`` RNG states.
+            rng: also save the torch (CPU and CUDA), numpy and ``random`` RNG states.
             overwrite: replace an existing step (atomically) instead of refusing.
             progress: show a progress bar.
-            blocking: ``True``: return once the step is committed. ``False``: return once the
-                state is copied (the snapshot) and save it in the background; see below.
-                Default: the manager's ``blocking`` (``True`` unless it was made with
-                ``blocking=False``).
+            blocking: ``False`` returns once the state is copied into host buffers and saves it
+                in the background (default: the manager's ``blocking``).
 
-        An asynchronous save (``blocking=False``) returns a :class:`SaveHandle`
-        (``done()``, ``wait(timeout) -> SaveInfo``, ``exception()``) as soon
-        as every tensor is copied into host buffers that the manager keeps and
-        reuses (pinned ones for CUDA tensors, copied on a side stream), and
-        the optimizer's param groups, ``extra`` and the RNG states are
-        captured: training may then change every tensor in place at once.
-        The step written is the state at the call (a full step bit for bit,
-        a delta within its recorded error). Encoding, checksums and writes
-        run on background threads, one save after another; at most
-        ``max_in_flight`` saves are in flight, and a save beyond that waits
-        for the oldest (``SaveInfo.waited_seconds``). A failure in the
-        background commits no step and is raised by the handle, or else by
-        the next ``save``, :meth:`wait` or :meth:`close` as
-        :class:`BackgroundSaveError`. Restoring, loading, listing steps and
-        gc wait for the saves in flight first, and so does a process that
-        exits. Saving a step in flight, or older than one, raises
-        :class:`SaveInFlightError`.
-
-        A delta of tensors the Triton kernels code (CUDA tensors) is planned
-        and encoded on their device by the call, blocking or not, once the
-        saves in flight are committed (``waited_seconds``): only the coded
-        bytes cross to the host, and the tensors it stores exactly are
-        copied as above (:mod:`deltackpt.encode.device`). Under
-        torch.distributed every rank encodes its shards so, and the
-        asynchronous save's plan (the check of the state across ranks, the
-        base they agree on) runs at the call too, on the manager's gloo group.
-
-        Under torch.distributed with several ranks, every rank calls ``save``
-        (collective): each writes the shards it holds, with no gather of
-        full tensors, and rank 0 commits the step; a delta codes each rank's
-        shards against that rank's reconstruction of them. ``rng`` and
-        ``extra`` are rank 0's, and plain (non-DTensor) tensors must be equal
-        on every rank. Any rank's failure raises :class:`DistributedError`
-        on every rank and leaves no step. An asynchronous distributed save
-        snapshots each rank's shards, and its collectives run in the
-        background on a gloo process group the manager creates at its first
-        one, never on the training's group; every rank must make the same
-        saves in the same order, and wait for them (``wait`` or ``close``)
-        before the process group is destroyed.
-
-        Returns the kind, raw and stored bytes, ratio and seconds of the save
-        (:class:`SaveInfo`), or the :class:`SaveHandle` of an asynchronous one.
+        Under torch.distributed every rank calls it: each writes the shards it holds and rank
+        0 commits the step; any rank's failure raises :class:`DistributedError` on every rank
+        and leaves no step. The manual's "Asynchronous saves and GPU encoding" and
+        "Distributed training" pages tell the rest.
         """
         started = time.perf_counter()
         step = check_step(step)
@@ -554,31 +489,15 @@ class CheckpointManager(CheckpointDirectory):
     def load(self, step: int | None = None, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
              rng: bool = True, progress: bool = False) -> Any:
-        """Restore ``step`` (default: the latest) into ``model`` and ``optimizer`` in place.
+        """Restore ``step`` (default: the latest) into ``model`` and ``optimizer`` in place;
+        return the ``extra`` saved with it.
 
-        With ``strict`` (the default) any missing or unexpected name, or a
-        shape or dtype mismatch, raises :class:`StateMismatchError` listing
-        them all, before anything is changed. With ``strict=False`` what
-        matches is loaded and a warning lists the rest; use
-        ``restore(step).load_into(...)`` to get the report as an object.
-        ``rng`` restores the RNG states saved with the step.
-
-        The next :meth:`save` of this manager is a delta on the loaded step
-        (while ``full_every`` allows), coded against the same reconstruction.
-
-        Returns the ``extra`` saved with the step.
-
-        Under torch.distributed, or into a model whose parameters are
-        DTensors (FSDP2, tensor parallel), every rank calls ``load``
-        (collective): each reads and decodes only the chunks that hold its
-        shards, whatever layout and world size saved the step (of a delta
-        step saved by several ranks, the fragments that overlap them). A
-        rank's failure is raised
-        on every rank before any of them changes its model. RNG states are
-        rank 0's (see :meth:`save`), so ranks keep their own. The next save
-        is a delta on the loaded step when the layout is the one it was
-        saved in (each rank keeps the reconstruction of the boxes it writes),
-        and full after a change of world size or sharding.
+        ``strict`` (the default) raises :class:`StateMismatchError` listing every missing or
+        unexpected name and every shape or dtype mismatch, before anything changes;
+        ``strict=False`` loads what matches and warns of the rest. ``rng`` restores the saved
+        RNG states. The next save is a delta on the loaded step. Under torch.distributed, or
+        into DTensors (FSDP2, tensor parallel), every rank calls it and decodes only the
+        chunks of its shards, whatever layout and world size saved the step.
         """
         group = Group.current()
         reads = _MetadataReads(self)

@@ -81,38 +81,21 @@ class Quantizer:
             (relative error; for positive or wide-ranging values).
         pred: ``"base"`` codes the residual against the previous step's
             reconstruction (closed loop), ``"zero"`` codes the value itself.
-        move_step: weights: the step as a multiple of how far the optimizer
-            moves the weight in one training step (:func:`movement_units`),
-            used instead of ``step``/``density`` where that is known. A
-            restored weight is then within ``move_step / 2`` training steps'
-            worth of movement of the saved one, however many steps apart the
-            saves are. A step relative to the change since the last save
-            grows with that interval, and so does the error.
-        rel_step: weights: the most the step may be, as a multiple of the
-            root mean square of the tensor's values: a restored weight then
-            also stays within ``rel_step / 2`` of the tensor's typical
-            magnitude, which bounds how much a layer's output changes. It
-            binds early in training, while weights are small against how
-            far each step moves them.
-        update_step: first moments (``pred="zero"``): the step as a multiple
-            of the update the moment drives. Adam's ``exp_avg``, where its
-            ``exp_avg_sq`` is coded lossily too: each element's step is
-            ``update_step * (sqrt(exp_avg_sq) + eps)`` (the reconstructed
-            ``exp_avg_sq`` of the same save; FORMAT.md 3.2, scaled steps),
-            so each element's restored update ``exp_avg / (sqrt(exp_avg_sq)
-            + eps)`` is within ``update_step / 2`` learning rates of the
-            saved one. Other first moments (SGD's momentum, whose update is
-            ``lr * momentum_buffer``): ``update_step`` times the tensor's
-            root mean square.
-        dither: shift each element's quantization grid by its own
-            pseudo-random fraction of a step (FORMAT.md 3.2, ``dither``),
-            which makes the error uniform, unbiased and independent of how
-            the values moved. Coded against the base, the grid is shifted in
-            the first delta after a full step or a load and stays shifted,
-            so elements that do not move still cost nothing; coded from
-            zero, every delta dithers anew. Without it a restored weight
-            lags behind its recent movement, and a slowly growing second
-            moment stays at its old value (resumed training loses both).
+        move_step: weights: the step as a multiple of how far the optimizer moves the
+            weight in one training step (:func:`movement_units`), where that is known: a
+            restored weight is within ``move_step / 2`` training steps' worth of movement of
+            the saved one, however far apart the saves are.
+        rel_step: weights: the most the step may be, as a multiple of the tensor's root mean
+            square, so that a restored weight also stays within ``rel_step / 2`` of its
+            typical magnitude (this binds early in training).
+        update_step: first moments (``pred="zero"``): the step as a multiple of the update the
+            moment drives. For Adam's ``exp_avg`` each element's step is ``update_step *
+            (sqrt(exp_avg_sq) + eps)`` (FORMAT.md 3.2, scaled steps), so its restored update
+            is within ``update_step / 2`` learning rates of the saved one; for other first
+            moments, ``update_step`` times the tensor's root mean square.
+        dither: shift each element's quantization grid by its own pseudo-random fraction of
+            a step (FORMAT.md 3.2), which makes the error uniform, unbiased and independent of
+            how the values moved (the manual's "What a delta keeps" says why that matters).
         exact: store the class losslessly in every step instead.
     """
 
