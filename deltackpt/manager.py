@@ -41,10 +41,11 @@ from deltackpt.restore.universal import UniversalCheckpoint
 from deltackpt.save.capture import capture
 from deltackpt.save.driver import Saved, SaveInfo, SaveSettings, Writer, encode_at_call, save_step
 from deltackpt.save.queue import SaveHandle, SaveQueue
-from deltackpt.save.reference import Reference
+from deltackpt.save.reference import KnownMetadata, Reference
 from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
+
 
 class CheckpointManager(CheckpointDirectory):
     """Saves training state as numbered steps in one directory and restores any of them.
@@ -546,7 +547,7 @@ class _MetadataReads:
 
     def __init__(self, manager: CheckpointManager) -> None:
         self.manager = manager
-        self.read: dict[int, tuple[tuple[int, ...], StepMetadata]] = {}
+        self.read: KnownMetadata = {}
 
     def __call__(self, step: int) -> StepMetadata:
         identity = self.manager.storage.identity(metadata_file(step))

@@ -1,6 +1,6 @@
 """The driver of a save after its snapshot: plan, encode and write, commit, on every rank.
 
-:mod:`deltackpt.save.queue` tells the whole path of a save; :func:`save_step`
+:mod:`deltackpt.save` tells the whole path of a save; :func:`save_step`
 runs it from the plan on, in one way for a single process and for the ranks
 of a torch.distributed run: a single process is a group of one rank
 (:meth:`Group.single`), whose collectives return what they are given and

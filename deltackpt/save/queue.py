@@ -1,37 +1,10 @@
-"""The path of a save, and the queue between its snapshot and its encoding.
+"""The queue of asynchronous saves, between a save's snapshot and its driver.
 
-A save runs capture -> snapshot -> (queue) -> plan -> encode -> write ->
-commit:
-
-1. **capture** (:func:`deltackpt.save.capture.capture`, on the caller's thread):
-   the model, optimizer, RNG states and ``extra`` as named tensors and a
-   JSON tree, without copying tensor data.
-2. **snapshot** (:mod:`deltackpt.save.snapshot`, on the caller's thread, for
-   ``save(..., blocking=False)``): every tensor copied into host buffers
-   that training never touches; the caller returns once they are taken.
-   A delta of CUDA tensors is planned and encoded on their device first,
-   by the call, once the saves in flight ended, on every rank
-   (:func:`deltackpt.save.driver.encode_at_call`): only the tensors it stores
-   exactly are snapshotted, and only coded bytes cross to the host.
-3. **queue** (this module): a :class:`SaveQueue` hands the save to one
-   background thread. Saves run one after another in the order they were
-   made, each planned once the one before it is committed or failed, so a
-   delta is always coded against what a reader of its base decodes. A
-   blocking save skips the snapshot and the queue, and runs the next
-   stages on the caller's thread once the saves in flight ended.
-4. **plan, encode and write, commit** (:func:`deltackpt.save.driver.save_step`),
-   the same for one process and for the ranks of a torch.distributed run
-   (a single process is a group of one rank): the plan takes the rank's
-   layout (:func:`deltackpt.dist.shards.shard_parts`) and chooses the base,
-   full or delta against the last committed reconstruction, agreed by every
-   rank; each rank encodes its boxes (:class:`deltackpt.encode.encoder.StepEncoder`)
-   and writes them on the manager's encoding threads
-   (:func:`deltackpt.io.writer.write_data`); rank 0 commits what every rank
-   wrote (:func:`deltackpt.io.writer.commit_step`), and the reconstruction of
-   the committed step becomes the base of the next delta. Under
-   torch.distributed the save thread of every rank runs the save's
-   collectives on a gloo group of their own
-   (:meth:`deltackpt.dist.group.Group.background`).
+A :class:`SaveQueue` hands each ``save(..., blocking=False)`` to one background
+thread. Saves run one after another in the order they were made, each
+planned once the one before it is committed or failed, so a delta is always
+coded against what a reader of its base decodes. (The whole path of a save:
+:mod:`deltackpt.save`.)
 
 A save's failure in the background is kept until the caller hears of it:
 by its :class:`SaveHandle` (``wait`` raises it, ``exception`` returns it),
