@@ -38,7 +38,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "LoadReport": "deltackpt.restore.loading",
     "CheckpointManager": "deltackpt.manager",
     "SaveHandle": "deltackpt.save.queue",
-    "SaveInfo": "deltackpt.save.driver",
+    "SaveInfo": "deltackpt.save.info",
     "GCReport": "deltackpt.ops.retention",
     "RetentionPolicy": "deltackpt.ops.retention",
     "UniversalCheckpoint": "deltackpt.restore.universal",
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from deltackpt.ops.retention import GCReport, RetentionPolicy
     from deltackpt.restore.loading import LoadReport
     from deltackpt.restore.universal import UniversalCheckpoint
-    from deltackpt.save.driver import SaveInfo
+    from deltackpt.save.info import SaveInfo
     from deltackpt.save.queue import SaveHandle
 
 __all__ = [

@@ -39,7 +39,8 @@ from deltackpt.ops.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.restore.cached import restore_cached
 from deltackpt.restore.universal import UniversalCheckpoint
 from deltackpt.save.capture import capture
-from deltackpt.save.driver import Saved, SaveInfo, SaveSettings, Writer, encode_at_call, save_step
+from deltackpt.save.driver import Saved, SaveSettings, Writer, encode_at_call, save_step
+from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle, SaveQueue
 from deltackpt.save.reference import KnownMetadata, Reference
 from deltackpt.save.target import SaveTarget

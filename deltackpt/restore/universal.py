@@ -13,7 +13,7 @@ from deltackpt.format.metadata import StepMetadata
 from deltackpt.format.state import CapturedState, CapturedTensor
 from deltackpt.format.tree import decode_tree
 from deltackpt.restore.loading import LoadReport, load_into
-from deltackpt.save.driver import SaveInfo
+from deltackpt.save.info import SaveInfo
 from deltackpt.save.standalone import save_standalone
 
 

@@ -32,7 +32,7 @@ from deltackpt.errors import BackgroundSaveError, SaveInFlightError
 from deltackpt.save.snapshot import HostBuffers, SnapshotPool
 
 if TYPE_CHECKING:
-    from deltackpt.save.driver import SaveInfo
+    from deltackpt.save.info import SaveInfo
 
 log = logging.getLogger("deltackpt")
 

@@ -14,7 +14,8 @@ from deltackpt.io.publish import publish_directory
 from deltackpt.io.root import open_root
 from deltackpt.io.storage import LOCK_FILE, is_url, open_storage
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
-from deltackpt.save.driver import SaveInfo, SaveSettings, Writer, save_step
+from deltackpt.save.driver import SaveSettings, Writer, save_step
+from deltackpt.save.info import SaveInfo
 from deltackpt.save.reference import Reference
 from deltackpt.save.target import SaveTarget
 
