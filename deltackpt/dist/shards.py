@@ -1,5 +1,5 @@
-"""Saving under torch.distributed: which box of each tensor a rank writes, and collectives that
-carry one rank's failure to every rank instead of leaving the others waiting.
+"""Shards under torch.distributed: which box of each tensor a rank writes and loads, and the
+DTensor helpers behind it (the ranks' collectives: :mod:`deltackpt.dist.group`).
 
 A step saved by several ranks stores every tensor in global coordinates
 (docs/FORMAT.md 2): each rank writes the boxes it holds, as fragments, and
