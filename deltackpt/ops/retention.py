@@ -571,6 +571,9 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
     whose metadata cannot be read is kept and left alone. ``dry_run`` writes
     and deletes nothing and reports what a real run would do, with
     estimated sizes. The caller holds the writer lock (for a real run).
+    Replacements are coded with ``settings`` (the writer's compression config,
+    ``full_every`` and chunk size) on ``workers`` threads; ``restore`` reads the
+    values of a kept step and of its new base (the writer's way to read a chain).
 
     On a full disk (writing a replacement fails with ``ENOSPC`` or
     ``EDQUOT``) the gc first deletes the steps that no kept step needs, then
