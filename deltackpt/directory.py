@@ -86,7 +86,7 @@ class CheckpointDirectory:
 
     def dependents(self, step: int) -> list[int]:
         """Committed delta steps coded directly against ``step``."""
-        return dependents(self.storage, check_step(step))
+        return dependents(check_step(step), self.steps(), self.metadata)
 
     def verify(self, step: int | None = None, *, deep: bool = False,
                progress: bool = False) -> VerifyReport:

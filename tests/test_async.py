@@ -198,7 +198,7 @@ def test_reads_wait_for_the_saves_in_flight_and_bad_steps_are_refused(
                 with pytest.raises(SaveInFlightError, match=f"cannot save step {step}: it {what}"):
                     mgr.save(step, model, optimizer, blocking=blocking)
         reads = {5: mgr.steps, 6: mgr.latest_step, 7: lambda: mgr.restore(7).step,
-                 8: lambda: mgr.load(8, model, optimizer)}
+                 8: lambda: mgr.load(8, model, optimizer), 9: lambda: mgr.dependents(8)}
         for step, read in reads.items():
             if step > 5:
                 handle = mgr.save(step, model, optimizer, blocking=False)
@@ -208,7 +208,7 @@ def test_reads_wait_for_the_saves_in_flight_and_bad_steps_are_refused(
             release.set()
             thread.join(30)
             assert handle.done() and handle.wait().step == step
-            assert out[0] == {5: [5], 6: 6, 7: 7, 8: None}[step]
+            assert out[0] == {5: [5], 6: 6, 7: 7, 8: None, 9: [9]}[step]
             release.clear()
 
 

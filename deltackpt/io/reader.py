@@ -141,14 +141,15 @@ def chain_of(storage: Storage, meta: StepMetadata,
     return chain[::-1]
 
 
-def dependents(storage: Storage, step: int) -> list[int]:
-    """Committed delta steps coded directly against ``step`` (those whose metadata cannot be read
-    are left out)."""
+def dependents(step: int, steps: Iterable[int],
+               metadata: Callable[[int], StepMetadata]) -> list[int]:
+    """The committed delta steps of ``steps`` coded directly against ``step``, by their
+    ``metadata`` (those whose metadata cannot be read are left out)."""
     out = []
-    for s in list_steps(storage):
+    for s in steps:
         if s > step:
             with contextlib.suppress(DeltackptError):
-                if read_metadata(storage, s).base_step == step:
+                if metadata(s).base_step == step:
                     out.append(s)
     return out
 

@@ -6,7 +6,7 @@ import contextlib
 
 from deltackpt.errors import DeltackptError, StepExistsError, WriterLockedError
 from deltackpt.format.metadata import METADATA_FILE, STEP_DIR_PATTERN, metadata_file, step_dir_name
-from deltackpt.io.reader import dependents, read_metadata
+from deltackpt.io.reader import dependents, list_steps, read_metadata
 from deltackpt.io.storage import Storage
 from deltackpt.io.tiering import UploadCache
 from deltackpt.io.writer import remove_unreferenced
@@ -88,7 +88,8 @@ class SaveTarget:
             if not overwrite:
                 raise StepExistsError(f"step {step} already exists in {self.storage.url}; "
                                       "pass overwrite=True to replace it")
-            coded_against = dependents(self.storage, step)
+            coded_against = dependents(step, list_steps(self.storage),
+                                       lambda s: read_metadata(self.storage, s))
             if coded_against:
                 raise StepExistsError(
                     f"step {step} cannot be overwritten: delta step(s) {coded_against} are coded "
