@@ -39,8 +39,13 @@ def open_root(storage: Storage, *, create: bool) -> None:
     else:
         storage.makedirs()
         try:
-            storage.commit_file(ROOT_MARKER, json.dumps(
-                {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
+            write_root_marker(storage)
         except FileNotFoundError:  # another process (a rank) created it at the same time,
             if not storage.exists(ROOT_MARKER):  # and its clean-up took our temporary file
                 raise
+
+
+def write_root_marker(storage: Storage) -> None:
+    """Commit the marker that makes ``storage`` a checkpoint directory of this format."""
+    storage.commit_file(ROOT_MARKER, json.dumps(
+        {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())

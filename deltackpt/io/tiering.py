@@ -18,21 +18,19 @@ when a cached chunk fails its checksum.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from deltackpt.errors import DeltackptError, WriteFailedError, WriterLockedError
 from deltackpt.format.metadata import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     METADATA_FILE,
     ROOT_MARKER,
     StepMetadata,
     step_dir_name,
 )
 from deltackpt.io.reader import list_steps, read_metadata
+from deltackpt.io.root import write_root_marker
 from deltackpt.io.storage import LocalStorage, Storage
 from deltackpt.io.writer import remove_unreferenced
 
@@ -74,8 +72,7 @@ class UploadCache:
         lock.__enter__()
         self._lock = lock
         if not self.storage.exists(ROOT_MARKER):
-            self.storage.commit_file(ROOT_MARKER, json.dumps(
-                {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}).encode())
+            write_root_marker(self.storage)
 
     def upload(self, meta: StepMetadata) -> None:
         """Upload committed cached step ``meta`` in the background."""
