@@ -75,3 +75,8 @@ class UnsafePathError(CorruptionError):
 class WriteFailedError(DeltackptError, OSError):
     """Writing a step failed (disk full, I/O error); names the step and the file, and keeps the
     ``errno`` of the failure. What the failed write left is removed; earlier steps are intact."""
+
+
+class ChainChangedError(DeltackptError):
+    """A step whose chain the writer's retention replaced during every one of several reads
+    (each read starts over on the current chain); names the step. Nothing is damaged."""

@@ -37,6 +37,7 @@ from deltackpt.io.tiering import UploadCache
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
 from deltackpt.ops.retention import GCReport, RetentionPolicy, collect_garbage
 from deltackpt.restore.cached import restore_cached
+from deltackpt.restore.consistent import ChainReads, read_consistently
 from deltackpt.restore.universal import UniversalCheckpoint
 from deltackpt.save.capture import capture
 from deltackpt.save.driver import Saved, SaveSettings, Writer, encode_at_call, save_step
@@ -471,8 +472,10 @@ class CheckpointManager(CheckpointDirectory):
         deltas in between, each chunk checked; a missing or damaged link
         raises an error naming the step and what is missing.
         """
-        reads = _MetadataReads(self)
-        return self._restore(reads(self.resolve_step(step)), progress, reads)[0]
+        step = self.resolve_step(step)
+        return read_consistently(self.storage, step,
+                                 lambda reads: self._restore(reads(step), progress, reads)[0],
+                                 functools.partial(_MetadataReads, self))
 
     def _restore(self, meta: StepMetadata, progress: bool,
                  reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction]:
@@ -502,15 +505,22 @@ class CheckpointManager(CheckpointDirectory):
         chunks of its shards, whatever layout and world size saved the step.
         """
         group = Group.current()
-        reads = _MetadataReads(self)
-        meta = reads(self.resolve_step(step))
-        targets = sharded_targets(meta.tensors, model)
-        boxes = {name: local_box(target) for name, target in targets.items()}
-        if group is None and not targets:
-            ckpt, recon = self._restore(meta, progress, reads)
-        else:
-            ckpt, recon = self._restore_shards(meta, targets, boxes, group, progress, reads)
-            rng = rng and group is None  # the saved RNG states are rank 0's
+        step = self.resolve_step(step)
+        pool = self._workers(group)  # a collective at a group's first load: before any can fail
+        meta, boxes = None, {}
+
+        def restore(reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction | None]:
+            nonlocal meta, boxes
+            meta = reads(step)
+            targets = sharded_targets(meta.tensors, model)
+            boxes = {name: local_box(target) for name, target in targets.items()}
+            if group is None and not targets:
+                return self._restore(meta, progress, reads)
+            return self._restore_shards(meta, targets, boxes, pool, progress, reads)
+
+        ckpt, recon = read_consistently(self.storage, step, restore,
+                                        functools.partial(_MetadataReads, self), group)
+        rng = rng and group is None  # the saved RNG states are rank 0's
         report = ckpt.load_into(model, optimizer, strict=strict, rng=rng, copy=False)
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
@@ -520,39 +530,30 @@ class CheckpointManager(CheckpointDirectory):
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],
-                        boxes: dict[str, Box], group: Group | None, progress: bool,
+                        boxes: dict[str, Box], pool: WorkerPool, progress: bool,
                         reads: _MetadataReads) -> tuple[UniversalCheckpoint, Reconstruction | None]:
         """Step ``meta`` with every tensor named in ``targets`` as a DTensor laid out like its
         target, holding this rank's shard ``boxes[name]``, and the reconstruction of those
-        boxes; any rank's failure is raised on every rank."""
-        tensors, recon, error = {}, None, None
-        pool = self._workers(group)
-        try:
-            tensors, recon = self._restore_chain(meta, reads, boxes=boxes, workers=pool,
-                                                 progress=progress)
-        except Exception as exc:  # raised on every rank by the check below
-            if group is None:
-                raise
-            error = exc
-        if group is not None:
-            group.check(error, f"load of step {meta.step}")
+        boxes."""
+        tensors, recon = self._restore_chain(meta, reads, boxes=boxes, workers=pool,
+                                             progress=progress)
         for name, target in targets.items():
             tensors[name] = shard_like(target, tensors[name])
         return UniversalCheckpoint(meta.step, tensors, meta), recon
 
 
-class _MetadataReads:
+class _MetadataReads(ChainReads):
     """Reads step metadata through a manager (:meth:`CheckpointManager.metadata`), recording
     each step's with the identity its file had before the read (``read``), for the manager
     to keep as those of its last chain."""
 
     def __init__(self, manager: CheckpointManager) -> None:
-        self.manager = manager
+        super().__init__(manager.storage, manager.metadata)
         self.read: KnownMetadata = {}
 
     def __call__(self, step: int) -> StepMetadata:
-        identity = self.manager.storage.identity(metadata_file(step))
-        meta = self.manager.metadata(step)
+        identity = self.storage.identity(metadata_file(step))
+        meta = super().__call__(step)
         if identity is not None:
             self.read[step] = identity, meta
         return meta

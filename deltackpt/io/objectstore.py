@@ -581,6 +581,14 @@ class _ObjectRangeReader:
                 future.set_exception(exc)
 
     def read(self, offset: int, length: int) -> bytes:
+        """The bytes of the range; an object deleted since the reader opened it is reported
+        as missing, as one missing when it was opened is."""
+        try:
+            return self._read(offset, length)
+        except FileNotFoundError:
+            raise CorruptionError(f"{self.storage.url}/{self.rel}: data file is missing") from None
+
+    def _read(self, offset: int, length: int) -> bytes:
         if offset + length > self.size:
             raise self._truncated(offset, length)
         if length == 0:

@@ -1,0 +1,119 @@
+"""Readers are isolated from the writer's retention: a CorruptionError means real damage.
+
+The race itself runs in processes of its own (``reader_race.py``); ``bench/metadata_audit.py
+--race-seconds 60`` runs it for a minute on each storage.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from reader_race import race
+from s3_server import moto_server
+
+from deltackpt import CheckpointManager, CorruptionError, StepNotFoundError
+from deltackpt.errors import ChainChangedError
+from deltackpt.format.metadata import step_dir_name
+from deltackpt.restore import consistent
+from deltackpt.restore.chain import restore_chain
+from deltackpt.restore.consistent import ChainReads, read_consistently
+
+SECONDS = 20
+
+
+def test_readers_see_no_false_damage_while_gc_runs(tmp_path: Path) -> None:
+    counts, errors = race(str(tmp_path / "ckpt"), seconds=SECONDS)
+    assert errors == []
+    assert counts["restored"] >= 1000
+    assert counts["false_damage"] == counts["other"] == 0
+
+
+def test_readers_see_no_false_damage_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with moto_server(own_process=True) as endpoint:
+        options = {"key": "AKIATESTKEYID000", "secret": "not-a-secret", "endpoint_url": endpoint,
+                   "skip_instance_cache": True}
+        fsspec.filesystem("s3", **options).mkdir("race")
+        counts, errors = race("s3://race/run", seconds=SECONDS, options=options)
+    assert errors == []
+    assert counts["restored"] >= 100
+    assert counts["false_damage"] == counts["other"] == 0
+
+
+def _saved(root: Path, steps: int = 3) -> CheckpointManager:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    mgr = CheckpointManager(root, full_every=4)
+    for step in range(1, steps + 1):
+        model(torch.randn(4, 256)).square().mean().backward()
+        optimizer.step()
+        mgr.save(step, model, optimizer)
+    mgr.model, mgr.optimizer = model, optimizer
+    return mgr
+
+
+def test_real_damage_is_reported_at_once(tmp_path: Path) -> None:
+    mgr = _saved(tmp_path)
+    data = next((tmp_path / step_dir_name(2)).glob("d-*.bin"))
+    data.unlink()
+    attempts = []
+    reads = lambda: attempts.append(1) or ChainReads(mgr.storage)  # noqa: E731
+    with pytest.raises(CorruptionError, match="data file is missing"):
+        read_consistently(mgr.storage, 3, lambda r: restore_chain(mgr.storage, r(3), read=r),
+                          reads)
+    assert len(attempts) == 1  # nothing it read changed: no second read
+    with pytest.raises(CorruptionError, match="data file is missing"):
+        CheckpointManager(tmp_path, read_only=True).restore(3)
+
+
+def test_a_chain_changed_during_a_read_is_read_again(tmp_path: Path) -> None:
+    """The step read is replaced (a new version) before the read fails: the second read, of the
+    new version, returns."""
+    mgr = _saved(tmp_path)
+    seen = []
+
+    def attempt(reads: ChainReads) -> int:
+        meta = reads(3)
+        seen.append(meta.save_id)
+        if len(seen) == 1:
+            mgr.save(3, mgr.model, mgr.optimizer, overwrite=True)
+            raise CorruptionError("step 3: data file is missing")
+        return meta.step
+
+    assert read_consistently(mgr.storage, 3, attempt) == 3
+    assert len(seen) == 2 and seen[0] != seen[1]
+
+
+def test_a_step_deleted_during_a_read_is_not_found(tmp_path: Path) -> None:
+    mgr = _saved(tmp_path)
+
+    def attempt(reads: ChainReads) -> None:
+        reads(2)
+        mgr.gc("last=1")
+        raise CorruptionError("step 2: data file is missing")
+
+    with pytest.raises(StepNotFoundError, match=r"step 2 was deleted .* while it was being read"):
+        read_consistently(mgr.storage, 2, attempt)
+
+
+def test_a_chain_changed_on_every_read_gives_up(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = _saved(tmp_path)
+    monkeypatch.setattr(consistent, "ATTEMPTS", 3)
+    calls = []
+
+    def attempt(reads: ChainReads) -> None:
+        reads(3)
+        calls.append(1)
+        mgr.save(3, mgr.model, mgr.optimizer, overwrite=True)
+        raise CorruptionError("step 3: data file is missing")
+
+    with pytest.raises(ChainChangedError, match=r"step 3 .* during each of 3 reads"):
+        read_consistently(mgr.storage, 3, attempt)
+    assert len(calls) == 3
+    assert os.path.isdir(tmp_path / step_dir_name(3))
