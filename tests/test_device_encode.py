@@ -299,7 +299,7 @@ def test_the_reconstruction_kept_on_the_host_gives_the_same_steps(
     device.close()
     host.close()
     _assert_same_steps(tmp_path / "device", tmp_path / "host", 3)
-    with pytest.raises(ConfigError, match="reconstruction='gpu'"):
+    with pytest.raises(ConfigError, match="reconstruction must be one of 'device', 'host', got 'gpu'"):
         CheckpointManager(tmp_path / "x", reconstruction="gpu")
 
 

@@ -38,7 +38,8 @@ import zstandard
 
 from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
-from deltackpt.errors import ConfigError, CorruptionError, FormatError
+from deltackpt.errors import CorruptionError, FormatError
+from deltackpt.format.checks import check_choice
 from deltackpt.kernels import quant as numba_kernels
 from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, check_stream
 
@@ -66,9 +67,7 @@ def _kernels(*arrays: Any) -> tuple[Callable[[Any], Any], ModuleType]:
     :mod:`deltackpt.kernels.gpu_quant` (torch tensors) when one of ``arrays`` is a CUDA tensor
     or ``DELTACKPT_KERNELS=triton``, else the Numba kernels (numpy arrays). Both modules have
     ``encode_block_stream``, ``decode_block_stream`` and ``decode_step_streams``."""
-    choice = os.environ.get(KERNELS_ENV, "auto")
-    if choice not in ("auto", "triton"):
-        raise ConfigError(f"{KERNELS_ENV}={choice!r}: expected 'auto' or 'triton'")
+    choice = check_choice(os.environ.get(KERNELS_ENV, "auto"), KERNELS_ENV, ("auto", "triton"))
     if choice == "auto" and not any(getattr(a, "is_cuda", False) for a in arrays):
         return _array, numba_kernels
     from deltackpt.kernels import gpu_quant  # imports triton: only where it is used

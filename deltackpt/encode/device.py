@@ -65,7 +65,7 @@ from deltackpt.encode.encoder import StepEncoder, host_array
 from deltackpt.encode.optimizers import captured_bnb_states
 from deltackpt.encode.policy import LOSSY_DTYPES, CompressionConfig, ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
-from deltackpt.errors import ConfigError
+from deltackpt.format.checks import check_choice
 from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, raw_bytes, spec_for
 from deltackpt.format.state import CapturedState
 from deltackpt.io.writer import PendingDigest, chunk_spans
@@ -111,10 +111,7 @@ class RunningValues:
     and reused (a full step's values are copied into it), while its size and device stay."""
 
     def __init__(self, place: str = "device") -> None:
-        if place not in RECONSTRUCTION_PLACES:
-            raise ConfigError(f"reconstruction={place!r}: expected one of "
-                              f"{', '.join(map(repr, RECONSTRUCTION_PLACES))}")
-        self.place = place
+        self.place = check_choice(place, "reconstruction", RECONSTRUCTION_PLACES)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def placed(self, recon: Reconstruction | None,

@@ -46,6 +46,13 @@ from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.codecs.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, numpy_keys
 from deltackpt.encode.optimizers import FIRST_MOMENTS, SECOND_MOMENTS
 from deltackpt.errors import ConfigError
+from deltackpt.format.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    config_error,
+)
 from deltackpt.format.dtypes import DTypeSpec
 
 CLASSES = ("weights", "first_moment", "second_moment", "buffers")
@@ -55,12 +62,6 @@ MIN_LOSSY_ELEMENTS = 16
 BINADE_KEYS = 1 << 23  # ordinal keys between one power of two and the next
 SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate sizes
 DEFAULT_MAX_SCALE = 4.0  # target_ratio never scales the configured errors beyond this by default
-
-
-def _positive(value: float | None, what: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not (math.isfinite(value) and value > 0)):
-        raise ConfigError(f"{what} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -110,29 +111,27 @@ class Quantizer:
     exact: bool = False
 
     def __post_init__(self) -> None:
-        if self.domain not in ("linear", "ordinal"):
-            raise ConfigError(f"Quantizer domain must be 'linear' or 'ordinal', got {self.domain!r}")
-        if self.pred not in ("base", "zero"):
-            raise ConfigError(f"Quantizer pred must be 'base' or 'zero', got {self.pred!r}")
-        if self.exact:
+        check_choice(self.domain, "Quantizer domain", ("linear", "ordinal"))
+        check_choice(self.pred, "Quantizer pred", ("base", "zero"))
+        check_bool(self.dither, "Quantizer dither")
+        if check_bool(self.exact, "Quantizer exact"):
             return
         if (self.step is None) == (self.density is None):
             raise ConfigError("give a Quantizer exactly one of step= and density=")
-        _positive(self.step, "Quantizer step")
-        if self.domain == "ordinal" and self.dither and self.step is not None \
-                and self.step * BINADE_KEYS > MAX_DITHERED_KEY_STEP:
-            raise ConfigError(f"a dithered ordinal Quantizer step is at most "
-                              f"{MAX_DITHERED_KEY_STEP // BINADE_KEYS} binades, got {self.step!r}")
+        if self.step is not None and self.domain == "ordinal" and self.dither:
+            check_number(self.step, "Quantizer step (dithered, ordinal domain)",  # key offsets
+                         most=MAX_DITHERED_KEY_STEP / BINADE_KEYS)  # exact in float64
+        elif self.step is not None:
+            check_number(self.step, "Quantizer step")
         if self.density is not None:
-            if not 0 < self.density <= 1:
-                raise ConfigError(f"Quantizer density must be in (0, 1], got {self.density!r}")
+            check_number(self.density, "Quantizer density", most=1)
             if self.domain != "linear":
                 raise ConfigError("Quantizer density= needs the linear domain")
         for key, pred in (("move_step", "base"), ("rel_step", "base"), ("update_step", "zero")):
             value = getattr(self, key)
             if value is None:
                 continue
-            _positive(value, f"Quantizer {key}")
+            check_number(value, f"Quantizer {key}")
             if (self.domain, self.pred) != ("linear", pred):
                 raise ConfigError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
 
@@ -190,28 +189,30 @@ class CompressionConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        _positive(self.target_ratio, "target_ratio")
-        if self.target_ratio is not None and self.target_ratio <= 1:
-            raise ConfigError(f"target_ratio must be a number above 1, got {self.target_ratio!r}")
-        _positive(self.max_error, "max_error")
-        if not isinstance(self.block, int) or not 64 <= self.block <= 1 << 20:
-            raise ConfigError(f"block must be an integer in [64, 2**20], got {self.block!r}")
+        if self.target_ratio is not None:
+            check_number(self.target_ratio, "target_ratio", above=1)
+        if self.max_error is not None:
+            check_number(self.max_error, "max_error")
+        check_int(self.block, "block", least=64, most=1 << 20)
+        check_bool(self.deltas, "deltas")
+        if not isinstance(self.name, str):
+            raise config_error("name", "a string", self.name)
         for cls in CLASSES:
             if not isinstance(getattr(self, cls), Quantizer):
-                raise ConfigError(f"{cls} must be a Quantizer, got {getattr(self, cls)!r}")
+                raise config_error(cls, "a Quantizer", getattr(self, cls))
+        if not isinstance(self.overrides, Mapping):
+            raise config_error("overrides", "a mapping of name patterns to Quantizers",
+                               self.overrides)
         for pattern, quantizer in self.overrides.items():
-            if not isinstance(pattern, str) or not isinstance(quantizer, Quantizer):
-                raise ConfigError(f"overrides maps name patterns to Quantizer, got "
-                                  f"{pattern!r}: {quantizer!r}")
+            if not isinstance(pattern, str):
+                raise config_error("an overrides pattern", "a string", pattern)
+            if not isinstance(quantizer, Quantizer):
+                raise config_error(f"overrides[{pattern!r}]", "a Quantizer", quantizer)
 
     @classmethod
     def preset(cls, name: str) -> CompressionConfig:
         """``"lossless"``, ``"balanced"`` (the default) or ``"aggressive"``."""
-        try:
-            return PRESETS[name]
-        except KeyError:
-            raise ConfigError(f"unknown compression preset {name!r}; "
-                              f"choose one of {sorted(PRESETS)}") from None
+        return PRESETS[check_choice(name, "compression preset", sorted(PRESETS))]
 
     @property
     def max_scale(self) -> float:
@@ -282,8 +283,7 @@ def as_config(compression: str | CompressionConfig) -> CompressionConfig:
         return compression
     if isinstance(compression, str):
         return CompressionConfig.preset(compression)
-    raise TypeError(f"compression must be a preset name or a CompressionConfig, "
-                    f"got {type(compression).__name__}")
+    raise config_error("compression", "a preset name or a CompressionConfig", compression)
 
 
 def tensor_class(role: str, state_key: str | None, spec: DTypeSpec, numel: int) -> str | None:
