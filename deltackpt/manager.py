@@ -23,6 +23,7 @@ from deltackpt.encode.encoder import captured_layout
 from deltackpt.encode.policy import CompressionConfig, ScaleController, as_config
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import DeltackptError
+from deltackpt.format.checks import check_bool, check_int
 from deltackpt.format.metadata import (
     Box,
     StepMetadata,
@@ -97,13 +98,14 @@ class CheckpointManager(CheckpointDirectory):
                  cache: str | os.PathLike[str] | None = None, cache_keep: int = 1,
                  blocking: bool = True, max_in_flight: int = 1,
                  reconstruction: str = "device") -> None:
-        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
-            raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
-        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) \
-                or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
-        if chunk_bytes < 1024:
-            raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        check_int(full_every, "full_every")
+        check_int(max_in_flight, "max_in_flight")
+        check_int(chunk_bytes, "chunk_bytes", least=1024)
+        if workers is not None:
+            check_int(workers, "workers")
+        check_int(cache_keep, "cache_keep", least=0)
+        check_bool(read_only, "read_only")
+        check_bool(blocking, "blocking")
         self.full_every = full_every
         self.compression = as_config(compression)
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltackpt import CheckpointManager, CompressionConfig, CorruptionError, Quantizer
+from deltackpt import CheckpointManager, CompressionConfig, ConfigError, CorruptionError, Quantizer
 from deltackpt.app.cli import main
 from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
 from deltackpt.encode.policy import tensor_class
@@ -156,7 +156,7 @@ def test_parse() -> None:
     ("last=2;every=3", "last must be a positive integer, got '2;every=3'"),
 ])
 def test_parse_errors(spec: str, message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)) as info:
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
         RetentionPolicy.parse(spec)
     assert repr(spec) in str(info.value)  # the message names the spec
 
@@ -170,12 +170,12 @@ def test_parse_errors(spec: str, message: str) -> None:
     ({"last": 2.0}, "last must be a positive integer, got 2.0"),
 ])
 def test_policy_validation(fields: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         RetentionPolicy(**fields)
 
 
 def test_parse_rejects_other_types() -> None:
-    with pytest.raises(TypeError, match="RetentionPolicy or a string"):
+    with pytest.raises(ConfigError, match="RetentionPolicy or a string"):
         RetentionPolicy.parse(5)  # type: ignore[arg-type]
 
 

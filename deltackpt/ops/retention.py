@@ -93,7 +93,8 @@ from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.encode.encoder import StepEncoder
 from deltackpt.encode.policy import ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
-from deltackpt.errors import DeltackptError, UnsafePathError
+from deltackpt.errors import ConfigError, DeltackptError, UnsafePathError
+from deltackpt.format.checks import check_int, config_error
 from deltackpt.format.metadata import METADATA_FILE, StepMetadata, layout_of, step_dir_name
 from deltackpt.format.state import CapturedState
 from deltackpt.io.pool import Workers
@@ -152,13 +153,11 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"retention policy: {f.name} must be a positive integer, "
-                                 f"got {value!r}")
+            if value is not None:
+                check_int(value, f"retention policy: {f.name}")
         if self.last is None and self.every is None and self.full_within is None:
-            raise ValueError("retention policy: set at least one of last, every and full_within "
-                             "(e.g. 'last=5,every=1000')")
+            raise ConfigError("retention policy: set at least one of last, every and full_within "
+                              "(e.g. 'last=5,every=1000')")
 
     def __str__(self) -> str:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -168,31 +167,31 @@ class RetentionPolicy:
     def parse(cls, spec: RetentionPolicy | str) -> RetentionPolicy:
         """A policy from its string form (``"last=5,every=100"``); a policy is returned as is.
 
-        Raises ``ValueError`` naming the entry that is not ``KEY=POSITIVE_INT``
-        with a known key, or a key given twice.
+        Raises :class:`~deltackpt.errors.ConfigError` (a ``ValueError``) naming the entry that
+        is not ``KEY=POSITIVE_INT`` with a known key, or a key given twice.
         """
         if isinstance(spec, RetentionPolicy):
             return spec
         if not isinstance(spec, str):
-            raise TypeError(f"a retention policy is a RetentionPolicy or a string such as "
-                            f"'last=5,every=100', got {type(spec).__name__}")
+            raise ConfigError(f"a retention policy is a RetentionPolicy or a string such as "
+                              f"'last=5,every=100', got {type(spec).__name__}")
         known = [f.name for f in fields(cls)]
         values: dict[str, int] = {}
         if not spec.strip():
-            raise ValueError(f"retention policy {spec!r} is empty; expected KEY=N entries separated "
-                             f"by commas, KEY one of {', '.join(known)} (e.g. 'last=5,every=100')")
+            raise ConfigError(f"retention policy {spec!r} is empty; expected KEY=N entries separated "
+                              f"by commas, KEY one of {', '.join(known)} (e.g. 'last=5,every=100')")
         for entry in spec.split(","):
             key, sep, value = (part.strip() for part in entry.partition("="))
             key = key.replace("-", "_")
             where = f"retention policy {spec!r}: entry {entry.strip()!r}"
             if not sep:
-                raise ValueError(f"{where} is not KEY=N (KEY one of {', '.join(known)})")
+                raise ConfigError(f"{where} is not KEY=N (KEY one of {', '.join(known)})")
             if key not in known:
-                raise ValueError(f"{where}: unknown key {key!r}; expected one of {', '.join(known)}")
+                raise ConfigError(f"{where}: unknown key {key!r}; expected one of {', '.join(known)}")
             if key in values:
-                raise ValueError(f"{where}: {key} is given twice")
+                raise ConfigError(f"{where}: {key} is given twice")
             if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
-                raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+                raise config_error(f"{where}: {key}", "a positive integer", value)
             values[key] = int(value)
         return cls(**values)
 
