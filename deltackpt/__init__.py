@@ -13,12 +13,14 @@ from deltackpt._lazy import lazy_attributes
 from deltackpt._version import __version__
 from deltackpt.errors import (
     BackgroundSaveError,
+    ChainChangedError,
     ConfigError,
     CorruptionError,
     DeltackptError,
     DistributedError,
     FormatError,
     NotACheckpointError,
+    ReadFailedError,
     SaveInFlightError,
     StateMismatchError,
     StepExistsError,
@@ -57,6 +59,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
 __all__ = [
     "EXACT",
     "BackgroundSaveError",
+    "ChainChangedError",
     "CheckpointManager",
     "CompressionConfig",
     "ConfigError",
@@ -68,6 +71,7 @@ __all__ = [
     "LoadReport",
     "NotACheckpointError",
     "Quantizer",
+    "ReadFailedError",
     "RetentionPolicy",
     "SaveHandle",
     "SaveInFlightError",

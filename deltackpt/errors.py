@@ -80,3 +80,21 @@ class WriteFailedError(DeltackptError, OSError):
 class ChainChangedError(DeltackptError):
     """A step whose chain the writer's retention replaced during every one of several reads
     (each read starts over on the current chain); names the step. Nothing is damaged."""
+
+
+class ReadFailedError(DeltackptError, OSError):
+    """Reading a checkpoint failed for a reason its bytes do not explain (permission denied, a
+    read-only or failing disk, a name the file system refuses): names the file, and with it the
+    checkpoint and step, and keeps the ``errno``. Says nothing of the step's integrity:
+    ``verify`` reports such a step as not checked, not as damaged."""
+
+
+def os_failure(kind: type[OSError], path: str, exc: OSError, prefix: str = "",
+               suffix: str = "") -> OSError:
+    """A ``kind`` (:class:`ReadFailedError` or :class:`WriteFailedError`) for ``exc``, an OS
+    error on file ``path`` (or one already made by this function): ``{prefix}{path}: {reason}
+    {suffix}``, with the ``errno``, and the ``path`` and ``reason`` apart."""
+    reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
+    error = kind(f"{prefix}{path}: {reason}{suffix}")
+    error.errno, error.path, error.reason = exc.errno, path, reason
+    return error

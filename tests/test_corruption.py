@@ -294,7 +294,8 @@ def test_damaged_base_is_reported_once_with_its_dependents(tmp_path: Path,
         "4 steps checked: 4 damaged"]
     assert main(["verify", str(root), "--step", "2", "--json"]) == 1
     document = json.loads(capsys.readouterr().out)
-    assert document["steps"] == [{"step": 2, "ok": False, "problems": report[2]}]
+    assert document["steps"] == [{"step": 2, "ok": False, "damaged": True, "could_not_check": [],
+                                  "problems": report[2]}]
     assert document["damage"] == [{"step": 0, "file": str(data_file), "problems": problems,
                                    "dependents": [2]}]
 

@@ -11,8 +11,11 @@ metadata (``ls``, ``info``, ``du``, ``verify`` without ``--deep``) and
 the others import what they need when they run. ``gc`` deletes steps: it takes
 the writer lock and refuses to run while another writer holds it.
 ``--json`` prints one JSON document on stdout instead of tables, for
-scripts. Errors go to stderr as ``deltackpt: error: ...`` with exit code 2;
-``verify`` exits 1 when it finds damage.
+scripts. Errors go to stderr as one line, ``deltackpt: error: ...``, with exit
+code 2. ``verify`` and ``ls`` exit 1 when they find damage and 3 when some step
+could not be read (a permission denied, an I/O error), which says nothing of its
+integrity; ``du`` exits 3 then too. Output cut short by a closed pipe
+(``deltackpt ls --json | head``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import base64
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deltackpt._version import __version__
 from deltackpt.directory import CheckpointDirectory
-from deltackpt.errors import DeltackptError, WriterLockedError
+from deltackpt.errors import DeltackptError, ReadFailedError, WriterLockedError
 from deltackpt.format.metadata import METADATA_FILE, ROLES, StepMetadata, step_dir_name
 from deltackpt.interop.formats import OUT_FORMATS, SOURCE_FORMATS
 from deltackpt.io.progress import human_bytes
@@ -69,6 +73,17 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: set[int
     return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
                       for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
             for row in cells]
+
+
+EXIT_DAMAGED = 1  # verify and ls found damage; gc had no space to finish
+EXIT_ERROR = 2
+EXIT_UNCHECKED = 3  # verify, ls and du could not read some step (no damage found)
+EXIT_CLOSED_PIPE = 141  # what a shell reports for a command ended by SIGPIPE
+
+
+def _outcome(damaged: bool, unchecked: bool) -> int:
+    """The exit code of a command that checks steps: damage first, then what it could not read."""
+    return EXIT_DAMAGED if damaged else EXIT_UNCHECKED if unchecked else 0
 
 
 def _print_lines(lines: Sequence[str]) -> None:
@@ -198,8 +213,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     for step in mgr.steps():
         try:
             rows.append(_step_row(mgr.metadata(step)))
-        except DeltackptError as exc:  # one damaged step must not hide the others
-            unreadable.append({"step": step, "error": str(exc)})
+        except DeltackptError as exc:  # one damaged or unreadable step must not hide the others
+            unreadable.append({"step": step, "error": str(exc),
+                               "damaged": not isinstance(exc, ReadFailedError)})
     raw = sum(r["raw_bytes"] for r in rows)
     stored = sum(r["stored_bytes"] for r in rows)
     total = {"steps": len(rows), "raw_bytes": raw, "stored_bytes": stored, "ratio": ratio(raw, stored),
@@ -218,8 +234,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         _print_lines(_table(["STEP", "KIND", "BASE", "RAW", "STORED", "RATIO", "WEIGHTS ERROR", "SECONDS",
                              "CREATED (UTC)"], table, right={0, 3, 4, 5, 7}))
     for item in unreadable:
-        print(f"deltackpt: step {item['step']} is unreadable: {item['error']}", file=sys.stderr)
-    return 1 if unreadable else 0
+        what = "is damaged" if item["damaged"] else "could not be read"
+        print(f"deltackpt: step {item['step']} {what}: {item['error']}", file=sys.stderr)
+    return _outcome(any(i["damaged"] for i in unreadable), bool(unreadable))
 
 
 # -- info ------------------------------------------------------------------------------------
@@ -404,8 +421,10 @@ def _verify_lines(report: VerifyReport) -> list[str]:
     lines = []
     for step in sorted(set(report) | set(own)):
         bases = [b for b, damages in own.items() if step in damages[0].dependents]
+        blind = report.unchecked.get(step, [])
         if step not in own and not bases:
-            lines.append(f"step {step}: OK")
+            lines += [f"step {step}: COULD NOT CHECK", *(f"  {r}" for r in blind)] if blind \
+                else [f"step {step}: OK"]
             continue
         found = sum(len(d.problems) for d in own.get(step, []))
         what = ([f"{found} problem{'s' if found > 1 else ''}"] if found else []) + (
@@ -419,37 +438,56 @@ def _verify_lines(report: VerifyReport) -> list[str]:
                 lines += [f"  in {damage.file}:", *(f"    {p}" for p in damage.problems)]
         if step in own and own[step][0].dependents:
             lines.append(f"  steps that depend on it: {', '.join(map(str, own[step][0].dependents))}")
+        lines += [f"  could not check: {r}" for r in blind]
     return lines
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     mgr = _open(args.path)
     report = mgr.verify(args.step, deep=args.deep, progress=_show_progress(args))
-    damaged = [s for s, problems in report.items() if problems]
+    damaged, unchecked = report.damaged, report.unchecked
+    outcome = _outcome(bool(damaged), bool(unchecked))
     if args.json:
-        _print_json({"path": mgr.path, "deep": args.deep, "ok": not damaged,
-                     "steps": [{"step": s, "ok": not p, "problems": p} for s, p in report.items()],
+        _print_json({"path": mgr.path, "deep": args.deep, "ok": not damaged and not unchecked,
+                     "steps": [{"step": s, "ok": not p, "damaged": s in damaged,
+                                "could_not_check": unchecked.get(s, []), "problems": p}
+                               for s, p in report.items()],
                      "damage": [dataclasses.asdict(d) for d in report.damage]})
-        return 1 if damaged else 0
+        return outcome
     if not report:
         print(f"no committed steps in {mgr.path}")
         return 0
     _print_lines(_verify_lines(report))
     checked = f"{len(report)} step{'s' if len(report) > 1 else ''} checked"
-    print(f"{checked}{' (deep)' if args.deep else ''}: "
-          f"{f'{len(damaged)} damaged' if damaged else 'all intact'}")
-    return 1 if damaged else 0
+    found = [f"{len(damaged)} damaged"] if damaged else []
+    found += [f"{len(unchecked)} could not be checked"] if unchecked else []
+    print(f"{checked}{' (deep)' if args.deep else ''}: {', '.join(found) or 'all intact'}")
+    return outcome
 
 
 # -- du --------------------------------------------------------------------------------------
 
 
-def _tree_bytes(storage: Storage, rel: str = "") -> int:
-    """Bytes of every file under ``rel``."""
+def _tree_bytes(storage: Storage, rel: str = "", unreadable: list[str] | None = None) -> int:
+    """Bytes of every file under ``rel``; what cannot be read is left out, its error appended
+    to ``unreadable``."""
     total = 0
-    for name in storage.listdir(rel):
+    try:
+        names = storage.listdir(rel)
+    except ReadFailedError as exc:
+        if unreadable is None:
+            raise
+        unreadable.append(str(exc))
+        return 0
+    for name in names:
         child = f"{rel}/{name}" if rel else name
-        total += _tree_bytes(storage, child) if storage.is_dir(child) else storage.size(child)
+        try:
+            total += _tree_bytes(storage, child, unreadable) if storage.is_dir(child) \
+                else storage.size(child)
+        except ReadFailedError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(str(exc))
     return total
 
 
@@ -463,15 +501,15 @@ def _cmd_du(args: argparse.Namespace) -> int:
         try:
             on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
                        if not storage.is_dir(f"{step_dir}/{name}")}
-        except DeltackptError:  # not a directory (a link is not followed): the metadata error says so
-            on_disk = {}
+        except DeltackptError:  # not a directory (a link is not followed), or unreadable: the
+            on_disk = {}        # metadata's error says so
         row: dict[str, Any] = {"step": step, "files": 0, "data_bytes": 0,
                                "metadata_bytes": on_disk.pop(METADATA_FILE, 0), "missing_files": [],
                                "error": None}
         try:
             meta = mgr.metadata(step)
         except DeltackptError as exc:
-            row["error"] = str(exc)
+            row["error"], row["could_not_read"] = str(exc), isinstance(exc, ReadFailedError)
         else:
             for f in meta.files:
                 if f.name in on_disk:
@@ -490,14 +528,17 @@ def _cmd_du(args: argparse.Namespace) -> int:
         row["total_bytes"] = row["data_bytes"] + row["metadata_bytes"] + row["other_bytes"]
         steps.append(row)
     steps_total = sum(r["total_bytes"] for r in steps)
-    directory = _tree_bytes(storage)
+    unreadable: list[str] = []  # what could not be read: left out of the sums
+    directory = _tree_bytes(storage, "", unreadable)
+    outcome = _outcome(False, bool(unreadable) or any(r.get("could_not_read") for r in steps))
     data_total = sum(r["stored_bytes"] for r in roles.values())
     for totals in roles.values():
         totals["share"] = totals["stored_bytes"] / data_total if data_total else 0.0
     if args.json:
         _print_json({"path": mgr.path, "steps": steps, "steps_bytes": steps_total,
-                     "directory_bytes": directory, "other_bytes": directory - steps_total, "by_role": roles})
-        return 0
+                     "directory_bytes": directory, "other_bytes": directory - steps_total,
+                     "by_role": roles, "could_not_read": unreadable})
+        return outcome
     rows = [[r["step"], r["files"], human_bytes(r["data_bytes"]), human_bytes(r["metadata_bytes"]),
              human_bytes(r["total_bytes"])] for r in steps]
     lines = _table(["STEP", "FILES", "DATA", "METADATA", "TOTAL"], rows, right={0, 1, 2, 3, 4})
@@ -515,8 +556,9 @@ def _cmd_du(args: argparse.Namespace) -> int:
         if r["other_bytes"]:
             lines.append(f"step {r['step']}: {human_bytes(r['other_bytes'])} in unreferenced files "
                          "(removed by the next writer)")
+    lines += [f"not counted, could not be read: {error}" for error in unreadable]
     _print_lines(lines)
-    return 0
+    return outcome
 
 
 # -- gc --------------------------------------------------------------------------------------
@@ -853,7 +895,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
                "  deltackpt convert model.pt --out runs/ckpt\n"
                "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
-               "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), 2 error",
+               "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), "
+               "2 error, 3 some step could not be read (verify, ls, du)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -874,9 +917,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
-    except (DeltackptError, FileNotFoundError, ValueError, PermissionError) as exc:
+    except BrokenPipeError:  # the reader of our output left (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return EXIT_CLOSED_PIPE
+    except (DeltackptError, OSError, ValueError) as exc:
         print(f"deltackpt: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("deltackpt: interrupted", file=sys.stderr)
         return 130

@@ -32,6 +32,7 @@ ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
 DATA_FILE_PATTERN = re.compile(r"d-[0-9a-f]+-r[0-9]+-[0-9]+\.bin")
+MAX_FILE_NAME = 255  # NAME_MAX of POSIX file systems: a longer name can be no file
 XXH3_PATTERN = re.compile(r"[0-9a-f]{16}")
 ROLES = ("param", "buffer", "optimizer", "rng", "extra")  # minor versions may add more
 KINDS = ("full", "delta")
@@ -521,6 +522,9 @@ def _parse_file(obj: Any) -> DataFile:
     name = f.get("name", str)
     if not DATA_FILE_PATTERN.fullmatch(name):
         raise FormatError(f"data file name {shown(name)} is not allowed")
+    if len(name) > MAX_FILE_NAME:
+        raise FormatError(f"data file name {shown(name)} is {len(name)} characters long, more "
+                          f"than a file name may have ({MAX_FILE_NAME})")
     return DataFile(name, f.nonneg("rank"), f.nonneg("size"))
 
 

@@ -338,6 +338,9 @@ class ObjectStorage:
     def sync_dir(self, rel: str = "") -> None:
         """Nothing to do: an object is durable once its PUT returns."""
 
+    def remove_empty_dir(self, rel: str = "") -> None:
+        """Nothing to remove: a prefix exists only while it holds objects."""
+
     def _stream(self, rel: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes ``start..end`` of object ``rel``, from one ranged GET, in pieces as they arrive
         (stores other than S3: one piece)."""

@@ -22,7 +22,13 @@ import numpy as np
 import xxhash
 import zstandard
 
-from deltackpt.errors import CorruptionError, DeltackptError, FormatError, StepNotFoundError
+from deltackpt.errors import (
+    CorruptionError,
+    DeltackptError,
+    FormatError,
+    ReadFailedError,
+    StepNotFoundError,
+)
 from deltackpt.format.dtypes import spec_named
 from deltackpt.format.metadata import (
     MAX_METADATA_BYTES,
@@ -54,10 +60,10 @@ if TYPE_CHECKING:
 def list_steps(storage: Storage) -> list[int]:
     """Committed steps, ascending.
 
-    A step directory that is not a directory (a link, a FIFO) is listed
-    too, so that reading it reports what it is instead of the step
-    vanishing from view; one that is gone by the time it is looked at (a
-    failed save's, removed meanwhile) is not.
+    A step directory that is not a directory (a link, a FIFO) or that cannot
+    be looked into (permission denied) is listed too, so that reading it
+    reports what it is instead of the step vanishing from view; one that is
+    gone by the time it is looked at (a failed save's, removed meanwhile) is not.
     """
     files = storage.list_files()
     if files is not None:  # an object store: one listing, and no entry is other than an object
@@ -70,9 +76,17 @@ def list_steps(storage: Storage) -> list[int]:
     for name in storage.listdir():
         match = STEP_DIR_PATTERN.fullmatch(name)
         if match and (kind := storage.kind(name)) is not None \
-                and (kind != "dir" or storage.exists(f"{name}/{METADATA_FILE}")):
+                and (kind != "dir" or _committed(storage, name)):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def _committed(storage: Storage, step_dir: str) -> bool:
+    """Whether ``step_dir`` holds a ``metadata.json``, or cannot be looked into."""
+    try:
+        return storage.exists(f"{step_dir}/{METADATA_FILE}")
+    except ReadFailedError:
+        return True
 
 
 def step_not_found(storage: Storage, step: int) -> StepNotFoundError:
@@ -130,6 +144,8 @@ def chain_of(storage: Storage, meta: StepMetadata,
             raise CorruptionError(
                 f"step {meta.step} cannot be restored: step {top.step} is a delta on step "
                 f"{top.base_step}, which is missing from {storage.url}") from None
+        except ReadFailedError:  # says nothing of the chain's integrity, and names the file
+            raise
         except DeltackptError as exc:
             raise CorruptionError(f"step {meta.step} cannot be restored: the metadata of its "
                                   f"base step {top.base_step} cannot be read ({exc})") from None
@@ -400,17 +416,27 @@ def run_chunk_tasks(tasks: list, fn, workers: Workers, description: str,
             drain(futures)
 
 
+@dataclass
+class StepCheck:
+    """What :func:`verify_step` found in a step: ``problems`` (damage), by the URL of the data
+    file they are in, and the files it ``could_not_read`` (a permission denied, an I/O
+    error), with the reason, which say nothing of the step's integrity."""
+
+    problems: dict[str, list[str]]
+    could_not_read: dict[str, str]
+
+
 def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
-                workers: Workers = None, progress: bool = False) -> dict[str, list[str]]:
-    """Problems found in a step's data, by the URL of the data file they are in: missing or
-    truncated files, checksum mismatches.
+                workers: Workers = None, progress: bool = False) -> StepCheck:
+    """Check a step's data: missing or truncated files and checksum mismatches are problems.
 
     Checks stored bytes against their checksums; with ``deep`` also decodes
     every chunk that decodes on its own (not the ``quant``, ``cast`` and ``bnb8`` chunks
     of a delta, which need their chain: see ``CheckpointManager.verify``) and checks the
-    result. Returns one message per damaged chunk, in the order of the step's chunks.
+    result. Gives one message per damaged chunk, in the order of the step's chunks.
     """
     problems: dict[int, str] = {}  # by id of the task, filled from the pool's threads
+    unread: dict[str, str] = {}
     source = ChunkSource(storage, meta)
     chain_only = _chain_only_codecs() if deep else ()
 
@@ -420,6 +446,8 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
                 source.decode(task.record, task.chunk, np.empty(task.chunk.raw_length, np.uint8))
             else:
                 source.stored(task.record, task.chunk)
+        except ReadFailedError as exc:
+            unread.setdefault(source.path(task.chunk), str(exc))
         except DeltackptError as exc:
             problems[id(task)] = str(exc)
 
@@ -433,7 +461,7 @@ def verify_step(storage: Storage, meta: StepMetadata, *, deep: bool = False,
     for task in tasks:
         if id(task) in problems:
             by_file.setdefault(source.path(task.chunk), []).append(problems[id(task)])
-    return by_file
+    return StepCheck(by_file, dict(sorted(unread.items())))
 
 
 def _chain_only_codecs() -> tuple[str, ...]:

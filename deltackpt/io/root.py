@@ -3,9 +3,10 @@ written when an empty one is created (docs/FORMAT.md 1)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
-from deltackpt.errors import NotACheckpointError
+from deltackpt.errors import NotACheckpointError, WriteFailedError, os_failure
 from deltackpt.format.metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -37,12 +38,20 @@ def open_root(storage: Storage, *, create: bool) -> None:
             f"{url} exists, is not empty and is not a deltackpt checkpoint directory "
             f"(no {ROOT_MARKER}); refusing to write into it")
     else:
-        storage.makedirs()
+        created, writing = False, url
         try:
+            created = storage.makedirs()
+            writing = f"{url}/{ROOT_MARKER}"
             write_root_marker(storage)
         except FileNotFoundError:  # another process (a rank) created it at the same time,
             if not storage.exists(ROOT_MARKER):  # and its clean-up took our temporary file
                 raise
+        except OSError as exc:  # a full or read-only disk: leave nothing behind
+            if created:
+                with contextlib.suppress(OSError):
+                    storage.remove_empty_dir()
+            raise os_failure(WriteFailedError, writing, exc,
+                             f"creating the checkpoint directory {url} failed: ") from exc
 
 
 def write_root_marker(storage: Storage) -> None:

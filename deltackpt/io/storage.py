@@ -14,19 +14,31 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import importlib.util
 import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 from urllib.parse import urlparse
 
-from deltackpt.errors import CorruptionError, NotACheckpointError, StorageError, UnsafePathError
+from deltackpt.errors import (
+    CorruptionError,
+    DeltackptError,
+    NotACheckpointError,
+    ReadFailedError,
+    StorageError,
+    UnsafePathError,
+    WriteFailedError,
+    os_failure,
+)
+from deltackpt.format.metadata import STEP_DIR_PATTERN
 
 LOCK_FILE = ".writer.lock"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class RangeReader(Protocol):
@@ -73,6 +85,7 @@ class Storage(Protocol):
     def commit_file(self, rel: str, data: bytes) -> None: ...
     def remove(self, rel: str) -> None: ...
     def remove_tree(self, rel: str) -> None: ...
+    def remove_empty_dir(self, rel: str = "") -> None: ...
     def try_lock(self) -> contextlib.AbstractContextManager[None] | None: ...
 
 
@@ -81,8 +94,11 @@ class _FileRangeReader:
         self.fd, self.path = fd, path
 
     def read(self, offset: int, length: int) -> bytes:
-        size = os.fstat(self.fd).st_size  # before pread, which allocates ``length`` bytes first
-        data = os.pread(self.fd, length, offset) if offset + length <= size else b""
+        try:
+            size = os.fstat(self.fd).st_size  # before pread, which allocates ``length`` bytes first
+            data = os.pread(self.fd, length, offset) if offset + length <= size else b""
+        except OSError as exc:  # an I/O error: the disk's, not the file's content
+            raise os_failure(ReadFailedError, str(self.path), exc) from exc
         if len(data) != length:
             raise CorruptionError(f"{self.path}: file is truncated (wanted bytes {offset}.."
                                   f"{offset + length}, it has {size})")
@@ -118,6 +134,30 @@ def _what(mode: int) -> str:
 
 # Never follow a link below the root; O_NONBLOCK: opening a FIFO must not wait for a writer.
 _NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _failing(kind: type[OSError]) -> Callable[[F], F]:
+    """A :class:`LocalStorage` method whose OS errors (a permission denied, a name too long, a
+    read-only or full disk, an I/O error) are raised as ``kind``, naming the step and the file
+    and keeping the ``errno``; a missing or existing file stays the ``FileNotFoundError`` or
+    ``FileExistsError`` its callers expect."""
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: LocalStorage, rel: str = "", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, rel, *args, **kwargs)
+            except (FileNotFoundError, FileExistsError, NotADirectoryError, DeltackptError):
+                raise
+            except OSError as exc:
+                path = str(self._path(rel))
+                match = STEP_DIR_PATTERN.fullmatch(rel.partition("/")[0])
+                step = f"step {int(match.group(1))}: " if match else ""
+                raise os_failure(kind, path, exc, step) from exc
+        return wrapper  # type: ignore[return-value]
+    return decorate
+
+
+_reading, _writing = _failing(ReadFailedError), _failing(WriteFailedError)
 
 
 class LocalStorage:
@@ -184,6 +224,7 @@ class LocalStorage:
             raise self._unsafe(rel, mode, "a regular file")
         return fd
 
+    @_reading
     def kind(self, rel: str) -> str | None:
         """What ``rel`` is, links not followed: ``"file"``, ``"dir"``, ``"link"``, ``"other"``
         (FIFO, device, socket) or None when nothing is there.
@@ -204,6 +245,7 @@ class LocalStorage:
     def is_dir(self, rel: str) -> bool:
         return self.kind(rel) == "dir"
 
+    @_reading
     def listdir(self, rel: str = "") -> list[str]:
         with self._dir(rel) as fd:
             return sorted(os.listdir(fd))
@@ -213,11 +255,13 @@ class LocalStorage:
         costs no more here."""
         return None
 
+    @_reading
     def size(self, rel: str) -> int:
         """Bytes of ``rel`` (of a link: of the link itself)."""
         with self._parent(rel) as (fd, name):
             return os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
 
+    @_reading
     def identity(self, rel: str) -> tuple[int, ...] | None:
         """What changes whenever the file ``rel`` is replaced or rewritten (device, inode, size,
         modification and change times), or None if there is none: tells a writer that a file is
@@ -229,6 +273,7 @@ class LocalStorage:
             return None
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
+    @_writing
     def makedirs(self, rel: str = "", *, durable: bool = True) -> bool:
         """Create directory ``rel`` (the root: with its parents) unless it is one already;
         whether it was created. A created one is made durable (its parent fsynced) unless
@@ -259,17 +304,20 @@ class LocalStorage:
                 _fsync_dir(fd)
             return True
 
+    @_writing
     def sync_dir(self, rel: str = "") -> None:
         """Make the entries of directory ``rel`` durable (fsync it)."""
         with self._dir(rel) as fd:
             _fsync_dir(fd)
 
+    @_reading
     def read_bytes(self, rel: str) -> bytes:
         with self._parent(rel) as (dir_fd, name):
             fd = self._open_file(dir_fd, name, rel, os.O_RDONLY)
         with open(fd, "rb") as handle:
             return handle.read()
 
+    @_reading
     def open_reader(self, rel: str) -> RangeReader:
         try:
             with self._parent(rel) as (dir_fd, name):
@@ -278,6 +326,7 @@ class LocalStorage:
         except FileNotFoundError:
             raise CorruptionError(f"{self._path(rel)}: data file is missing") from None
 
+    @_writing
     def create(self, rel: str) -> IO[bytes]:
         """A new file for writing; fails if it exists. Pass it to :meth:`finish`."""
         with self._parent(rel) as (dir_fd, name):
@@ -290,6 +339,7 @@ class LocalStorage:
         os.fsync(handle.fileno())
         handle.close()
 
+    @_writing
     def stage(self, rel: str, data: bytes) -> str:
         """Write ``data`` durably to a new temporary file beside ``rel``; returns its path, which
         :meth:`publish` renames to ``rel``. A failed write removes it.
@@ -313,6 +363,7 @@ class LocalStorage:
             raise
         return staged
 
+    @_writing
     def publish(self, staged: str, rel: str) -> None:
         """Rename a file from :meth:`stage` (in the same directory) to ``rel`` atomically, and
         make the rename durable (fsync of the directory)."""
@@ -321,6 +372,7 @@ class LocalStorage:
             os.replace(staged.rpartition("/")[2], name, src_dir_fd=fd, dst_dir_fd=fd)
             _fsync_dir(fd)
 
+    @_writing
     def commit_file(self, rel: str, data: bytes) -> None:
         """Replace ``rel`` with ``data`` atomically and durably (:meth:`stage`, :meth:`publish`);
         a failure before the rename removes the temporary file."""
@@ -332,6 +384,7 @@ class LocalStorage:
                 self.remove(staged)  # gone already if the rename happened
             raise
 
+    @_writing
     def remove(self, rel: str) -> None:
         """Delete file ``rel`` (a link: the link itself); nothing there is fine.
 
@@ -343,6 +396,7 @@ class LocalStorage:
                 raise self._unsafe(rel, mode, "a file")
             os.unlink(name, dir_fd=fd)
 
+    @_writing
     def remove_tree(self, rel: str) -> None:
         """Delete directory ``rel`` and everything in it, following no link (links in it are
         removed themselves); nothing there is fine.
@@ -356,6 +410,16 @@ class LocalStorage:
             # rmtree refuses a link at the top and removes links inside themselves
             shutil.rmtree(self._path(rel), ignore_errors=True)
             _fsync_dir(fd)
+
+    @_writing
+    def remove_empty_dir(self, rel: str = "") -> None:
+        """Delete directory ``rel`` (default: the root) if it is empty; else leave it (a directory
+        a failed creation made, which another process may have filled meanwhile)."""
+        try:
+            os.rmdir(self._path(rel))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise
 
     def try_lock(self) -> contextlib.AbstractContextManager[None] | None:
         """Take the exclusive writer lock; ``None`` if someone else holds it.

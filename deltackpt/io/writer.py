@@ -26,7 +26,7 @@ from deltackpt._version import __version__
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.dist.shards import Part, parts_to_write
-from deltackpt.errors import DeltackptError, FormatError, WriteFailedError
+from deltackpt.errors import DeltackptError, FormatError, WriteFailedError, os_failure
 from deltackpt.format.dtypes import DTypeSpec, raw_bytes, spec_for
 from deltackpt.format.metadata import (
     MAX_METADATA_BYTES,
@@ -371,12 +371,12 @@ def writing(storage: Storage, step: int, rel: str) -> Iterator[None]:
     as :class:`WriteFailedError` naming both, with its ``errno``."""
     try:
         yield
-    except WriteFailedError:
-        raise
     except OSError as exc:
-        error = WriteFailedError(f"writing step {step} failed: {storage.url}/{rel}: "
-                                 f"{exc.strerror or exc}; committed steps are intact")
-        error.errno = exc.errno
+        if isinstance(exc, WriteFailedError) and getattr(exc, "step", None) is not None:
+            raise  # named already, by an outer call
+        error = os_failure(WriteFailedError, getattr(exc, "path", None) or f"{storage.url}/{rel}",
+                           exc, f"writing step {step} failed: ", "; committed steps are intact")
+        error.step = step
         raise error from exc
 
 

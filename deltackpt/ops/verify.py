@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltackpt.errors import DeltackptError, StepNotFoundError
-from deltackpt.format.metadata import METADATA_FILE, StepMetadata, step_dir_name
+from deltackpt.errors import DeltackptError, ReadFailedError, StepNotFoundError
+from deltackpt.format.metadata import StepMetadata, metadata_file
 from deltackpt.io.reader import chain_of, read_metadata, verify_step
 from deltackpt.io.storage import Storage
 
@@ -38,14 +38,26 @@ class VerifyReport(dict[int, list[str]]):
 
     A step's list holds the damage found in the step itself, then one line
     per damaged step its chain depends on (``depends on step N, which is
-    damaged (K problems)``), not that step's problems again. ``damage`` lists
-    every damaged file once (:class:`Damage`, ordered by step), including
-    those of steps that were checked only as part of a chain.
+    damaged (K problems)``), not that step's problems again, then what could
+    not be read. ``damage`` lists every damaged file once (:class:`Damage`,
+    ordered by step), including those of steps that were checked only as part
+    of a chain. ``unchecked`` maps the steps that could not be checked in full
+    (a file of theirs or of their chain could not be read: a permission
+    denied, an I/O error) to those reasons, which say nothing of their
+    integrity; each also ends the step's list.
     """
 
-    def __init__(self, problems: dict[int, list[str]], damage: list[Damage]) -> None:
+    def __init__(self, problems: dict[int, list[str]], damage: list[Damage],
+                 unchecked: dict[int, list[str]] | None = None) -> None:
         super().__init__(problems)
         self.damage = damage
+        self.unchecked = unchecked or {}
+
+    @property
+    def damaged(self) -> list[int]:
+        """The checked steps that are damaged, or depend on a damaged step."""
+        unchecked = {s: set(reasons) for s, reasons in self.unchecked.items()}
+        return [s for s, problems in self.items() if set(problems) - unchecked.get(s, set())]
 
 
 def _count(n: int, noun: str) -> str:
@@ -61,6 +73,7 @@ def verify_steps(storage: Storage, steps: list[int], *, deep: bool = False, work
     metas: dict[int, StepMetadata | DeltackptError] = {}
     unreadable: list[int] = []  # steps whose metadata failed to read, in the order they were asked for
     found: dict[int, dict[str | None, list[str]]] = {}  # the damage of each step, by file
+    not_read: dict[int, list[str]] = {}  # what could not be read of each step
 
     def metadata(step: int) -> StepMetadata:
         if step not in metas:
@@ -68,55 +81,76 @@ def verify_steps(storage: Storage, steps: list[int], *, deep: bool = False, work
                 metas[step] = read_metadata(storage, step)
             except DeltackptError as exc:
                 metas[step] = exc
+                if isinstance(exc, ReadFailedError):
+                    not_read[step] = [str(exc)]
+                elif not isinstance(exc, StepNotFoundError):
+                    found[step] = {f"{storage.url}/{metadata_file(step)}": [str(exc)]}
         meta = metas[step]
         if isinstance(meta, DeltackptError):
             unreadable.append(step)
-            if not isinstance(meta, StepNotFoundError):
-                found[step] = {f"{storage.url}/{step_dir_name(step)}/{METADATA_FILE}": [str(meta)]}
             raise meta
         return meta
 
     def damage_of(meta: StepMetadata) -> dict[str | None, list[str]]:
         if meta.step not in found:
-            found[meta.step] = verify_step(storage, meta, deep=deep, workers=workers, progress=progress)
+            check = verify_step(storage, meta, deep=deep, workers=workers, progress=progress)
+            found[meta.step] = dict(check.problems)
+            not_read[meta.step] = list(check.could_not_read.values())
         return found[meta.step]
 
     report: dict[int, list[str]] = {}
+    unchecked: dict[int, list[str]] = {}
     dependents: dict[int, list[int]] = {}
     for step in steps:
         try:
             meta = metadata(step)
+        except ReadFailedError as exc:
+            report[step] = unchecked[step] = [str(exc)]
+            continue
         except DeltackptError as exc:
             report[step] = [str(exc)]
             continue
         own = damage_of(meta)
         unreadable.clear()
+        bases: list[int] = []
         try:
             links = chain_of(storage, meta, metadata)[:-1]
             for link in links:
                 damage_of(link)
             bases = [link.step for link in links]
+        except ReadFailedError:  # the links down to the one that could not be read
+            bases = []
+            link = meta
+            while link.kind == "delta" and isinstance(metas.get(link.base_step), StepMetadata):
+                link = metas[link.base_step]
+                damage_of(link)
+                bases.append(link.step)
         except DeltackptError as exc:
             broken = unreadable[-1] if unreadable else None
             if broken in found:  # a base whose metadata cannot be read: damage of that step
                 bases = [broken]
             else:  # a missing base, or a base that is not an earlier step
                 own.setdefault(None, []).append(str(exc))
-                bases = []
         damaged = [b for b in bases if found.get(b)]
         for base in damaged:
             dependents.setdefault(base, []).append(step)
+        blind = [r for s in [step, *bases, *unreadable] for r in not_read.get(s, [])]
         report[step] = [p for problems in own.values() for p in problems] + [
             f"depends on step {b}, which is damaged "
             f"({_count(sum(map(len, found[b].values())), 'problem')})" for b in damaged]
-        if deep and not report[step] and meta.kind == "delta":
+        if deep and not report[step] and not blind and meta.kind == "delta":
             from deltackpt.restore.chain import restore_chain  # decoding a chain needs torch and the kernels
 
             try:
                 restore_chain(storage, meta, workers=workers, progress=progress)
+            except ReadFailedError as exc:
+                blind.append(str(exc))
             except DeltackptError as exc:
                 own.setdefault(None, []).append(str(exc))
                 report[step].append(str(exc))
+        if blind:
+            unchecked[step] = list(dict.fromkeys(blind))
+            report[step] += unchecked[step]
     damage = [Damage(step, file, problems, dependents.get(step, []))
               for step in sorted(found) for file, problems in found[step].items() if problems]
-    return VerifyReport(report, damage)
+    return VerifyReport(report, damage, unchecked)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from deltackpt.errors import DeltackptError, StepExistsError, WriterLockedError
 from deltackpt.format.metadata import METADATA_FILE, STEP_DIR_PATTERN, metadata_file, step_dir_name
@@ -10,6 +11,8 @@ from deltackpt.io.reader import dependents, list_steps, read_metadata
 from deltackpt.io.storage import Storage
 from deltackpt.io.tiering import UploadCache
 from deltackpt.io.writer import remove_unreferenced
+
+log = logging.getLogger("deltackpt")
 
 
 class SaveTarget:
@@ -60,18 +63,17 @@ class SaveTarget:
         creates; links, FIFOs and the like are left alone, never followed (readers report them)."""
         storage = self.storage
         for name in storage.listdir():
-            kind = storage.kind(name)
-            if name.endswith(".tmp") and kind == "file":
-                storage.remove(name)
-            elif STEP_DIR_PATTERN.fullmatch(name) and kind == "dir":
-                if not storage.exists(f"{name}/{METADATA_FILE}"):
-                    storage.remove_tree(name)
-                else:
-                    try:
-                        meta = read_metadata(storage, int(name[5:]))
-                    except DeltackptError:
-                        continue  # damaged metadata: leave the step for verify to report
-                    remove_unreferenced(storage, name, meta)
+            try:
+                kind = storage.kind(name)
+                if name.endswith(".tmp") and kind == "file":
+                    storage.remove(name)
+                elif STEP_DIR_PATTERN.fullmatch(name) and kind == "dir":
+                    if not storage.exists(f"{name}/{METADATA_FILE}"):
+                        storage.remove_tree(name)
+                    else:
+                        remove_unreferenced(storage, name, read_metadata(storage, int(name[5:])))
+            except DeltackptError as exc:  # an unreadable or damaged step: verify reports it
+                log.warning("%s: the writer's cleanup left %s as it is: %s", storage.url, name, exc)
 
     def prepare(self, step: int, overwrite: bool) -> list[str] | None:
         """Take the writer lock and check that ``step`` may be written: a step that exists is
