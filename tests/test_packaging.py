@@ -66,3 +66,14 @@ def test_wheel_carries_the_license(wheel: Path) -> None:
     assert metadata.get_all("License-File") == ["LICENSE"]
     assert license_text == (ROOT / "LICENSE").read_text()
     assert "Apache License\n                           Version 2.0, January 2004" in license_text
+
+
+def test_wheel_names_the_project_urls(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as whl:
+        metadata = email.message_from_string(_dist_info(whl, "METADATA"))
+    assert metadata.get_all("Project-URL") == [
+        "Homepage, https://github.com/deltackpt/deltackpt",
+        "Documentation, https://deltackpt.readthedocs.io",
+        "Source, https://github.com/deltackpt/deltackpt",
+        "Issues, https://github.com/deltackpt/deltackpt/issues",
+    ]
