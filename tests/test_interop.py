@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -499,6 +500,176 @@ def test_deepspeed_model_states_weights_only_refuses(trained: tuple[nn.Module, t
     assert any("2 param groups' hyperparameters could not be matched" in note for note in read.notes)
 
 
+# -- foreign files that carry deltackpt's own keys -------------------------------------------
+# Each reader recognizes keys deltackpt's own exports write: safetensors metadata (step, buffers,
+# aliases, optimizer, extra), torch.save and DCP entries (model/state_dict/model_state_dict,
+# optimizer/optim/optimizer_state_dict, optimizer_class, step, extra). A file of another program
+# carrying them converts with every tensor, or is refused naming the file and key; never both
+# exit 0 and lose tensors. (DeepSpeed's files hold only DeepSpeed's own keys.)
+
+
+def by_value(tensors: Iterable[torch.Tensor]) -> list[tuple[str, tuple[int, ...], bytes]]:
+    """Tensors as sorted (dtype, shape, bytes): what a conversion must carry over, whatever it
+    names them."""
+    return sorted((str(t.dtype), tuple(t.shape), t.detach().contiguous().reshape(-1).view(torch.uint8)
+                   .numpy().tobytes()) for t in tensors)
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples (one held twice, twice)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for item in items for t in tensor_leaves(item)]
+
+
+def assert_converts_whole(source: Path, tensors: list[torch.Tensor], out: Path,
+                          capsys: pytest.CaptureFixture[str], model_only: bool = False) -> list[str]:
+    """``source`` converts, by :func:`convert` and by ``deltackpt convert``, into checkpoints
+    holding every one of ``tensors``; returns the notes."""
+    report = convert(source, out / "api", model_only=model_only)
+    assert by_value(load_universal(out / "api").tensors.values()) == by_value(tensors)
+    options = ["--model-only"] if model_only else []
+    assert main(["convert", str(source), "--out", str(out / "cli"), "--json", *options]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == report.notes
+    assert by_value(load_universal(out / "cli").tensors.values()) == by_value(tensors)
+    return report.notes
+
+
+def assert_refused(source: Path, message: str, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``source`` is refused with a ConversionError matching ``message`` that names it, by
+    :func:`convert` and by ``deltackpt convert`` (exit code 2), and nothing is written."""
+    with pytest.raises(ConversionError, match=message) as info:
+        convert(source, out)
+    assert str(source) in str(info.value)
+    assert_nothing_written(out)
+    assert main(["convert", str(source), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"deltackpt: error: {source}") and re.search(message, err), err
+    assert_nothing_written(out)
+
+
+FOREIGN = {"w": torch.arange(9.0).reshape(3, 3), "b": torch.tensor([1, 2, 3]),
+           "c": torch.arange(9.0).reshape(3, 3)}
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    # a Hugging Face file whose writer kept notes under names deltackpt's export uses
+    ({"format": "pt", "extra": "fine-tuned on wikitext", "optimizer": "adamw, lr 3e-4"}, None),
+    ({"format": "pt", "extra": '{"note": "hi"}'}, None),
+    ({"format": "pt", "extra": '"hi"'}, None),
+    ({"format": "pt", "optimizer": '{"class": "AdamW", "param_groups": [], "state": {}}'}, None),
+    ({"extra": "null"}, None),
+    ({"format": "pt", "step": "100", "buffers": "running stats", "aliases": "none", "by": "me"}, None),
+    # exactly the metadata of a file of a deltackpt export: that file, which must then be valid
+    ({"format": "pt", "step": "4", "buffers": '["b"]', "aliases": '{"c": "w"}'}, None),
+    ({"format": "pt", "step": "4", "buffers": "running stats", "aliases": "{}"},
+     "metadata 'buffers' is not JSON"),
+    ({"format": "pt", "step": "last", "buffers": "[]", "aliases": "{}"},
+     "metadata 'step' is 'last', not a step number"),
+    ({"step": "4", "extra": '{"note": "hi"}'}, "holds tensors its extra metadata does not refer to: "
+                                               "'b', 'c', 'w'"),
+    ({"step": "4", "extra": '{"w": {"$tensor": "w"}}'}, "holds tensors its extra metadata does not "
+                                                        "refer to: 'b', 'c'"),
+    ({"step": "4", "optimizer": "adamw"}, "metadata 'optimizer' is not JSON"),
+])
+def test_safetensors_with_deltackpt_keys_converts_whole_or_fails(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], metadata: dict[str, str],
+        message: str | None) -> None:
+    """A safetensors file is one of a deltackpt export's files only when its metadata holds
+    exactly the keys that file has; any other is read as model tensors, whatever its metadata
+    holds (a note names the keys of an export it held), with --model-only too."""
+    source = tmp_path / "model.safetensors"
+    save_file(FOREIGN, source, metadata=metadata)
+    if message is not None:
+        assert_refused(source, message, tmp_path / "out", capsys)
+        return
+    notes = assert_converts_whole(source, list(FOREIGN.values()), tmp_path / "out", capsys)
+    own = sorted(set(metadata) & {"step", "buffers", "aliases", "optimizer", "extra"})
+    assert notes == ([] if set(metadata) == {"format", "step", "buffers", "aliases"} else [
+        f"{source}: metadata {', '.join(map(repr, own))} not read, as the file's metadata is not that "
+        "of a deltackpt export; its tensors are read as model tensors"])
+    assert_converts_whole(source, list(FOREIGN.values()), tmp_path / "model-only", capsys, model_only=True)
+
+
+def test_sharded_safetensors_with_deltackpt_keys_converts_whole(
+        trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hugging Face directory (shards and their index) whose shards' metadata holds ``extra``
+    and ``optimizer`` converts with every tensor."""
+    model, _ = trained
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    names = list(state)
+    shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
+    source = tmp_path / "hf"
+    source.mkdir()
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, source / file,
+                  metadata={"format": "pt", "extra": "{}", "optimizer": "{}"})
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    assert_converts_whole(source, list(state.values()), tmp_path / "out", capsys)
+
+
+Document = Callable[[dict[str, torch.Tensor], dict[str, Any]], tuple[dict[str, Any], str | None]]
+DOCUMENTS: dict[str, Document] = {
+    # entries under the names deltackpt's own torch and DCP exports use, meaning something else
+    "optimizer_class without an optimizer": lambda sd, opt: (
+        {"model": sd, "optimizer_class": torch.tensor([3.0]), "step": 5}, None),
+    "extra and step of the loop's own": lambda sd, opt: (
+        {"model": sd, "extra": {"ema": torch.ones(2)}, "step": torch.tensor(7), "optimizer_class": "SGD"},
+        None),
+    "model and state_dict": lambda sd, opt: ({"model": sd, "state_dict": {"w": torch.ones(3)}}, None),
+    "optimizer beside optim": lambda sd, opt: ({"model": sd, "optimizer": opt, "optim": {"w": torch.ones(3)}},
+                                               None),
+    "a bare state dict with such names": lambda sd, opt: (
+        {"optimizer": torch.ones(2), "extra": torch.zeros(2), "step": torch.tensor(3),
+         "optimizer_class": torch.ones(1)}, None),
+    "model that is a tensor": lambda sd, opt: ({"model": torch.ones(2), "w": torch.ones(2)},
+                                               "entry 'model' is a Tensor, not a state dict"),
+    # what no reader interprets: an optimizer entry with more than an optimizer state dict holds
+    "optimizer with a loss scale": lambda sd, opt: (
+        {"model": sd, "optimizer": {**opt, "loss_scale": torch.tensor(1024.0)}},
+        "holds {n} tensors, but reading it as {fmt} keeps only {kept}; refusing to lose 1 of them"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+@pytest.mark.parametrize("case", list(DOCUMENTS))
+def test_torch_and_dcp_with_deltackpt_keys_convert_whole_or_fail(
+        trained: tuple[nn.Module, torch.optim.Optimizer], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], fmt: str, case: str) -> None:
+    """A torch.save file or DCP directory whose entries carry the names deltackpt's exports use
+    converts with every tensor, or fails with a ConversionError naming it (``message``, with the
+    count of the document's tensors ``n`` and of one fewer, ``kept``)."""
+    model, optimizer = trained
+    document, message = DOCUMENTS[case](model.state_dict(), get_optimizer_state_dict(model, optimizer))
+    source = tmp_path / ("checkpoint.pt" if fmt == "torch" else "dcp")
+    if fmt == "torch":
+        torch.save(document, source)
+    else:
+        dcp.save(document, checkpoint_id=source)
+    if message is None:
+        assert_converts_whole(source, tensor_leaves(document), tmp_path / "out", capsys)
+    else:
+        n = len(tensor_leaves(document))
+        assert_refused(source, message.format(n=n, kept=n - 1, fmt=fmt), tmp_path / "out", capsys)
+
+
+def test_reading_that_would_lose_a_tensor_is_refused(restored: UniversalCheckpoint, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever a reader misses, read_checkpoint and convert refuse to go on without a tensor of
+    the source: here one that a safetensors export's optimizer tree keeps under a key no
+    optimizer state dict has."""
+    export(restored.captured(), STEP, tmp_path / "st", "safetensors")
+    rewrite_metadata(tmp_path / "st" / "optimizer.safetensors", optimizer=edit_json(moved_to_scaler))
+    held = sum(len(load_file(file)) for file in (tmp_path / "st").iterdir())
+    message = f"holds {held} tensors, but reading it as safetensors keeps only {held - 1}; refusing"
+    with pytest.raises(ConversionError, match=message):
+        read_checkpoint(tmp_path / "st")
+    assert_refused(tmp_path / "st", message, tmp_path / "out", capsys)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
@@ -668,11 +839,23 @@ def test_crafted_dcp_index_allocates_nothing_and_fails_clearly(
         assert_nothing_written(tmp_path / "out")
 
 
-def rewrite_metadata(file: Path, **entries: str) -> None:
-    """Replace entries of a safetensors file's metadata, keeping its tensors."""
+def rewrite_metadata(file: Path, **entries: str | Callable[[str], str]) -> None:
+    """Replace entries of a safetensors file's metadata (by a text, or a function of the entry's
+    text), keeping its tensors."""
     with safe_open(file, "pt") as f:
         metadata = f.metadata()
-    save_file(load_file(file), file, metadata={**metadata, **entries})
+    changed = {k: v(metadata[k]) if callable(v) else v for k, v in entries.items()}
+    save_file(load_file(file), file, metadata={**metadata, **changed})
+
+
+def edit_json(edit: Callable[[Any], Any]) -> Callable[[str], str]:
+    """A function of a metadata entry's JSON text: the text of ``edit`` of its value."""
+    return lambda text: json.dumps(edit(json.loads(text)))
+
+
+def moved_to_scaler(tree: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer tree with one state tensor moved under a key no optimizer state dict has."""
+    return {**tree, "scaler": tree["state"]["0.weight"].pop("exp_avg")}
 
 
 @pytest.mark.parametrize(("file", "entries", "message"), [
@@ -685,18 +868,26 @@ def rewrite_metadata(file: Path, **entries: str) -> None:
     ("model.safetensors", {"buffers": '[["2.running_mean"]]'}, "metadata 'buffers' is not a list"),
     ("optimizer.safetensors", {"optimizer": '{"$float": "x"}'}, "optimizer metadata is not a valid state "
                                                                 "tree .*invalid tagged value"),
-    ("optimizer.safetensors", {"optimizer": "[1, 2]"}, "not an optimizer state dict"),
-    ("optimizer.safetensors", {"optimizer": '{"class": 3, "param_groups": [], "state": {}}'},
+    ("optimizer.safetensors", {"optimizer": edit_json(lambda tree: [tree])}, "not an optimizer state dict"),
+    ("optimizer.safetensors", {"optimizer": edit_json(lambda tree: {**tree, "class": 3})},
      "recorded class 3 is not a name"),
+    ("optimizer.safetensors", {"optimizer": "[1, 2]"}, "holds tensors its optimizer metadata does not "
+                                                       "refer to: '0.weight/exp_avg', "),
+    ("extra.safetensors", {"extra": "{}"}, "holds tensors its extra metadata does not refer to"),
+    ("optimizer.safetensors", {"optimizer": "adamw"}, "metadata 'optimizer' is not JSON"),
+    ("model.safetensors", {"step": "final"}, "metadata 'step' is 'final', not a step number"),
+    ("model.safetensors", {"step": "\u00b2"}, "metadata 'step' is '\u00b2', not a step number"),
     ("extra.safetensors", {"extra": '{"a": {"$bytes": "AAA"}}'}, "extra metadata is not a valid state tree"),
     ("extra.safetensors", {"extra": '{"a": {"$npscalar": ["<nope", 1]}}'},
      "extra metadata is not a valid state tree"),
 ])
 def test_malformed_safetensors_metadata_names_the_file(restored: UniversalCheckpoint, tmp_path: Path,
-                                                       file: str, entries: dict[str, str],
+                                                       file: str,
+                                                       entries: dict[str, str | Callable[[str], str]],
                                                        message: str) -> None:
-    """Metadata of a safetensors export that is nested too deeply, or whose aliases, buffers or
-    state trees are malformed, gives a ConversionError naming the file and what is wrong."""
+    """Metadata of a safetensors export that is nested too deeply, or whose aliases, buffers,
+    step or state trees are malformed, or whose state tree leaves tensors of its file out, gives
+    a ConversionError naming the file and what is wrong."""
     export(restored.captured(), STEP, tmp_path / "st", "safetensors")
     rewrite_metadata(tmp_path / "st" / file, **entries)
     with pytest.raises(ConversionError, match=message) as info:

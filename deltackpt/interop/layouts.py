@@ -160,7 +160,8 @@ class IndexNames:
     note: str
 
 
-def _names_text(names: list[str], limit: int = 6) -> str:
+def names_text(names: list[str], limit: int = 6) -> str:
+    """The first ``limit`` of ``names`` for a message, and how many more there are."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -185,7 +186,7 @@ def parameters_by_index(param_groups: list[Mapping[str, Any]], state: Mapping[An
     n = len(indices)
     if sorted(p for p in indices if type(p) is int) != list(range(n)):
         raise ConversionError(f"{origin}: the optimizer's param groups list "
-                              f"{_names_text(list(map(repr, indices)))}, not the indices 0..{n - 1} "
+                              f"{names_text(list(map(repr, indices)))}, not the indices 0..{n - 1} "
                               "once each")
     shapes: list[set[tuple[int, ...]]] = [set() for _ in range(n)]  # what each index's state fixes
     for key, value in state.items():
@@ -263,7 +264,7 @@ def parameters_by_index(param_groups: list[Mapping[str, Any]], state: Mapping[An
             "model's parameters in state dict order, which agree with the shapes of the optimizer "
             "state")
     if buffers:
-        note += f" (floating-point tensors taken to be buffers: {_names_text(buffers)})"
+        note += f" (floating-point tensors taken to be buffers: {names_text(buffers)})"
     return IndexNames(dict(enumerate(names)), note)
 
 
@@ -336,6 +337,21 @@ def guess_buffers(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any
     return {n for n, t in model.items() if not (t.is_floating_point() or t.is_complex())}
 
 
+def count_tensors(value: Any) -> int:
+    """How many tensors ``value`` holds, in dicts, lists and tuples at any depth: what a reader
+    must carry over. A container met twice (or inside itself, as a crafted pickle can make it) is
+    counted once."""
+    count, todo, seen = 0, [value], set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            count += 1
+        elif isinstance(item, (Mapping, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            todo.extend(item.values() if isinstance(item, Mapping) else item)
+    return count
+
+
 def split_document(document: Any, origin: str, optimizer_class_name: str | None,
                    model_only: bool = False) -> Parts:
     """Interpret a ``torch.save`` (or DCP) dict as model, optimizer, extra and step.
@@ -344,7 +360,7 @@ def split_document(document: Any, origin: str, optimizer_class_name: str | None,
       without one, the tensors at the top level (a bare state dict);
     * the optimizer is ``optimizer``, ``optim`` or ``optimizer_state_dict``,
       its class ``optimizer_class_name`` if given, else the entry
-      ``optimizer_class``, else recognized from its hyperparameters; an
+      ``optimizer_class`` beside it, else recognized from its hyperparameters; an
       optimizer that lists its parameters by index without names is named
       after the model (:func:`parameters_by_index`);
     * an integer ``step`` is the step;
@@ -381,9 +397,11 @@ def split_document(document: Any, origin: str, optimizer_class_name: str | None,
         if rest:
             notes.append(f"model only: left out {', '.join(map(repr, rest))}")
         return Parts(dict(model), None, None, step, notes)
-    recorded_class = rest.pop(OPTIMIZER_CLASS_KEY, None)
     optimizer_key = next((k for k in OPTIMIZER_KEYS if k in rest), None)
     sd = rest.pop(optimizer_key) if optimizer_key is not None else None
+    # the class deltackpt's exports record beside the optimizer; in a file without an optimizer
+    # entry, an entry of that name is the training loop's own, kept in extra
+    recorded_class = rest.pop(OPTIMIZER_CLASS_KEY, None) if optimizer_key is not None else None
     optimizer = None if sd is None else fqn_optimizer(
         sd, optimizer_class_name or recorded_class, origin, model, notes)
     extra = rest["extra"] if list(rest) == ["extra"] else rest or None

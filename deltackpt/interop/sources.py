@@ -17,8 +17,9 @@ The checkpoints of the ranks of a hand-sharded run (one per tensor-parallel
 rank, each in any of these formats) are read with a sharding spec
 (docs/PATTERNS.md) that merges them into whole tensors: :func:`read_sharded`.
 
-A new source is a function ``(paths, optimizer_class, model_only) -> Source`` added to
-:data:`READERS` and, if it can be recognized, to :func:`detect_format`.
+A new source is a function ``(paths, optimizer_class, model_only) -> Source`` (counting, as
+``found``, the tensors it read) added to :data:`READERS` and, if it can be recognized, to
+:func:`detect_format`.
 Nothing is ever unpickled beyond what ``torch.load(weights_only=True)``
 accepts.
 """
@@ -47,8 +48,10 @@ from deltackpt.interop.formats import SOURCE_FORMATS
 from deltackpt.interop.layouts import (
     TORCH_FILE,
     Parts,
+    count_tensors,
     fqn_optimizer,
     guess_buffers,
+    names_text,
     optimizer_class,
     split_document,
 )
@@ -58,13 +61,20 @@ from deltackpt.save.capture import capture_values
 
 @dataclass
 class Source:
-    """A checkpoint read from another format: its state, its step if it records one, and what
-    the reader could not take over (``notes``, one sentence each)."""
+    """A checkpoint read from another format: its state, its step if it records one, how many
+    tensors the reader found in it, and what the reader could not take over (``notes``, one
+    sentence each).
+
+    ``found`` counts the tensors as the source's files held them, before they were interpreted,
+    so :func:`read_checkpoint` can refuse a read that would lose some; tensors ``model_only``
+    leaves unread on purpose (the notes name them) are not counted. Every reader must give it.
+    """
 
     format: str
     state: CapturedState
     step: int | None
     notes: list[str] = field(default_factory=list)
+    found: int = field(kw_only=True)
 
 
 def _captured(parts: Parts, origin: str, buffers: set[str] | None = None) -> CapturedState:
@@ -84,6 +94,15 @@ def _one(paths: list[Path], fmt: str) -> Path:
     return paths[0]
 
 
+def _document_source(fmt: str, document: Any, origin: str, optimizer_class_name: str | None,
+                     model_only: bool) -> Source:
+    """A ``torch.save`` or DCP dict read as a :class:`Source` (:func:`split_document`); every
+    tensor it holds is found (with ``model_only``, those of the model)."""
+    parts = split_document(document, origin, optimizer_class_name, model_only)
+    found = len(parts.model) if model_only else count_tensors(document)
+    return Source(fmt, _captured(parts, origin), parts.step, parts.notes, found=found)
+
+
 # -- torch.save --------------------------------------------------------------------------------
 
 
@@ -94,8 +113,7 @@ def read_torch(paths: list[Path], optimizer_class_name: str | None = None,
     path = _one(paths, "torch")
     if path.is_dir():
         path = inside(path, path / TORCH_FILE)
-    parts = split_document(load_weights_only(path), str(path), optimizer_class_name, model_only)
-    return Source("torch", _captured(parts, str(path)), parts.step, parts.notes)
+    return _document_source("torch", load_weights_only(path), str(path), optimizer_class_name, model_only)
 
 
 # -- DCP ---------------------------------------------------------------------------------------
@@ -228,8 +246,7 @@ def read_dcp(paths: list[Path], optimizer_class_name: str | None = None,
     path = _one(paths, "dcp")
     if not (path / ".metadata").is_file():
         raise ConversionError(f"{path}: not a DCP checkpoint directory (it has no .metadata file)")
-    parts = split_document(_load_dcp(path), str(path), optimizer_class_name, model_only)
-    return Source("dcp", _captured(parts, str(path)), parts.step, parts.notes)
+    return _document_source("dcp", _load_dcp(path), str(path), optimizer_class_name, model_only)
 
 
 # -- safetensors -------------------------------------------------------------------------------
@@ -302,37 +319,69 @@ def _safetensors_files(paths: list[Path]) -> tuple[list[Path], dict[str, Path]]:
 
 
 SECTIONS = ("optimizer", "extra")  # what a safetensors export's other files hold, in their metadata
+EXPORT_FILES = {frozenset({"format", "step", "buffers", "aliases"}): "model",
+                **{frozenset({"step", section}): section for section in SECTIONS}}
+"""The metadata keys of each file of a deltackpt safetensors export
+(:func:`~deltackpt.interop.exporters.export`), and which file they make it."""
+OWN_KEYS = frozenset({"step", "buffers", "aliases", *SECTIONS})  # what reading an export uses
 
 
-def _read_safetensors_file(path: Path, model_only: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a safetensors file; with ``model_only``, no tensors of a file
-    whose metadata says it holds one of :data:`SECTIONS`."""
+def _export_file(metadata: Mapping[str, str]) -> str | None:
+    """Which file of a deltackpt safetensors export (``"model"``, ``"optimizer"``, ``"extra"``) a
+    file is, by its metadata; None for any other file of tensors, read as model tensors.
+
+    Only metadata holding exactly the keys deltackpt writes counts. Safetensors metadata is free
+    text that no one owns: a Hugging Face file whose metadata happens to hold an ``extra`` or
+    ``optimizer`` entry is a file of model weights, and whoever converts it expects those
+    weights, not a refusal over a note they may not know is there. A file holding exactly an
+    export's keys is one, and is refused (naming the file and key) when they are not valid,
+    rather than read another way: an optimizer state taken for model weights would be wrong
+    without a word.
+    """
+    return EXPORT_FILES.get(frozenset(metadata))
+
+
+def _read_safetensors_file(path: Path, model_only: bool
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, str], str | None]:
+    """The tensors, metadata and export file (:func:`_export_file`) of a safetensors file; with
+    ``model_only``, no tensors of an export's optimizer or extra file."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, "pt") as f:
             metadata = f.metadata() or {}
-            if model_only and any(s in metadata for s in SECTIONS):
-                return {}, metadata
+            role = _export_file(metadata)
+            if model_only and role in SECTIONS:
+                return {}, metadata, role
             names = f.keys()
-            return {k: f.get_tensor(k) for k in names}, metadata
+            return {k: f.get_tensor(k) for k in names}, metadata, role
     except (SafetensorError, OSError) as exc:
         raise ConversionError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def _json_metadata(path: Path, metadata: dict[str, str], key: str, default: Any) -> Any:
-    return _load_json(metadata[key], f"{path}: metadata {key!r}") if key in metadata else default
+def _json_metadata(path: Path, metadata: dict[str, str], key: str) -> Any:
+    return _load_json(metadata[key], f"{path}: metadata {key!r}")
+
+
+def _export_step(path: Path, metadata: dict[str, str]) -> int:
+    """The step an export's ``model.safetensors`` records."""
+    if re.fullmatch(r"[0-9]{1,20}", metadata["step"]) is None:  # a step fits in 64 bits
+        raise ConversionError(f"{path}: metadata 'step' is {metadata['step']!r}, not a step number")
+    return int(metadata["step"])
 
 
 def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None,
                      model_only: bool = False) -> Source:
     """Safetensors files: model tensors by FQN, plus a deltackpt export's optimizer and extra.
 
-    A file whose metadata holds ``optimizer`` or ``extra`` (tagged JSON,
-    docs/FORMAT.md 2.5, referring to the file's tensors) is that section;
-    every other file holds model tensors. The metadata a deltackpt export
-    writes (``step``, ``buffers``, ``aliases``) is used when present. With
-    ``model_only``, the optimizer and extra files are left out.
+    A file whose metadata is that of an export's ``optimizer.safetensors`` or
+    ``extra.safetensors`` (:func:`_export_file`: the step, and the section
+    as tagged JSON, docs/FORMAT.md 2.5, referring to every tensor of the
+    file) is that section; every other file holds model tensors. The
+    metadata of an export's ``model.safetensors`` (``step``, ``buffers``,
+    ``aliases``) is used; that of other files is not (a note names the keys
+    of an export they hold). With ``model_only``, the optimizer and extra
+    files are left out.
     """
     files, indexed = _safetensors_files(paths)
     if not files:
@@ -344,33 +393,39 @@ def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None,
     aliases: dict[str, tuple[str, Path]] = {}  # name -> (tensor it is tied to, file recording it)
     step = None
     notes: list[str] = []
+    found = 0
     for path in files:
-        tensors, metadata = _read_safetensors_file(path, model_only)
-        section = next((s for s in SECTIONS if s in metadata), None)
-        if section is not None:
+        tensors, metadata, role = _read_safetensors_file(path, model_only)
+        found += len(tensors)
+        if role in SECTIONS:
             if model_only:
-                notes.append(f"model only: left out the {section} in {path}")
-            elif section in sections:
-                raise ConversionError(f"both {sections[section][1]} and {path} hold the {section}")
+                notes.append(f"model only: left out the {role} in {path}")
+            elif role in sections:
+                raise ConversionError(f"both {sections[role][1]} and {path} hold the {role}")
             else:
-                sections[section] = (_decoded_section(path, section, metadata, tensors), path)
+                sections[role] = (_decoded_section(path, role, metadata, tensors), path)
             continue
         for name, tensor in tensors.items():
             if name in model:
                 raise ConversionError(f"tensor {name!r} is in both {origin[name]} and {path}")
             model[name], origin[name] = tensor, path
-        if "buffers" in metadata:
-            names = _json_metadata(path, metadata, "buffers", [])
-            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-                raise ConversionError(f"{path}: metadata 'buffers' is not a list of tensor names")
-            buffers = (buffers or set()) | set(names)
-        ties = _json_metadata(path, metadata, "aliases", {})
+        if role is None:
+            own = sorted(OWN_KEYS & metadata.keys())
+            if own:
+                notes.append(f"{path}: metadata {', '.join(map(repr, own))} not read, as the file's "
+                             "metadata is not that of a deltackpt export; its tensors are read as "
+                             "model tensors")
+            continue
+        names = _json_metadata(path, metadata, "buffers")
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ConversionError(f"{path}: metadata 'buffers' is not a list of tensor names")
+        buffers = (buffers or set()) | set(names)
+        ties = _json_metadata(path, metadata, "aliases")
         if not (isinstance(ties, dict) and all(isinstance(t, str) for t in ties.values())):
             raise ConversionError(f"{path}: metadata 'aliases' is not a map of tensor names to the "
                                   "names they are tied to")
         aliases.update((name, (target, path)) for name, target in ties.items())
-        if metadata.get("step", "").isdigit():
-            step = int(metadata["step"])
+        step = _export_step(path, metadata)
     for name, file in indexed.items():
         if origin.get(name) != file:
             where = f"it is in {origin[name]}" if name in origin else "no file holds it"
@@ -388,21 +443,33 @@ def read_safetensors(paths: list[Path], optimizer_class_name: str | None = None,
         optimizer = fqn_optimizer(tree, optimizer_class_name or recorded, str(path))
     extra = sections["extra"][0] if "extra" in sections else None
     parts = Parts(model, optimizer, extra, step)
-    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step, notes)
+    return Source("safetensors", _captured(parts, ", ".join(map(str, files)), buffers), step, notes,
+                  found=found)
 
 
 def _decoded_section(path: Path, section: str, metadata: dict[str, str],
                      tensors: dict[str, torch.Tensor]) -> Any:
     """The ``optimizer`` or ``extra`` a safetensors export keeps in its metadata, as tagged JSON
-    (docs/FORMAT.md 2.5) whose ``$tensor`` references are tensors of the file."""
-    tree = _json_metadata(path, metadata, section, None)
+    (docs/FORMAT.md 2.5) whose ``$tensor`` references are the tensors of the file, every one."""
+    tree = _json_metadata(path, metadata, section)
+    referred: set[str] = set()
+
+    def tensor(name: str) -> torch.Tensor:
+        referred.add(name)
+        return tensors[name]
+
     try:
-        return decode_tree(tree, tensors.__getitem__)
+        decoded = decode_tree(tree, tensor)
     except KeyError as exc:
         raise ConversionError(f"{path}: its {section} metadata refers to tensor {exc}, "
                               "which the file does not hold") from None
     except (DeltackptError, TypeError, ValueError) as exc:
         raise ConversionError(f"{path}: its {section} metadata is not a valid state tree ({exc})") from None
+    unreferred = [repr(name) for name in tensors if name not in referred]
+    if unreferred:
+        raise ConversionError(f"{path}: holds tensors its {section} metadata does not refer to: "
+                              f"{names_text(unreferred)}")
+    return decoded
 
 
 # -- DeepSpeed universal checkpoint ------------------------------------------------------------
@@ -518,7 +585,10 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
         match = re.fullmatch(r"global_step(\d+)", folder.name)
         step = int(match.group(1)) if match else None
     parts = Parts(model, optimizer, None, step)
-    return Source("deepspeed", _captured(parts, str(folder), buffers), step, notes)
+    # found: the model (fp32 masters, the module's buffers and frozen parameters) and the
+    # optimizer state of the parameters' files
+    found = len(model) + count_tensors(state)
+    return Source("deepspeed", _captured(parts, str(folder), buffers), step, notes, found=found)
 
 
 def _deepspeed_model(params: dict[str, torch.Tensor], module: Mapping[str, Any] | None,
@@ -620,7 +690,9 @@ def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str |
         raise ConversionError(f"merging the ranks' checkpoints {', '.join(map(str, paths))} "
                               f"(rank 0 first): {exc}") from None
     notes = list(dict.fromkeys(note for r in ranks for note in r.notes))
-    return Source(f"{ranks[0].format}, {len(ranks)} ranks merged", state, ranks[0].step, notes)
+    # merge_states makes one tensor of each name every rank holds (and refuses ranks whose names differ)
+    return Source(f"{ranks[0].format}, {len(ranks)} ranks merged", state, ranks[0].step, notes,
+                  found=ranks[0].found)
 
 
 def read_checkpoint(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -640,10 +712,28 @@ def read_checkpoint(source: str | os.PathLike[str] | Sequence[str | os.PathLike[
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist")
     if sharding is not None:
-        return read_sharded(paths, sharding, source_format, optimizer_class_name, model_only)
-    if source_format is None:
-        source_format = detect_format(paths)
-    elif source_format not in READERS:
-        raise ValueError(f"unknown source format {source_format!r}; choose one of "
-                         f"{', '.join(SOURCE_FORMATS)}")
-    return READERS[source_format](paths, optimizer_class_name, model_only)
+        read = read_sharded(paths, sharding, source_format, optimizer_class_name, model_only)
+    else:
+        if source_format is None:
+            source_format = detect_format(paths)
+        elif source_format not in READERS:
+            raise ValueError(f"unknown source format {source_format!r}; choose one of "
+                             f"{', '.join(SOURCE_FORMATS)}")
+        read = READERS[source_format](paths, optimizer_class_name, model_only)
+    _check_nothing_lost(paths, read)
+    return read
+
+
+def _check_nothing_lost(paths: list[Path], read: Source) -> None:
+    """Refuse a read whose state holds fewer tensors than its reader found in the source.
+
+    The last guard of a conversion, whatever the cause: an export writes every tensor of the
+    state, or names in its ``left_out`` the sections its format has no place for, so a tensor
+    missing here would vanish from the output without a word.
+    """
+    kept = len(read.state.tensors)
+    if kept < read.found:
+        raise ConversionError(f"{', '.join(map(str, paths))}: holds {read.found} tensors, but reading it "
+                              f"as {read.format} keeps only {kept}; refusing to lose "
+                              f"{read.found - kept} of them without a word (a layout deltackpt "
+                              "misreads: please report it)")
