@@ -23,7 +23,7 @@ from deltackpt.encode.encoder import captured_layout
 from deltackpt.encode.policy import CompressionConfig, ScaleController, as_config
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import DeltackptError
-from deltackpt.format.checks import check_bool, check_int
+from deltackpt.format.checks import check_bool, check_int, check_number
 from deltackpt.format.metadata import (
     Box,
     StepMetadata,
@@ -34,6 +34,7 @@ from deltackpt.format.metadata import (
 from deltackpt.format.state import CapturedState
 from deltackpt.io.pool import WorkerPool, default_workers, rank_threads
 from deltackpt.io.reader import chain_of
+from deltackpt.io.retired import DEFAULT_GRACE, RetiredFiles
 from deltackpt.io.tiering import UploadCache
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
 from deltackpt.ops.retention import GCReport, RetentionPolicy, collect_garbage
@@ -87,6 +88,10 @@ class CheckpointManager(CheckpointDirectory):
         reconstruction: where the running values of tensors coded on a GPU are kept:
             ``"device"`` (default), or pinned ``"host"`` memory to spare the device's
             (:attr:`reconstruction_bytes`).
+        reader_grace: seconds the data of a step that ``keep=`` (or an overwrite) deletes or
+            replaces stays for the readers that read its metadata before, deleted at a later
+            save or gc (default 0: at once; a reader then reads the step's new chain again,
+            which a restore slower than the interval between saves may have to do each time).
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
@@ -97,7 +102,7 @@ class CheckpointManager(CheckpointDirectory):
                  storage_options: Mapping[str, Any] | None = None,
                  cache: str | os.PathLike[str] | None = None, cache_keep: int = 1,
                  blocking: bool = True, max_in_flight: int = 1,
-                 reconstruction: str = "device") -> None:
+                 reconstruction: str = "device", reader_grace: float = DEFAULT_GRACE) -> None:
         check_int(full_every, "full_every")
         check_int(max_in_flight, "max_in_flight")
         check_int(chunk_bytes, "chunk_bytes", least=1024)
@@ -106,6 +111,7 @@ class CheckpointManager(CheckpointDirectory):
         check_int(cache_keep, "cache_keep", least=0)
         check_bool(read_only, "read_only")
         check_bool(blocking, "blocking")
+        check_number(reader_grace, "reader_grace", least=0)
         self.full_every = full_every
         self.compression = as_config(compression)
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None
@@ -125,9 +131,10 @@ class CheckpointManager(CheckpointDirectory):
         self._warned_target = False
         super().__init__(path, workers=workers, create=not read_only,
                          storage_options=storage_options)
-        self._cache = UploadCache(cache, self.storage, cache_keep) \
+        retired = RetiredFiles(self.storage, reader_grace)  # kept for readers a while
+        self._cache = UploadCache(cache, self.storage, cache_keep, retired) \
             if cache is not None and not read_only else None
-        self._target = SaveTarget(self.storage, self._cache, read_only=read_only)
+        self._target = SaveTarget(self.storage, self._cache, read_only=read_only, retired=retired)
         # how this manager reads a chain: from the cache where it holds the same steps
         self._read_chain = functools.partial(restore_cached, self.storage, self._cache)
 
@@ -401,6 +408,16 @@ class CheckpointManager(CheckpointDirectory):
                 except Exception as exc:  # raised on every rank by the check below
                     error = exc
             group.check(error, f"gc after the save of step {saved.info.step}")
+        elif meta is not None:
+            self._purge_retired()
+
+    def _purge_retired(self) -> None:
+        """Delete the data kept for readers long enough (an overwrite's); a failure leaves it
+        for a later save, and is logged."""
+        try:
+            self._target.retired.purge()
+        except (OSError, DeltackptError) as exc:
+            log.warning("%s: data kept for readers could not be deleted yet: %s", self.path, exc)
 
     def _warn_target(self, info: SaveInfo, meta: StepMetadata) -> None:
         """Warn, once per manager, of a delta that missed ``target_ratio``: because the target
@@ -445,7 +462,8 @@ class CheckpointManager(CheckpointDirectory):
         report, replaced = collect_garbage(
             self, policy, settings=self._settings(),
             restore=self._read_chain,
-            workers=self.workers, dry_run=dry_run, follow=recon.step if recon is not None else None)
+            workers=self.workers, dry_run=dry_run, follow=recon.step if recon is not None else None,
+            retired=None if dry_run else self._target.retired)
         if self._cache is not None and not dry_run:
             for step in report.removed + report.recoded + report.rewritten:
                 self._cache.drop(step)  # gone from the remote, or replaced there

@@ -93,7 +93,7 @@ def test_checksum_is_the_xxh3_of_the_text_before_it(ckpt: Path, step: int) -> No
     assert head.endswith(b",")
     assert tail == b'"xxh3":"' + xxhash.xxh3_64_hexdigest(head).encode() + b'"}'
     obj = json.loads(text)
-    assert obj["format_version"] == FORMAT_VERSION == "1.7"
+    assert obj["format_version"] == FORMAT_VERSION == "1.8"
     assert list(obj)[-1] == CHECKSUM_KEY
 
 
@@ -159,7 +159,7 @@ def _live() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_checksum_member_itself_is_checked(ckpt: Path) -> None:
-    """A changed digit of the checksum, a renamed checksum key and a 1.7 metadata without one are
+    """A changed digit of the checksum, a renamed checksum key and a 1.7+ metadata without one are
     damage; metadata that says 1.6 and has none is an old step and reads as it did."""
     path = _path(ckpt, FULL)
     text = path.read_bytes()
@@ -175,7 +175,8 @@ def test_checksum_member_itself_is_checked(ckpt: Path) -> None:
         path.write_bytes(damaged)
         with pytest.raises(CorruptionError, match=message):
             mgr.restore(FULL)
-    path.write_bytes(unsealed.replace(b'"format_version":"1.7"', b'"format_version":"1.6"'))
+    path.write_bytes(unsealed.replace(f'"format_version":"{FORMAT_VERSION}"'.encode(),
+                                      b'"format_version":"1.6"'))
     restored = mgr.restore(FULL).extra
     assert restored.keys() == expected.keys() and restored["pair"] == expected["pair"]
 

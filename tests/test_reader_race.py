@@ -6,18 +6,22 @@ The race itself runs in processes of its own (``reader_race.py``); ``bench/metad
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
+from helpers import step_dir
 from reader_race import race
 from s3_server import moto_server
 
 from deltackpt import CheckpointManager, CorruptionError, StepNotFoundError
 from deltackpt.errors import ChainChangedError
 from deltackpt.format.metadata import step_dir_name
+from deltackpt.io import retired as retired_module
 from deltackpt.restore import consistent
 from deltackpt.restore.chain import restore_chain
 from deltackpt.restore.consistent import ChainReads, read_consistently
@@ -117,3 +121,87 @@ def test_a_chain_changed_on_every_read_gives_up(tmp_path: Path,
         read_consistently(mgr.storage, 3, attempt)
     assert len(calls) == 3
     assert os.path.isdir(tmp_path / step_dir_name(3))
+
+
+# -- reader_grace: the data of replaced and deleted steps kept for readers ---------------------
+
+
+def _train_and_save(mgr: CheckpointManager, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, step: int) -> None:
+    model(torch.randn(4, 256)).square().mean().backward()
+    optimizer.step()
+    mgr.save(step, model, optimizer)
+
+
+@pytest.mark.parametrize("grace", [0, 3600])
+def test_a_reader_that_read_the_chain_reads_its_data_within_the_grace(tmp_path: Path,
+                                                                      grace: float) -> None:
+    """The reader reads step 3's chain of metadata, then the writer's gc deletes steps 1 and 2
+    and rewrites 3; with a grace the old data is still there and restores to the values
+    step 3 had; without, the files are gone."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    with CheckpointManager(tmp_path, full_every=10, reader_grace=grace) as mgr:
+        for step in (1, 2, 3):
+            _train_and_save(mgr, model, optimizer, step)
+        reader = CheckpointManager(tmp_path, read_only=True)
+        before = reader.restore(3).tensors
+        known = {s: reader.metadata(s) for s in (1, 2, 3)}
+        mgr.gc("last=1")
+        assert mgr.steps() == [3] and mgr.metadata(3).save_id != known[3].save_id
+        if grace:
+            tensors, _ = restore_chain(reader.storage, known[3], read=known.__getitem__)
+            assert all(torch.equal(tensors[n], t) for n, t in before.items())
+        else:
+            with pytest.raises(CorruptionError, match="data file is missing"):
+                restore_chain(reader.storage, known[3], read=known.__getitem__)
+
+
+def _retired_records(root: Path) -> list[Path]:
+    return sorted(root.glob("retired-*.json"))
+
+
+def test_retired_data_is_deleted_once_its_grace_has_passed(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    with CheckpointManager(tmp_path, full_every=10, keep="last=2", reader_grace=60) as mgr:
+        for step in (1, 2, 3):
+            _train_and_save(mgr, model, optimizer, step)
+        records = _retired_records(tmp_path)
+        retired = [f for r in records for f in json.loads(r.read_text())["files"]]
+        assert len(records) >= 1 and retired
+        assert all((tmp_path / f).is_file() for f in retired)  # step 1's data, kept for readers
+        assert not (step_dir(tmp_path, 1) / "metadata.json").exists()
+        assert mgr.verify() == {2: [], 3: []}
+
+    later = time.time() + 61
+    monkeypatch.setattr(retired_module.time, "time", lambda: later)
+    with CheckpointManager(tmp_path, full_every=10, keep="last=2", reader_grace=60) as mgr:
+        mgr.acquire()  # a new writer: what is retired is no leftover to remove
+        assert all((tmp_path / f).is_file() for f in retired)
+        _train_and_save(mgr, model, optimizer, 4)  # its gc deletes what is due
+        assert not any((tmp_path / f).exists() for f in retired)
+        assert not step_dir(tmp_path, 1).exists()
+        assert not set(_retired_records(tmp_path)) & set(records)
+
+
+def test_a_hostile_retired_record_deletes_nothing(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep me")
+    root = tmp_path / "ckpt"
+    _saved(root, steps=1).close()
+    record = root / "retired-1-0badc0de.json"
+    record.write_text(json.dumps({"format": "deltackpt-retired", "retired": 0,
+                                  "files": ["../outside.bin", "step-000000000001/metadata.json"]}))
+    with caplog.at_level("WARNING", "deltackpt"), \
+            CheckpointManager(root, reader_grace=1) as mgr:
+        mgr.acquire()
+        mgr._target.retired.purge(everything=True)
+    assert outside.read_bytes() == b"keep me" and record.exists()
+    assert mgr.steps() == [1]
+    assert any("retired-1-0badc0de.json" in r.getMessage() and "not data files" in r.getMessage()
+               for r in caplog.records)

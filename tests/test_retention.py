@@ -519,7 +519,7 @@ def test_a_crash_at_any_point_leaves_kept_steps_restorable(templates, tmp_path: 
 
         mgr = CheckpointManager(path)
         monkeypatch.setattr(retention_module, "commit_step",
-                            lambda *a: fail_at_point(real_commit, *a))
+                            lambda *a, **k: fail_at_point(lambda: real_commit(*a, **k)))
         monkeypatch.setattr(mgr.storage, "remove_tree",
                             lambda rel, real=mgr.storage.remove_tree: fail_at_point(real, rel))
         try:

@@ -48,14 +48,22 @@ def check_int(value: object, name: str, *, least: int = 1, most: int | None = No
     return value
 
 
-def check_number(value: object, name: str, *, above: float = 0, most: float | None = None) -> float:
-    """``value`` if it is a finite ``int`` or ``float`` (not a ``bool``) above ``above`` and at
-    most ``most``; otherwise :class:`ConfigError`: ``<name> must be a positive number, got
-    <value>`` (``above`` 0, the default), ``... a number above <above> ...`` or ``... a number
-    in (<above>, <most>] ...``."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-            or value <= above or (most is not None and value > most):
-        raise config_error(name, _number_text(above, most), value)
+def check_number(value: object, name: str, *, above: float = 0, least: float | None = None,
+                 most: float | None = None) -> float:
+    """``value`` if it is a finite ``int`` or ``float`` (not a ``bool``) above ``above`` (or at
+    least ``least``, when given) and at most ``most``; otherwise :class:`ConfigError`: ``<name>
+    must be a positive number, got <value>`` (``above`` 0, the default), ``... a number above
+    <above> ...``, ``... a non-negative number ...`` (``least`` 0) or ``... a number in
+    (<above>, <most>] ...``."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+    if least is None:
+        text, in_range = _number_text(above, most), finite and value > above
+    else:
+        text = "a non-negative number" if least == 0 else f"a number of at least {least:g}"
+        in_range = finite and value >= least
+    if not in_range or (most is not None and value > most):
+        raise config_error(name, text, value)
     return value
 
 

@@ -27,7 +27,7 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "1.7"
+FORMAT_VERSION = "1.8"
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")

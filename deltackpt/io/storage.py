@@ -418,7 +418,7 @@ class LocalStorage:
         try:
             os.rmdir(self._path(rel))
         except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
                 raise
 
     def try_lock(self) -> contextlib.AbstractContextManager[None] | None:

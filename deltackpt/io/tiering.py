@@ -30,6 +30,7 @@ from deltackpt.format.metadata import (
     step_dir_name,
 )
 from deltackpt.io.reader import list_steps, read_metadata
+from deltackpt.io.retired import RetiredFiles
 from deltackpt.io.root import write_root_marker
 from deltackpt.io.storage import LocalStorage, Storage
 from deltackpt.io.writer import remove_unreferenced
@@ -48,12 +49,14 @@ class UploadCache:
             failed, or whose process died before it, is never deleted here.
     """
 
-    def __init__(self, path: str | os.PathLike[str], remote: Storage, keep: int = 1) -> None:
+    def __init__(self, path: str | os.PathLike[str], remote: Storage, keep: int = 1,
+                 retired: RetiredFiles | None = None) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
             raise ValueError(f"cache_keep must be a non-negative integer, got {keep!r}")
         self.storage = LocalStorage(path)
         self.remote = remote
         self.keep = keep
+        self.retired = retired  # keeps an overwritten step's old data on the remote for readers
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-upload-steps")
         self._pending: Future[None] | None = None
         self._failed: StepMetadata | None = None  # a committed step whose upload failed
@@ -105,7 +108,7 @@ class UploadCache:
                                    "operation") from exc
         self._failed = None
         with contextlib.suppress(OSError, DeltackptError):
-            remove_unreferenced(self.remote, step_dir, meta)  # an overwritten step's old data
+            remove_unreferenced(self.remote, step_dir, meta, retired=self.retired)
         self._trim()
 
     def _copy(self, rel: str) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,6 +29,7 @@ from deltackpt.dist.shards import Part, parts_to_write
 from deltackpt.errors import DeltackptError, FormatError, WriteFailedError, os_failure
 from deltackpt.format.dtypes import DTypeSpec, raw_bytes, spec_for
 from deltackpt.format.metadata import (
+    DATA_FILE_PATTERN,
     MAX_METADATA_BYTES,
     MAX_METADATA_INFLATION,
     METADATA_FILE,
@@ -46,6 +47,7 @@ from deltackpt.format.state import CapturedState
 from deltackpt.io.pool import Workers, drain, running, worker_count
 from deltackpt.io.progress import progress_bar
 from deltackpt.io.reader import read_save_id
+from deltackpt.io.retired import RetiredFiles
 from deltackpt.io.storage import Storage
 
 if TYPE_CHECKING:
@@ -327,10 +329,11 @@ def stage_metadata(storage: Storage, meta: StepMetadata) -> str:
 
 
 def commit_step(storage: Storage, meta: StepMetadata, staged: str | None = None, *,
-                present: list[str] | None = None) -> None:
+                present: list[str] | None = None, retired: RetiredFiles | None = None) -> None:
     """Make ``meta``'s step visible (the rename of its ``metadata.json``, from ``staged`` if
     :func:`stage_metadata` wrote it), then delete the files of its directory it does not
-    reference (those of a step it replaces): of ``present`` (:func:`remove_unreferenced`)."""
+    reference (those of a step it replaces, which ``retired`` keeps a while): of ``present``
+    (:func:`remove_unreferenced`)."""
     step_dir = step_dir_name(meta.step)
     rel = f"{step_dir}/{METADATA_FILE}"
     with writing(storage, meta.step, rel):
@@ -338,7 +341,7 @@ def commit_step(storage: Storage, meta: StepMetadata, staged: str | None = None,
             storage.commit_file(rel, metadata_bytes(meta))
         else:
             storage.publish(staged, rel)
-    remove_unreferenced(storage, step_dir, meta, present)
+    remove_unreferenced(storage, step_dir, meta, present, retired)
 
 
 def discard(storage: Storage, meta: StepMetadata, staged: str | None = None) -> None:
@@ -386,8 +389,11 @@ def new_save_id() -> str:
 
 
 def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata,
-                        present: list[str] | None = None) -> None:
-    """Delete files in ``step_dir`` that its committed metadata does not reference.
+                        present: list[str] | None = None, retired: RetiredFiles | None = None,
+                        keep: Set[str] = frozenset()) -> None:
+    """Delete files in ``step_dir`` that its committed metadata does not reference; ``retired``
+    keeps their data files for the readers that may still read them (:mod:`deltackpt.io.retired`)
+    instead; ``keep`` (paths from the root) are retired already.
 
     ``present``: the objects the directory held before the save that committed ``meta``, from
     :meth:`Storage.list_files` under the writer lock (an object store's one listing, taken
@@ -395,12 +401,16 @@ def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata,
     ``meta``'s, so they are all there is to delete, without listing again. Default: the
     directory is listed now.
     """
-    keep = {METADATA_FILE} | {f.name for f in meta.files}
-    if present is not None:
-        for name in present:
-            if name not in keep and "/" not in name:  # no save writes below a step's prefix
-                storage.remove(f"{step_dir}/{name}")
-        return
-    for name in storage.listdir(step_dir):
-        if name not in keep and storage.kind(f"{step_dir}/{name}") != "dir":  # no save makes one
-            storage.remove(f"{step_dir}/{name}")
+    referenced = {METADATA_FILE} | {f.name for f in meta.files}
+    if present is not None:  # no save writes below a step's prefix
+        names = [n for n in present if n not in referenced and "/" not in n]
+    else:  # no save makes a directory there
+        names = [n for n in storage.listdir(step_dir)
+                 if n not in referenced and storage.kind(f"{step_dir}/{n}") != "dir"]
+    paths = [f"{step_dir}/{name}" for name in names if f"{step_dir}/{name}" not in keep]
+    data = [p for p in paths if DATA_FILE_PATTERN.fullmatch(p.rpartition("/")[2])] \
+        if retired is not None else []
+    if data:
+        retired.retire(data)
+    for rel in sorted(set(paths) - set(data)):
+        storage.remove(rel)

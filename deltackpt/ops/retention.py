@@ -95,10 +95,17 @@ from deltackpt.encode.policy import ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import ConfigError, DeltackptError, UnsafePathError
 from deltackpt.format.checks import check_int, config_error
-from deltackpt.format.metadata import METADATA_FILE, StepMetadata, layout_of, step_dir_name
+from deltackpt.format.metadata import (
+    DATA_FILE_PATTERN,
+    METADATA_FILE,
+    StepMetadata,
+    layout_of,
+    step_dir_name,
+)
 from deltackpt.format.state import CapturedState
 from deltackpt.io.pool import Workers
 from deltackpt.io.progress import human_bytes
+from deltackpt.io.retired import RetiredFiles
 from deltackpt.io.storage import Storage
 from deltackpt.io.writer import (
     commit_step,
@@ -551,15 +558,26 @@ def _no_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def _delete_step(storage: Storage, step: int) -> None:
+def _delete_step(storage: Storage, step: int, retired: RetiredFiles | None = None) -> None:
+    """Delete ``step``: its metadata first (the step disappears there), then its files, or
+    have ``retired`` keep its data files a while for the readers that may still read them."""
     step_dir = step_dir_name(step)
-    storage.remove(f"{step_dir}/{METADATA_FILE}")  # the step disappears here
-    storage.remove_tree(step_dir)
+    storage.remove(f"{step_dir}/{METADATA_FILE}")
+    if retired is None or retired.grace <= 0:
+        storage.remove_tree(step_dir)
+        return
+    names = [n for n in storage.listdir(step_dir) if storage.kind(f"{step_dir}/{n}") == "file"]
+    data = [f"{step_dir}/{n}" for n in names if DATA_FILE_PATTERN.fullmatch(n)]
+    retired.retire(data)
+    for name in names:
+        if f"{step_dir}/{name}" not in data:
+            storage.remove(f"{step_dir}/{name}")
 
 
 def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: SaveSettings,
                     restore: ChainRestore, workers: Workers = None, dry_run: bool = False,
-                    follow: int | None = None) -> tuple[GCReport, Reconstruction | None]:
+                    follow: int | None = None, retired: RetiredFiles | None = None
+                    ) -> tuple[GCReport, Reconstruction | None]:
     """Delete every step of ``directory`` that ``policy`` does not keep.
 
     Kept steps whose chain loses a step are replaced first (re-coded as
@@ -580,6 +598,11 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
     steps they need instead (``held``) and reports the bytes the
     replacements need (``needed_bytes``), so that a later gc with that much
     free space finishes the work.
+
+    ``retired`` keeps the data of the steps deleted and of the old versions replaced for the
+    readers that may still read them, and deletes what it kept long enough when the gc ends
+    (:mod:`deltackpt.io.retired`); without it they are deleted at once. On a full disk all it
+    keeps is deleted first.
 
     Returns the report and, when step ``follow`` is re-coded or rewritten,
     the reconstruction a reader has of its new version (else None).
@@ -610,6 +633,8 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
             if not _no_space(exc):
                 raise
             replacer.abort()
+            if retired is not None:
+                retired.purge(everything=True)
             deleted = _held(plan).removed  # no kept step needs them: make room
             for s in reversed(deleted):
                 _delete_step(storage, s)
@@ -635,12 +660,17 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
             for s in sorted({*plan.removed, *bases} - set(deleted), reverse=True):  # module doc
                 if s in bases:
                     written = replacer.written[s]
-                    commit_step(storage, written.meta, written.staged)
+                    commit_step(storage, written.meta, written.staged, retired=retired)
                     del replacer.written[s]
                     followed = written.recon or followed
                 else:
-                    _delete_step(storage, s)
-            after = sum(_tree_bytes(storage, step_dir_name(s)) for s in plan.kept)
+                    _delete_step(storage, s, retired)
+            if retired is not None:
+                retired.purge()
+            kept_for_readers = sum(storage.size(f) for f in retired.protected()
+                                   if int(f[5:f.index("/")]) in plan.kept) if retired else 0
+            after = sum(_tree_bytes(storage, step_dir_name(s)) for s in plan.kept) \
+                - kept_for_readers
     except BaseException:
         replacer.abort()
         raise

@@ -68,6 +68,7 @@ from deltackpt.format.metadata import StepMetadata, metadata_file, step_dir_name
 from deltackpt.format.state import CapturedState
 from deltackpt.io.pool import WorkerPool
 from deltackpt.io.reader import read_save_id
+from deltackpt.io.retired import RetiredFiles
 from deltackpt.io.storage import Storage
 from deltackpt.io.writer import (
     WrittenData,
@@ -144,6 +145,9 @@ class SavePlan:
     # Rank 0: the step's files before the save, where the storage lists them in one request;
     # the commit deletes those the step does not reference (remove_unreferenced).
     present: list[str] | None = None
+    # Where the commit keeps a replaced version's data for readers: None in a cache, whose
+    # upload does it on the checkpoint (io.tiering).
+    retired: RetiredFiles | None = None
 
     @property
     def kind(self) -> str:
@@ -258,7 +262,9 @@ def plan_save(writer: Writer, step: int, captured: CapturedState, group: Group, 
         if created:  # on rank 0, for another rank's failure
             _remove_step_dir(storage, step)
         raise
-    return SavePlan(step, captured, group, storage, parts, base, save_id, created, present)
+    retired = writer.target.retired if storage is writer.target.storage else None
+    return SavePlan(step, captured, group, storage, parts, base, save_id, created, present,
+                    retired)
 
 
 def agreed_base(base: Reconstruction | None, group: Group) -> Reconstruction | None:
@@ -331,7 +337,7 @@ def commit(plan: SavePlan, encoder: StepEncoder, written: WrittenData,
                                  world_size=group.world_size,
                                  seconds=time.perf_counter() - started,
                                  summary=encoder.summary([s for _, s in everyone]))
-            commit_step(plan.storage, meta, present=plan.present)
+            commit_step(plan.storage, meta, present=plan.present, retired=plan.retired)
             info = SaveInfo.of(meta)
         except Exception as exc:  # raised on every rank by share
             error = exc

@@ -8,6 +8,7 @@ import logging
 from deltackpt.errors import DeltackptError, StepExistsError, WriterLockedError
 from deltackpt.format.metadata import METADATA_FILE, STEP_DIR_PATTERN, metadata_file, step_dir_name
 from deltackpt.io.reader import dependents, list_steps, read_metadata
+from deltackpt.io.retired import RetiredFiles
 from deltackpt.io.storage import Storage
 from deltackpt.io.tiering import UploadCache
 from deltackpt.io.writer import remove_unreferenced
@@ -25,10 +26,12 @@ class SaveTarget:
     """
 
     def __init__(self, storage: Storage, cache: UploadCache | None = None, *,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, retired: RetiredFiles | None = None) -> None:
         self.storage = storage
         self.cache = cache
         self.read_only = read_only
+        # the data of replaced and deleted steps, kept a while for readers
+        self.retired = retired if retired is not None else RetiredFiles(storage)
         self._lock: contextlib.AbstractContextManager[None] | None = None
 
     @property
@@ -50,6 +53,7 @@ class SaveTarget:
                     "is writing to this directory; only one writer at a time is allowed")
             lock.__enter__()
             self._lock = lock
+            self.retired.load()
             self._remove_leftovers()
 
     def release(self) -> None:
@@ -61,17 +65,21 @@ class SaveTarget:
     def _remove_leftovers(self) -> None:
         """Delete what interrupted saves left behind (the lock is held): only what a save
         creates; links, FIFOs and the like are left alone, never followed (readers report them)."""
-        storage = self.storage
+        storage, retired = self.storage, self.retired.protected()
         for name in storage.listdir():
             try:
                 kind = storage.kind(name)
                 if name.endswith(".tmp") and kind == "file":
                     storage.remove(name)
                 elif STEP_DIR_PATTERN.fullmatch(name) and kind == "dir":
-                    if not storage.exists(f"{name}/{METADATA_FILE}"):
+                    if storage.exists(f"{name}/{METADATA_FILE}"):
+                        remove_unreferenced(storage, name, read_metadata(storage, int(name[5:])),
+                                            keep=retired)
+                    elif not any(f.startswith(f"{name}/") for f in retired):
                         storage.remove_tree(name)
-                    else:
-                        remove_unreferenced(storage, name, read_metadata(storage, int(name[5:])))
+                    else:  # a deleted step whose data readers may still read
+                        for leftover in {f"{name}/{n}" for n in storage.listdir(name)} - retired:
+                            storage.remove(leftover)
             except DeltackptError as exc:  # an unreadable or damaged step: verify reports it
                 log.warning("%s: the writer's cleanup left %s as it is: %s", storage.url, name, exc)
 
