@@ -1,6 +1,6 @@
 """Reruns the fault audit's figures on damaged and hostile checkpoints (issue 15, items 10 and 11).
 
-    python bench/metadata_audit.py [--flips 500] [--cases 1100] [--seed 0]
+    python bench/metadata_audit.py [--flips 500] [--cases 1100] [--seed 0] [--race-seconds 60]
 
 On the checkpoint of ``tests/metadata_fuzz.py`` (a full step and two deltas: model with a tied
 weight, AdamW, RNG states, an ``extra`` of every tag), it reports:
@@ -16,7 +16,16 @@ weight, AdamW, RNG states, an ``extra`` of every tag), it reports:
   the audit's targeted cases, each read as a user would (open, verify, restore, read the
   optimizer, ``extra`` and RNG, load into a model and optimizer, ``deltackpt info``) under a
   1 GiB address-space cap; clean when the outcome is a ``DeltackptError``, or a restore equal to
-  the original (damage) or any restore (re-sealed), never another exception.
+  the original (damage) or any restore (re-sealed), never another exception;
+* **permissions**: a step directory, a ``metadata.json``, a data file and the root made
+  unreadable, each read by ``ls``, ``verify``, ``du``, ``info`` and ``restore`` and written by
+  a save, as a user whom permissions stop (``tests/other_user.py``); clean when every outcome
+  is an exit code the CLI documents (0, 2, 3; a save succeeds or raises a DeltackptError) with
+  at most one line on stderr and no traceback;
+* **readers during retention** (``--race-seconds``, 0 skips it): a writer saving a small model
+  every ~0.05 s with ``keep="last=3"`` and two reader processes restoring the second-newest
+  and the oldest step, on a local directory (``reader_grace`` 0 and 30 s) and on a moto S3
+  server (``tests/reader_race.py``): restores, steps found deleted, false damage, other errors.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the shared fuzzer
 
+import fsspec
+import torch
 from metadata_fuzz import (
     STEPS,
     Mutator,
@@ -40,6 +51,9 @@ from metadata_fuzz import (
     restored,
     run_case,
 )
+from other_user import as_other_user, checkpoint, cli, shared_dir
+from reader_race import race
+from s3_server import moto_server
 
 from deltackpt import CheckpointManager, DeltackptError
 from deltackpt.format.metadata import METADATA_FILE, step_dir_name
@@ -78,11 +92,71 @@ def flips(root: Path, files: list[Path], n: int, seed: int, expected: dict) -> c
     return counts
 
 
+def races(seconds: float) -> list[tuple[str, collections.Counter, list[str]]]:
+    """The reader/retention race on each storage: its cell, outcomes and unexpected errors."""
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for grace in (0, 30):
+            counts, errors = race(f"{tmp}/grace{grace}", seconds=seconds,
+                                  writer={"reader_grace": grace})
+            cells.append((f"local, reader_grace={grace}", counts, errors))
+    with moto_server(own_process=True) as endpoint:
+        options = {"key": "AKIAAUDIT", "secret": "not-a-secret", "endpoint_url": endpoint,
+                   "skip_instance_cache": True}
+        fsspec.filesystem("s3", **options).mkdir("audit")
+        counts, errors = race("s3://audit/run", seconds=seconds, options=options)
+        cells.append(("moto S3, reader_grace=0", counts, errors))
+    return cells
+
+
+UNREADABLE = {
+    "step directory": lambda root: root / step_dir_name(3),
+    "metadata.json": lambda root: root / step_dir_name(3) / METADATA_FILE,
+    "data file": lambda root: sorted((root / step_dir_name(3)).glob("d-*.bin"))[0],
+    "root": lambda root: root,
+}
+COMMANDS = [("ls",), ("verify",), ("du",), ("info", "--step", "3"), ("restore", "--step", "5")]
+
+
+def permissions() -> list[tuple[str, str, str, bool]]:
+    """Each unreadable entry read by each command and written by a save: (entry, what ran,
+    outcome, clean)."""
+    rows = []
+    for entry, path_of in UNREADABLE.items():
+        with shared_dir() as shared:
+            root = shared / "ckpt"
+            checkpoint(root)
+            path_of(root).chmod(0)
+            for command in COMMANDS:
+                out = ["--out", str(shared / f"out-{command[0]}")] if command[0] == "restore" else []
+                ran = cli(command[0], str(root), *command[1:], *out)
+                lines = ran.stderr.strip().splitlines()
+                clean = ran.returncode in (0, 2, 3) and len(lines) <= 1 and \
+                    "Traceback" not in ran.stderr
+                rows.append((entry, " ".join(command), f"exit {ran.returncode}"
+                             + (f": {lines[0][:100]}" if lines else ""), clean))
+
+            def save(root: Path = root) -> str:
+                try:
+                    with CheckpointManager(root, full_every=10) as mgr:
+                        return f"saved step 6 ({mgr.save(6, torch.nn.Linear(64, 64)).kind})"
+                except DeltackptError as exc:
+                    return f"{type(exc).__name__}: {str(exc)[:100]}"
+
+            try:
+                rows.append((entry, "save", as_other_user(save), True))
+            except AssertionError as exc:  # another exception than a DeltackptError
+                rows.append((entry, "save", str(exc)[:120], False))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flips", type=int, default=500, help="bit flips per kind of file")
     parser.add_argument("--cases", type=int, default=1100, help="fuzzed manifests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--race-seconds", type=float, default=60,
+                        help="seconds of each reader/retention race (0: none)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "ckpt"
@@ -123,6 +197,17 @@ def main() -> None:
     for line in unclean:
         print(f"  UNCLEAN {line}")
     print(f"({seconds:.0f} s)")
+    rows = permissions()
+    print(f"permissions:              {sum(r[3] for r in rows)} of {len(rows)} clean")
+    for entry, what, outcome, clean in rows:
+        print(f"  {'' if clean else 'UNCLEAN '}unreadable {entry:15s} {what:22s} {outcome}")
+    if args.race_seconds > 0:
+        print(f"readers during retention ({args.race_seconds:.0f} s each, 2 readers):")
+        for cell, counts, errors in races(args.race_seconds):
+            print(f"  {cell:26s} {counts['restored']} restored, {counts['deleted']} found deleted, "
+                  f"{counts['false_damage']} false damage, {counts['other']} other errors")
+            for error in errors:
+                print(f"    {error}")
 
 
 if __name__ == "__main__":

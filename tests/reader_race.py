@@ -26,13 +26,13 @@ from deltackpt import CheckpointManager, CorruptionError, StepNotFoundError
 
 
 def _writer(url: str, options: dict | None, seconds: float, interval: float,
-            started: Any) -> None:
+            started: Any, settings: dict) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs, targets = torch.randn(256, 32), torch.randn(256, 8)
     with CheckpointManager(url, full_every=4, keep="last=3", workers=1,
-                           storage_options=options) as mgr:
+                           storage_options=options, **settings) as mgr:
         end, step = time.monotonic() + seconds, 0
         while time.monotonic() < end:
             for _ in range(5):
@@ -76,13 +76,16 @@ def _reader(url: str, options: dict | None, seconds: float, started: Any,
 
 
 def race(url: str, *, seconds: float, readers: int = 2, interval: float = 0.05,
-         options: dict | None = None) -> tuple[collections.Counter, list[str]]:
-    """Run the writer and ``readers`` reader processes for ``seconds``; the readers' summed
-    outcomes and the text of the first unexpected errors."""
+         options: dict | None = None, writer: dict | None = None
+         ) -> tuple[collections.Counter, list[str]]:
+    """Run the writer (a manager with ``writer``'s further arguments) and ``readers`` reader
+    processes for ``seconds``; the readers' summed outcomes and the text of the first
+    unexpected errors."""
     ctx = multiprocessing.get_context("spawn")
     started, results = ctx.Event(), ctx.Queue()
-    writer = ctx.Process(target=_writer, args=(url, options, seconds + 5, interval, started))
-    writer.start()
+    writing = ctx.Process(target=_writer, args=(url, options, seconds + 5, interval, started,
+                                                writer or {}))
+    writing.start()
     procs = [ctx.Process(target=_reader, args=(url, options, seconds, started, results))
              for _ in range(readers)]
     for proc in procs:
@@ -95,7 +98,7 @@ def race(url: str, *, seconds: float, readers: int = 2, interval: float = 0.05,
         errors += others
     for proc in procs:
         proc.join()
-    writer.join()
-    if writer.exitcode != 0:
-        errors.append(f"the writer exited with {writer.exitcode}")
+    writing.join()
+    if writing.exitcode != 0:
+        errors.append(f"the writer exited with {writing.exitcode}")
     return counts, errors

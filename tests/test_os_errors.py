@@ -8,24 +8,19 @@ an I/O error, are injected at the system calls the storage makes.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import logging
 import os
-import pickle
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, TypeVar
 
 import pytest
 import torch
 from helpers import edit_metadata, step_dir
+from other_user import Ran, as_other_user, checkpoint, cli, shared_dir
 
 from deltackpt import (
     CheckpointManager,
@@ -35,79 +30,11 @@ from deltackpt import (
 )
 from deltackpt.app.cli import EXIT_CLOSED_PIPE, EXIT_UNCHECKED, main
 
-NOBODY = 65534
-AS_ROOT = os.geteuid() == 0
-T = TypeVar("T")
-
 
 @pytest.fixture
 def shared() -> Iterator[Path]:
-    """A directory another user can reach (pytest's tmp_path is private to this one)."""
-    path = Path(tempfile.mkdtemp(prefix="deltackpt-os-"))
-    path.chmod(0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _checkpoint(root: Path, steps: int = 5) -> None:
-    """Steps 1..steps of a small model and Adam: 1 full, the others deltas on the one before;
-    owned by the user that :func:`_as_reader` runs as."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64)
-    optimizer = torch.optim.Adam(model.parameters())
-    with CheckpointManager(root, full_every=10) as mgr:
-        for step in range(1, steps + 1):
-            model(torch.randn(2, 64)).square().sum().backward()
-            optimizer.step()
-            mgr.save(step, model, optimizer)
-        mgr.restore(steps)  # its kernels compiled here: a forked reader finds them in memory
-    if AS_ROOT:
-        for path in [root, *root.rglob("*")]:
-            os.chown(path, NOBODY, NOBODY)
-
-
-def _as_reader(fn: Callable[[], T]) -> T:
-    """``fn()``, run by a user whom permissions stop: ``nobody`` in a forked child when this is
-    root (the result comes back pickled), else this process."""
-    if not AS_ROOT:
-        return fn()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop root, run, report, and leave without cleaning up the parent's
-        code = 0
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            result = ("ok", fn())
-        except BaseException as exc:  # reported to the parent
-            result, code = ("error", f"{type(exc).__name__}: {exc}"), 1
-        with os.fdopen(write, "wb") as out:
-            pickle.dump(result, out)
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as answer:
-        kind, value = pickle.load(answer)
-    os.waitpid(pid, 0)
-    if kind == "error":
-        raise AssertionError(f"as another user: {value}")
-    return value
-
-
-class Ran(NamedTuple):
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def _cli(*argv: str) -> Ran:
-    """The ``deltackpt`` command run as :func:`_as_reader` does."""
-    def run() -> Ran:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(argv))
-        return Ran(code, out.getvalue(), err.getvalue())
-    return _as_reader(run)
+    with shared_dir() as path:
+        yield path
 
 
 def _one_line_error(result: Ran, *parts: str) -> None:
@@ -118,41 +45,41 @@ def _one_line_error(result: Ran, *parts: str) -> None:
 
 def test_an_unreadable_step_is_reported_and_the_others_checked(shared: Path) -> None:
     root = shared / "ckpt"
-    _checkpoint(root)
+    checkpoint(root)
     step3 = step_dir(root, 3)
     step3.chmod(0)
     meta3 = f"step 3: {step3}/metadata.json: Permission denied"
 
-    ls = _cli("ls", str(root))
+    ls = cli("ls", str(root))
     assert ls.returncode == EXIT_UNCHECKED
     assert [line.split()[0] for line in ls.stdout.splitlines()[1:5]] == ["1", "2", "4", "5"]
     _one_line_error(ls, "step 3 could not be read", meta3)
 
-    verify = _cli("verify", str(root))
+    verify = cli("verify", str(root))
     assert verify.returncode == EXIT_UNCHECKED, verify.stdout + verify.stderr
     lines = verify.stdout.splitlines()
     assert lines[:2] == ["step 1: OK", "step 2: OK"]
     assert lines[2:] == ["step 3: COULD NOT CHECK", f"  {meta3}", "step 4: COULD NOT CHECK",
                          f"  {meta3}", "step 5: COULD NOT CHECK", f"  {meta3}",
                          "5 steps checked: 3 could not be checked"]
-    assert _cli("verify", str(root), "--step", "2").returncode == 0
+    assert cli("verify", str(root), "--step", "2").returncode == 0
 
-    du = _cli("du", str(root))
+    du = cli("du", str(root))
     assert du.returncode == EXIT_UNCHECKED and "Traceback" not in du.stderr
     assert f"not counted, could not be read: step 3: {step3}: Permission denied" in du.stdout
 
-    restore = _cli("restore", str(root), "--out", str(shared / "out"))
+    restore = cli("restore", str(root), "--out", str(shared / "out"))
     assert restore.returncode == 2
     _one_line_error(restore, "deltackpt: error: ", meta3)
 
 
 def test_damage_outranks_what_could_not_be_read(shared: Path) -> None:
     root = shared / "ckpt"
-    _checkpoint(root)
+    checkpoint(root)
     step_dir(root, 3).chmod(0)
     data = sorted(step_dir(root, 1).glob("d-*.bin"))[0]
     data.write_bytes(b"\0" * data.stat().st_size)
-    verify = _cli("verify", str(root))
+    verify = cli("verify", str(root))
     assert verify.returncode == 1
     assert "step 1: DAMAGED" in verify.stdout and "step 3: COULD NOT CHECK" in verify.stdout
     assert verify.stdout.splitlines()[-1] == "5 steps checked: 2 damaged, 3 could not be checked"
@@ -160,10 +87,10 @@ def test_damage_outranks_what_could_not_be_read(shared: Path) -> None:
 
 def test_an_unreadable_data_file_is_not_damage(shared: Path) -> None:
     root = shared / "ckpt"
-    _checkpoint(root, steps=2)
+    checkpoint(root, steps=2)
     data = sorted(step_dir(root, 2).glob("d-*.bin"))[0]
     data.chmod(0)
-    verify = _cli("verify", str(root), "--json")
+    verify = cli("verify", str(root), "--json")
     assert verify.returncode == EXIT_UNCHECKED
     assert f'"step 2: {data}: Permission denied"' in verify.stdout
     assert '"damage": []' in verify.stdout
@@ -172,7 +99,7 @@ def test_an_unreadable_data_file_is_not_damage(shared: Path) -> None:
 def test_the_writer_cleanup_leaves_an_unreadable_step_and_says_so(
         shared: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = shared / "ckpt"
-    _checkpoint(root)
+    checkpoint(root)
     (step_dir(root, 2) / "metadata.json").chmod(0)
     step_dir(root, 3).chmod(0)
 
@@ -182,7 +109,7 @@ def test_the_writer_cleanup_leaves_an_unreadable_step_and_says_so(
             kind = mgr.save(6, torch.nn.Linear(64, 64)).kind
             return kind, mgr.steps(), [r.getMessage() for r in caplog.records]
 
-    kind, steps, warnings = _as_reader(save)
+    kind, steps, warnings = as_other_user(save)
     assert (kind, steps) == ("full", [1, 2, 3, 4, 5, 6])
     assert f"{root}: the writer's cleanup left step-000000000002 as it is: step 2: " \
            f"{step_dir(root, 2)}/metadata.json: Permission denied" in warnings
@@ -191,7 +118,7 @@ def test_the_writer_cleanup_leaves_an_unreadable_step_and_says_so(
 
 def test_an_unreadable_checkpoint_names_its_path_in_the_api(shared: Path) -> None:
     root = shared / "ckpt"
-    _checkpoint(root, steps=2)
+    checkpoint(root, steps=2)
     (step_dir(root, 2) / "metadata.json").chmod(0)
 
     def restore() -> tuple[int, str]:
@@ -201,14 +128,14 @@ def test_an_unreadable_checkpoint_names_its_path_in_the_api(shared: Path) -> Non
             return exc.errno, str(exc)
         return 0, "restored"
 
-    assert _as_reader(restore) == (
+    assert as_other_user(restore) == (
         errno.EACCES, f"step 2: {step_dir(root, 2)}/metadata.json: Permission denied")
 
 
 def test_an_over_long_data_file_name_is_refused_by_validation(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     root = tmp_path / "ckpt"
-    _checkpoint(root, steps=2)
+    checkpoint(root, steps=2)
     long_name = "d-" + "a" * 300 + "-r00000-000.bin"
     edit_metadata(step_dir(root, 2) / "metadata.json",
                   lambda obj: obj["files"][0].update(name=long_name))
@@ -263,7 +190,7 @@ def test_a_read_only_file_system_at_creation(tmp_path: Path, monkeypatch: pytest
 def test_an_io_error_on_read_keeps_its_errno(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture) -> None:
     root = tmp_path / "ckpt"
-    _checkpoint(root, steps=2)
+    checkpoint(root, steps=2)
 
     def pread(*args: object) -> bytes:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -279,7 +206,7 @@ def test_an_io_error_on_read_keeps_its_errno(tmp_path: Path, monkeypatch: pytest
 
 def test_a_closed_pipe_ends_the_cli_quietly(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    _checkpoint(root, steps=2)
+    checkpoint(root, steps=2)
     child = subprocess.Popen([sys.executable, "-m", "deltackpt.app.cli", "ls", "--json",
                               str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child.stdout.close()  # as `| head` does once it has read enough
