@@ -8,7 +8,8 @@ class DeltackptError(Exception):
 
 
 class ConfigError(DeltackptError, ValueError):
-    """A compression config, preset or override that cannot be used; names the setting."""
+    """A setting that cannot be used (a manager argument, a compression config, preset or
+    override, a retention policy); names the setting and the value."""
 
 
 class NotACheckpointError(DeltackptError):
