@@ -22,6 +22,7 @@ from deltackpt import CheckpointManager, CorruptionError, StepNotFoundError
 from deltackpt.errors import ChainChangedError
 from deltackpt.format.metadata import step_dir_name
 from deltackpt.io import retired as retired_module
+from deltackpt.ops import verify as verify_module
 from deltackpt.restore import consistent
 from deltackpt.restore.chain import restore_chain
 from deltackpt.restore.consistent import ChainReads, read_consistently
@@ -205,3 +206,28 @@ def test_a_hostile_retired_record_deletes_nothing(tmp_path: Path,
     assert mgr.steps() == [1]
     assert any("retired-1-0badc0de.json" in r.getMessage() and "not data files" in r.getMessage()
                for r in caplog.records)
+
+
+def test_verify_reports_no_damage_for_steps_the_gc_changed_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify reads every step's metadata, then the writer's gc deletes steps 1..4 and rewrites
+    5 before the data is checked: what the first check found missing is no damage, and the
+    check of what is left finds none."""
+    mgr = _saved(tmp_path, steps=5)
+    real, calls = verify_module.verify_step, []
+
+    def verify_step(*args: object, **kwargs: object) -> object:
+        if not calls:
+            mgr.gc("last=1")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "verify_step", verify_step)
+    report = CheckpointManager(tmp_path, read_only=True).verify()
+    assert report == {5: []} and report.damage == [] and len(calls) > 1
+    monkeypatch.setattr(verify_module, "ATTEMPTS", 1)  # no second check: the damage it saw
+    calls.clear()
+    mgr.close()
+    mgr = _saved(tmp_path / "again", steps=5)
+    report = CheckpointManager(tmp_path / "again", read_only=True).verify()
+    assert report.damaged

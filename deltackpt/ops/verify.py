@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from deltackpt.errors import DeltackptError, ReadFailedError, StepNotFoundError
 from deltackpt.format.metadata import StepMetadata, metadata_file
-from deltackpt.io.reader import chain_of, read_metadata, verify_step
+from deltackpt.io.reader import chain_of, read_metadata, read_save_id, verify_step
 from deltackpt.io.storage import Storage
 
 
@@ -64,12 +64,32 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+# Checks of the steps at most, each after the writer's retention changed a step the one before
+# read and found damaged (docs/FORMAT.md 1.4).
+ATTEMPTS = 8
+
+
 def verify_steps(storage: Storage, steps: list[int], *, deep: bool = False, workers: int | None = None,
                  progress: bool = False) -> VerifyReport:
     """Check ``steps`` and the chains they depend on; every step is read and checked once.
 
-    ``deep`` also decodes every chunk (a delta step by restoring its chain).
+    ``deep`` also decodes every chunk (a delta step by restoring its chain). Damage found in a
+    step the writer's retention replaced or deleted meanwhile is no damage: the steps that
+    still exist are checked again (up to :data:`ATTEMPTS` times), so the report holds only
+    damage in the current versions.
     """
+    for _ in range(ATTEMPTS - 1):
+        report, read = _verify(storage, steps, deep, workers, progress)
+        if not any(report.values()) or all(read_save_id(storage, s) == save_id
+                                           for s, save_id in read.items()):
+            return report
+        steps = [s for s in steps if storage.exists(metadata_file(s))]
+    return _verify(storage, steps, deep, workers, progress)[0]
+
+
+def _verify(storage: Storage, steps: list[int], deep: bool, workers: int | None,
+            progress: bool) -> tuple[VerifyReport, dict[int, str]]:
+    """One check of ``steps`` (:func:`verify_steps`), and the ``save_id`` of each step read."""
     metas: dict[int, StepMetadata | DeltackptError] = {}
     unreadable: list[int] = []  # steps whose metadata failed to read, in the order they were asked for
     found: dict[int, dict[str | None, list[str]]] = {}  # the damage of each step, by file
@@ -153,4 +173,5 @@ def verify_steps(storage: Storage, steps: list[int], *, deep: bool = False, work
             report[step] += unchecked[step]
     damage = [Damage(step, file, problems, dependents.get(step, []))
               for step in sorted(found) for file, problems in found[step].items() if problems]
-    return VerifyReport(report, damage, unchecked)
+    read = {s: m.save_id for s, m in metas.items() if isinstance(m, StepMetadata)}
+    return VerifyReport(report, damage, unchecked), read
