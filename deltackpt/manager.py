@@ -22,7 +22,7 @@ from deltackpt.encode.device import Encoding, RunningValues, device_coded, recon
 from deltackpt.encode.encoder import captured_layout
 from deltackpt.encode.policy import CompressionConfig, ScaleController, as_config
 from deltackpt.encode.reconstruction import Reconstruction
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import ConfigError, DeltackptError
 from deltackpt.format.checks import check_bool, check_int, check_number
 from deltackpt.format.metadata import (
     Box,
@@ -385,7 +385,7 @@ class CheckpointManager(CheckpointDirectory):
         committed: on rank 0 upload it from the cache and warn of a missed ``target_ratio``;
         apply the retention policy (its failure raised on every rank)."""
         if group.world_size > 1 and self._cache is not None:
-            raise ValueError(f"{self.path}: cache= serves single-process saves; under "
+            raise ConfigError(f"{self.path}: cache= serves single-process saves; under "
                              "torch.distributed every rank writes to the checkpoint itself")
         self._settle()
         pool = self._workers(group)  # a collective at a group's first save: before any can fail
@@ -454,7 +454,7 @@ class CheckpointManager(CheckpointDirectory):
         """
         policy = RetentionPolicy.parse(keep) if keep is not None else self.keep
         if policy is None:
-            raise ValueError("gc needs a retention policy: pass keep= here or to the manager")
+            raise ConfigError("gc needs a retention policy: pass keep= here or to the manager")
         if not dry_run:
             self.acquire()
         self._settle()

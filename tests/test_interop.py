@@ -401,21 +401,29 @@ def test_model_only_of_every_source(restored: UniversalCheckpoint,
 # -- safetensors sources -----------------------------------------------------------------------
 
 
-def test_sharded_safetensors_with_index(trained: tuple[nn.Module, torch.optim.Optimizer],
-                                        tmp_path: Path) -> None:
-    model, _ = trained
+def _hf_directory(model: nn.Module, tmp_path: Path, metadata: dict[str, str] | None = None
+                  ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A Hugging Face checkpoint directory of ``model``: two safetensors shards (with
+    ``metadata``) and their index; and the state it holds."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     names = list(state)
     shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
     source = tmp_path / "hf"
     source.mkdir()
     for file, keys in shards.items():
-        save_file({k: state[k] for k in keys}, source / file)
+        save_file({k: state[k] for k in keys}, source / file, metadata=metadata)
     (source / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    return source, state
+
+
+def test_sharded_safetensors_with_index(trained: tuple[nn.Module, torch.optim.Optimizer],
+                                        tmp_path: Path) -> None:
+    model, _ = trained
+    source, state = _hf_directory(model, tmp_path)
 
     for paths in (source, source / "model.safetensors.index.json",
-                  [source / f for f in shards]):
+                  sorted(source.glob("*.safetensors"))):
         read = read_checkpoint(paths)
         assert read.format == "safetensors"
         assert_state_dicts_equal(read.state.model, state)
@@ -598,16 +606,8 @@ def test_sharded_safetensors_with_deltackpt_keys_converts_whole(
     """A Hugging Face directory (shards and their index) whose shards' metadata holds ``extra``
     and ``optimizer`` converts with every tensor."""
     model, _ = trained
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    names = list(state)
-    shards = {"model-00001-of-00002.safetensors": names[:4], "model-00002-of-00002.safetensors": names[4:]}
-    source = tmp_path / "hf"
-    source.mkdir()
-    for file, keys in shards.items():
-        save_file({k: state[k] for k in keys}, source / file,
-                  metadata={"format": "pt", "extra": "{}", "optimizer": "{}"})
-    (source / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    source, state = _hf_directory(model, tmp_path,
+                                  {"format": "pt", "extra": "{}", "optimizer": "{}"})
     assert_converts_whole(source, list(state.values()), tmp_path / "out", capsys)
 
 

@@ -29,7 +29,7 @@ from s3_server import FaultProxy, moto_server
 
 from deltackpt import CheckpointManager, NotACheckpointError, WriterLockedError
 from deltackpt.app.cli import main as cli_main
-from deltackpt.errors import StorageError, WriteFailedError
+from deltackpt.errors import ReadFailedError, StorageError, WriteFailedError
 from deltackpt.io import objectstore
 from deltackpt.io.objectstore import LEASE_OBJECT, ObjectStorage, is_transient
 from deltackpt.io.storage import LocalStorage
@@ -394,9 +394,13 @@ def test_a_request_failing_every_time_is_sent_retries_times(endpoint: str, proxy
     storage = ObjectStorage(f"s3://{new_bucket(endpoint)}/run", options(proxy.url))
     storage.commit_file("probe", b"data")
     proxy.set_faults(error_rate=1.0, only=r"GET .*/probe")
-    with pytest.raises(OSError, match="reduce your request rate"):
+    with pytest.raises(ReadFailedError, match="reduce your request rate") as failed:
         storage.read_bytes("probe")
     assert proxy.faults["503"] == objectstore.RETRIES
+    assert str(failed.value).startswith(f"reading {storage.url}/probe: ")
+    proxy.set_faults(error_rate=1.0, only=r"DELETE .*/probe")
+    with pytest.raises(WriteFailedError, match=f"deleting {storage.url}/probe: .*reduce your"):
+        storage.remove("probe")
 
 
 def test_permanent_error_fails_the_save_cleanly(endpoint: str, proxy: FaultProxy) -> None:

@@ -42,7 +42,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from deltackpt.errors import CorruptionError, DeltackptError, StorageError, WriterLockedError
+from deltackpt.errors import (
+    CorruptionError,
+    DeltackptError,
+    ReadFailedError,
+    StorageError,
+    WriteFailedError,
+    WriterLockedError,
+)
 
 LEASE_OBJECT = ".writer.lease"
 PART_BYTES = 8 << 20  # S3 takes parts of 5 MiB to 5 GiB (the last one may be smaller)
@@ -68,6 +75,7 @@ _TRANSIENT_NAMES = frozenset({
     "ClientConnectorError", "ServerTimeoutError", "ResponseStreamingError", "IncompleteRead",
     "ProtocolError", "IncompleteReadError", "ConnectionError", "HTTPClientError",
 })
+_CHANGES = ("writing", "deleting", "aborting")  # what _call names a request that changes the store
 _TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
                               "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
                               "500", "502", "503", "504"})
@@ -195,15 +203,19 @@ class ObjectStorage:
         return StorageError(self._redact(f"{what}: {type(exc).__name__}: {exc}"))
 
     def _call(self, what: str, call: Callable[[], T]) -> T:
-        """``call()`` with retries; a failure other than a missing object is raised as an
-        ``OSError`` naming ``what`` (so a failed save becomes a WriteFailedError), redacted."""
+        """``call()`` with retries; a failure other than a missing object is raised as a
+        :class:`WriteFailedError` when ``what`` writes, deletes or aborts, else as a
+        :class:`ReadFailedError` (both ``OSError``), naming ``what``, redacted."""
         try:
             return with_retries(call, what)
         except (FileNotFoundError, DeltackptError):
             raise
         except Exception as exc:
-            code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
-            raise OSError(code, self._redact(f"{what}: {type(exc).__name__}: {exc}")) from None
+            kind = WriteFailedError if what.startswith(_CHANGES) else ReadFailedError
+            error = kind(self._redact(f"{what}: {type(exc).__name__}: {exc}"))
+            error.errno = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+            error.reason = self._redact(f"{type(exc).__name__}: {exc}")
+            raise error from None
 
     def _probe(self) -> None:
         """Fail now, naming the URL, when the bucket is missing or the credentials do not work."""

@@ -428,8 +428,14 @@ class LocalStorage:
         when its holder exits, even on SIGKILL, so a crashed writer never
         blocks the next one.
         """
-        with self._dir("") as dir_fd:
-            fd = self._open_file(dir_fd, LOCK_FILE, LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        try:
+            with self._dir("") as dir_fd:
+                fd = self._open_file(dir_fd, LOCK_FILE, LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:  # a read-only file system, a permission denied
+            if isinstance(exc, DeltackptError):
+                raise
+            raise os_failure(WriteFailedError, str(self._path(LOCK_FILE)), exc,
+                             "taking the writer lock failed: ") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
