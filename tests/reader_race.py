@@ -8,7 +8,9 @@ gc) as fast as they can. Each outcome is counted: ``restored`` (the values match
 checksums the step's metadata records, which the restore checks), ``deleted`` (a
 :class:`StepNotFoundError`: the gc deleted the step while it was read, which is true),
 ``false_damage`` (a :class:`CorruptionError`, for a step that is not damaged: nothing
-damages it here) and ``other`` (any other exception, with its text).
+damages it here) and ``other`` (any other exception, with its text). With ``commands`` the
+readers run ``deltackpt ls``, ``verify`` and ``du`` instead, each ``checked`` when it exits 0
+with nothing on stderr.
 
 Shared by ``tests/test_reader_race.py`` and ``bench/metadata_audit.py``.
 """
@@ -16,6 +18,8 @@ Shared by ``tests/test_reader_race.py`` and ``bench/metadata_audit.py``.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import multiprocessing
 import time
 from typing import Any
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from deltackpt import CheckpointManager, CorruptionError, StepNotFoundError
+from deltackpt.app.cli import main
 
 
 def _writer(url: str, options: dict | None, seconds: float, interval: float,
@@ -75,18 +80,42 @@ def _reader(url: str, options: dict | None, seconds: float, started: Any,
     results.put((dict(counts), others[:20]))
 
 
+def _commands(url: str, options: dict | None, seconds: float, started: Any,
+              results: Any) -> None:
+    """``deltackpt ls``, ``verify`` and ``du`` in turn: ``checked`` when one exits 0 with
+    nothing on stderr, else ``other`` with what it said."""
+    counts: collections.Counter = collections.Counter()
+    others: list[str] = []
+    started.wait()
+    end, turn = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        command = ("ls", "verify", "du")[turn % 3]
+        turn += 1
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([command, url])
+        if code == 0 and not err.getvalue():
+            counts["checked"] += 1
+        else:
+            counts["other"] += 1
+            others.append(f"{command}: exit {code}: {err.getvalue().strip()} "
+                          f"{out.getvalue().strip()[-300:]}")
+    results.put((dict(counts), others[:20]))
+
+
 def race(url: str, *, seconds: float, readers: int = 2, interval: float = 0.05,
-         options: dict | None = None, writer: dict | None = None
+         options: dict | None = None, writer: dict | None = None, commands: bool = False
          ) -> tuple[collections.Counter, list[str]]:
     """Run the writer (a manager with ``writer``'s further arguments) and ``readers`` reader
-    processes for ``seconds``; the readers' summed outcomes and the text of the first
-    unexpected errors."""
+    processes (with ``commands``: processes running the CLI's checks instead) for ``seconds``;
+    the readers' summed outcomes and the text of the first unexpected errors."""
     ctx = multiprocessing.get_context("spawn")
     started, results = ctx.Event(), ctx.Queue()
     writing = ctx.Process(target=_writer, args=(url, options, seconds + 5, interval, started,
                                                 writer or {}))
     writing.start()
-    procs = [ctx.Process(target=_reader, args=(url, options, seconds, started, results))
+    procs = [ctx.Process(target=_commands if commands else _reader,
+                         args=(url, options, seconds, started, results))
              for _ in range(readers)]
     for proc in procs:
         proc.start()

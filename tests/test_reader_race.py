@@ -231,3 +231,9 @@ def test_verify_reports_no_damage_for_steps_the_gc_changed_meanwhile(
     mgr = _saved(tmp_path / "again", steps=5)
     report = CheckpointManager(tmp_path / "again", read_only=True).verify()
     assert report.damaged
+
+
+def test_ls_verify_and_du_report_no_damage_while_gc_runs(tmp_path: Path) -> None:
+    counts, errors = race(str(tmp_path / "ckpt"), seconds=SECONDS / 2, readers=1, commands=True)
+    assert errors == []
+    assert counts["checked"] >= 30 and counts["other"] == 0

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deltackpt._version import __version__
 from deltackpt.directory import CheckpointDirectory
-from deltackpt.errors import DeltackptError, ReadFailedError, WriterLockedError
+from deltackpt.errors import DeltackptError, ReadFailedError, StepNotFoundError, WriterLockedError
 from deltackpt.format.metadata import METADATA_FILE, ROLES, StepMetadata, step_dir_name
 from deltackpt.interop.formats import OUT_FORMATS, SOURCE_FORMATS
 from deltackpt.io.progress import human_bytes
@@ -213,6 +213,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     for step in mgr.steps():
         try:
             rows.append(_step_row(mgr.metadata(step)))
+        except StepNotFoundError:  # listed, then deleted by the writer's retention
+            continue
         except DeltackptError as exc:  # one damaged or unreadable step must not hide the others
             unreadable.append({"step": step, "error": str(exc),
                                "damaged": not isinstance(exc, ReadFailedError)})
@@ -468,25 +470,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 # -- du --------------------------------------------------------------------------------------
 
 
-def _tree_bytes(storage: Storage, rel: str = "", unreadable: list[str] | None = None) -> int:
+def _tree_bytes(storage: Storage, rel: str, unreadable: list[str]) -> int:
     """Bytes of every file under ``rel``; what cannot be read is left out, its error appended
-    to ``unreadable``."""
-    total = 0
+    to ``unreadable``, and what the writer deleted since its directory was listed too."""
     try:
         names = storage.listdir(rel)
+    except FileNotFoundError:
+        return 0
     except ReadFailedError as exc:
-        if unreadable is None:
-            raise
         unreadable.append(str(exc))
         return 0
+    total = 0
     for name in names:
         child = f"{rel}/{name}" if rel else name
         try:
             total += _tree_bytes(storage, child, unreadable) if storage.is_dir(child) \
                 else storage.size(child)
+        except FileNotFoundError:
+            pass
         except ReadFailedError as exc:
-            if unreadable is None:
-                raise
             unreadable.append(str(exc))
     return total
 
@@ -501,13 +503,15 @@ def _cmd_du(args: argparse.Namespace) -> int:
         try:
             on_disk = {name: storage.size(f"{step_dir}/{name}") for name in storage.listdir(step_dir)
                        if not storage.is_dir(f"{step_dir}/{name}")}
-        except DeltackptError:  # not a directory (a link is not followed), or unreadable: the
-            on_disk = {}        # metadata's error says so
+        except (DeltackptError, FileNotFoundError):  # not a directory (a link is not followed),
+            on_disk = {}  # unreadable (the metadata's error says so), or deleted since listed
         row: dict[str, Any] = {"step": step, "files": 0, "data_bytes": 0,
                                "metadata_bytes": on_disk.pop(METADATA_FILE, 0), "missing_files": [],
                                "error": None}
         try:
             meta = mgr.metadata(step)
+        except StepNotFoundError:  # listed, then deleted by the writer's retention
+            continue
         except DeltackptError as exc:
             row["error"], row["could_not_read"] = str(exc), isinstance(exc, ReadFailedError)
         else:

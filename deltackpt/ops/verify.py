@@ -124,6 +124,8 @@ def _verify(storage: Storage, steps: list[int], deep: bool, workers: int | None,
     for step in steps:
         try:
             meta = metadata(step)
+        except StepNotFoundError:  # listed, then deleted by the writer's retention
+            continue
         except ReadFailedError as exc:
             report[step] = unchecked[step] = [str(exc)]
             continue
