@@ -25,7 +25,8 @@ weight, AdamW, RNG states, an ``extra`` of every tag), it reports:
 * **readers during retention** (``--race-seconds``, 0 skips it): a writer saving a small model
   every ~0.05 s with ``keep="last=3"`` and two reader processes restoring the second-newest
   and the oldest step, on a local directory (``reader_grace`` 0 and 30 s) and on a moto S3
-  server (``tests/reader_race.py``): restores, steps found deleted, false damage, other errors.
+  server (``tests/reader_race.py``): restores, steps found deleted, false damage, other errors;
+  and one process running ``deltackpt ls``, ``verify`` and ``du`` in turn: each must exit 0.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def races(seconds: float) -> list[tuple[str, collections.Counter, list[str]]]:
             counts, errors = race(f"{tmp}/grace{grace}", seconds=seconds,
                                   writer={"reader_grace": grace})
             cells.append((f"local, reader_grace={grace}", counts, errors))
+        counts, errors = race(f"{tmp}/commands", seconds=seconds, readers=1, commands=True)
+        cells.append(("local, ls/verify/du", counts, errors))
     with moto_server(own_process=True) as endpoint:
         options = {"key": "AKIAAUDIT", "secret": "not-a-secret", "endpoint_url": endpoint,
                    "skip_instance_cache": True}
@@ -204,8 +207,10 @@ def main() -> None:
     if args.race_seconds > 0:
         print(f"readers during retention ({args.race_seconds:.0f} s each, 2 readers):")
         for cell, counts, errors in races(args.race_seconds):
-            print(f"  {cell:26s} {counts['restored']} restored, {counts['deleted']} found deleted, "
-                  f"{counts['false_damage']} false damage, {counts['other']} other errors")
+            done = f"{counts['checked']} commands exited 0" if "checked" in counts else (
+                f"{counts['restored']} restored, {counts['deleted']} found deleted, "
+                f"{counts['false_damage']} false damage")
+            print(f"  {cell:26s} {done}, {counts['other']} other outcomes")
             for error in errors:
                 print(f"    {error}")
 
