@@ -198,12 +198,16 @@ def test_a_hostile_retired_record_deletes_nothing(tmp_path: Path,
     record = root / "retired-1-0badc0de.json"
     record.write_text(json.dumps({"format": "deltackpt-retired", "retired": 0,
                                   "files": ["../outside.bin", "step-000000000001/metadata.json"]}))
+    live = [f"{step_dir_name(1)}/{p.name}" for p in step_dir(root, 1).glob("d-*.bin")]
+    (root / "retired-2-0badc0de.json").write_text(json.dumps(
+        {"format": "deltackpt-retired", "retired": 0, "files": live}))  # a committed step's data
     with caplog.at_level("WARNING", "deltackpt"), \
             CheckpointManager(root, reader_grace=1) as mgr:
         mgr.acquire()
         mgr._target.retired.purge(everything=True)
     assert outside.read_bytes() == b"keep me" and record.exists()
-    assert mgr.steps() == [1]
+    assert not (root / "retired-2-0badc0de.json").exists()  # read, and nothing deleted
+    assert mgr.steps() == [1] and mgr.verify() == {1: []}
     assert any("retired-1-0badc0de.json" in r.getMessage() and "not data files" in r.getMessage()
                for r in caplog.records)
 

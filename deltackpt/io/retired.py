@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from deltackpt.errors import DeltackptError, FormatError
+from deltackpt.errors import DeltackptError, FormatError, StepNotFoundError
 from deltackpt.format.metadata import (
     DATA_FILE_PATTERN,
     MAX_FILE_NAME,
@@ -29,6 +29,7 @@ from deltackpt.format.metadata import (
     STEP_DIR_PATTERN,
     load_json,
 )
+from deltackpt.io.reader import read_metadata
 from deltackpt.io.storage import Storage
 
 log = logging.getLogger("deltackpt")
@@ -127,10 +128,25 @@ class RetiredFiles:
         with self._lock:
             due = [r for r in self.records if everything or r.retired + self.grace <= now]
         for record in due:
-            self._delete(record.files)
+            self._delete(set(record.files) - self._committed(record.files))
             self.storage.remove(record.name)
             with self._lock:
                 self.records.remove(record)
+
+    def _committed(self, files: Iterable[str]) -> set[str]:
+        """The ``files`` that a committed step references, or that may be: a record read from
+        the directory deletes no committed data, whatever it names."""
+        kept = set()
+        for step_dir in {f.partition("/")[0] for f in files}:
+            try:
+                meta = read_metadata(self.storage, int(step_dir[5:]))
+            except StepNotFoundError:
+                continue
+            except DeltackptError:  # unreadable: verify reports it; its files stay
+                kept |= {f for f in files if f.startswith(f"{step_dir}/")}
+                continue
+            kept |= {f"{step_dir}/{f.name}" for f in meta.files}
+        return kept
 
     def _delete(self, files: Iterable[str]) -> None:
         step_dirs = set()

@@ -1,4 +1,4 @@
-"""Reading a step while its writer's retention changes the directory (FORMAT.md 1.2).
+"""Reading a step while its writer's retention changes the directory (FORMAT.md 1.4).
 
 A gc replaces the metadata of kept steps (re-coding them on a new base) and deletes
 the steps it does not keep, each commit and deletion on its own, while readers take no
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from deltackpt.dist.group import Group
-from deltackpt.errors import ChainChangedError, CorruptionError, DeltackptError, StepNotFoundError
+from deltackpt.errors import ChainChangedError, CorruptionError, StepNotFoundError
 from deltackpt.format.metadata import StepMetadata, metadata_file
 from deltackpt.io.reader import list_steps, read_metadata, read_save_id
 from deltackpt.io.storage import Storage
@@ -66,7 +66,7 @@ def read_consistently(storage: Storage, step: int, attempt: Callable[[ChainReads
         result, error, again = None, None, False
         try:
             result = attempt(reads)
-        except DeltackptError as exc:
+        except Exception as exc:  # under a group: raised on every rank by the check below
             error = exc
             again = isinstance(exc, (CorruptionError, StepNotFoundError)) and bool(reads.changed())
         if group is not None and group.world_size > 1:  # every rank takes the same way
@@ -85,5 +85,5 @@ def read_consistently(storage: Storage, step: int, attempt: Callable[[ChainReads
                                     f"{steps}") from None
     raise ChainChangedError(
         f"step {step} of {storage.url}: its writer's retention replaced steps of its chain "
-        f"during each of {ATTEMPTS} reads; read it between two of the writer's saves, or keep "
-        "it longer (keep=)")
+        f"during each of {ATTEMPTS} reads; give the writer a reader_grace longer than this "
+        "read takes, or read the step between two of its saves")
