@@ -139,8 +139,9 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 def _failing(kind: type[OSError]) -> Callable[[F], F]:
     """A :class:`LocalStorage` method whose OS errors (a permission denied, a name too long, a
     read-only or full disk, an I/O error) are raised as ``kind``, naming the step and the file
-    and keeping the ``errno``; a missing or existing file stays the ``FileNotFoundError`` or
-    ``FileExistsError`` its callers expect."""
+    and keeping the ``errno``; a missing or existing file, or a file where a directory belongs,
+    stays the ``FileNotFoundError``, ``FileExistsError`` or ``NotADirectoryError`` its callers
+    expect."""
     def decorate(method: F) -> F:
         @functools.wraps(method)
         def wrapper(self: LocalStorage, rel: str = "", *args: Any, **kwargs: Any) -> Any:
