@@ -89,9 +89,9 @@ class CheckpointManager(CheckpointDirectory):
             ``"device"`` (default), or pinned ``"host"`` memory to spare the device's
             (:attr:`reconstruction_bytes`).
         reader_grace: seconds the data of a step that ``keep=`` (or an overwrite) deletes or
-            replaces stays for the readers that read its metadata before, deleted at a later
-            save or gc (default 0: at once; a reader then reads the step's new chain again,
-            which a restore slower than the interval between saves may have to do each time).
+            replaces stays for the readers that read its metadata before (default 300; 0:
+            deleted at once), deleted at a later save or gc; a restore that takes longer
+            reads the step's changed chain again.
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,

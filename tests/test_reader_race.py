@@ -19,6 +19,7 @@ from reader_race import race
 from s3_server import moto_server
 
 from deltackpt import CheckpointManager, CorruptionError, StepNotFoundError
+from deltackpt.app.cli import main
 from deltackpt.errors import ChainChangedError
 from deltackpt.format.metadata import step_dir_name
 from deltackpt.io import retired as retired_module
@@ -49,11 +50,11 @@ def test_readers_see_no_false_damage_on_s3(monkeypatch: pytest.MonkeyPatch) -> N
     assert counts["false_damage"] == counts["other"] == 0
 
 
-def _saved(root: Path, steps: int = 3) -> CheckpointManager:
+def _saved(root: Path, steps: int = 3, **settings: object) -> CheckpointManager:
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.Adam(model.parameters())
-    mgr = CheckpointManager(root, full_every=4)
+    mgr = CheckpointManager(root, full_every=4, **settings)
     for step in range(1, steps + 1):
         model(torch.randn(4, 256)).square().mean().backward()
         optimizer.step()
@@ -134,19 +135,21 @@ def _train_and_save(mgr: CheckpointManager, model: torch.nn.Module,
     mgr.save(step, model, optimizer)
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
 @pytest.mark.parametrize("grace", [0, 3600])
-def test_a_reader_that_read_the_chain_reads_its_data_within_the_grace(tmp_path: Path,
-                                                                      grace: float) -> None:
+def test_a_reader_that_read_the_chain_reads_its_data_within_the_grace(
+        tmp_path: Path, grace: float, where: str) -> None:
     """The reader reads step 3's chain of metadata, then the writer's gc deletes steps 1 and 2
     and rewrites 3; with a grace the old data is still there and restores to the values
-    step 3 had; without, the files are gone."""
+    step 3 had; without, the files are gone. On a directory and on an object store."""
+    url = str(tmp_path) if where == "local" else f"memory://grace-{grace}-{tmp_path.name}/run"
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.Adam(model.parameters())
-    with CheckpointManager(tmp_path, full_every=10, reader_grace=grace) as mgr:
+    with CheckpointManager(url, full_every=10, reader_grace=grace) as mgr:
         for step in (1, 2, 3):
             _train_and_save(mgr, model, optimizer, step)
-        reader = CheckpointManager(tmp_path, read_only=True)
+        reader = CheckpointManager(url, read_only=True)
         before = reader.restore(3).tensors
         known = {s: reader.metadata(s) for s in (1, 2, 3)}
         mgr.gc("last=1")
@@ -214,10 +217,10 @@ def test_a_hostile_retired_record_deletes_nothing(tmp_path: Path,
 
 def test_verify_reports_no_damage_for_steps_the_gc_changed_meanwhile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verify reads every step's metadata, then the writer's gc deletes steps 1..4 and rewrites
-    5 before the data is checked: what the first check found missing is no damage, and the
-    check of what is left finds none."""
-    mgr = _saved(tmp_path, steps=5)
+    """verify reads every step's metadata, then the writer's gc deletes steps 1..4 (at once:
+    no reader_grace) before the data is checked: what the first check found missing is no
+    damage, and the check of what is left finds none."""
+    mgr = _saved(tmp_path, steps=5, reader_grace=0)
     real, calls = verify_module.verify_step, []
 
     def verify_step(*args: object, **kwargs: object) -> object:
@@ -232,7 +235,7 @@ def test_verify_reports_no_damage_for_steps_the_gc_changed_meanwhile(
     monkeypatch.setattr(verify_module, "ATTEMPTS", 1)  # no second check: the damage it saw
     calls.clear()
     mgr.close()
-    mgr = _saved(tmp_path / "again", steps=5)
+    mgr = _saved(tmp_path / "again", steps=5, reader_grace=0)
     report = CheckpointManager(tmp_path / "again", read_only=True).verify()
     assert report.damaged
 
@@ -241,3 +244,21 @@ def test_ls_verify_and_du_report_no_damage_while_gc_runs(tmp_path: Path) -> None
     counts, errors = race(str(tmp_path / "ckpt"), seconds=SECONDS / 2, readers=1, commands=True)
     assert errors == []
     assert counts["checked"] >= 30 and counts["other"] == 0
+
+
+def test_cli_gc_frees_the_space_now_unless_given_a_grace(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """A writer's kept data goes at the next ``deltackpt gc`` (grace 0: the space is freed);
+    ``--reader-grace`` keeps what that gc deletes."""
+    writer = _saved(tmp_path, steps=5)
+    writer.gc("last=4")  # the writer's grace: step 1's data kept
+    writer.close()
+    kept = _retired_records(tmp_path)
+    assert kept and step_dir(tmp_path, 1).exists()
+    assert main(["gc", str(tmp_path), "--keep", "last=3", "--reader-grace", "60"]) == 0
+    assert set(kept) < set(_retired_records(tmp_path))  # step 2's data kept too
+    assert main(["gc", str(tmp_path), "--keep", "last=3"]) == 0
+    assert _retired_records(tmp_path) == []
+    assert not step_dir(tmp_path, 1).exists() and not step_dir(tmp_path, 2).exists()
+    assert CheckpointManager(tmp_path, read_only=True).verify() == {3: [], 4: [], 5: []}
+    capsys.readouterr()

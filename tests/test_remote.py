@@ -139,7 +139,7 @@ def test_save_restore_chain_gc_verify(remote: tuple[str, dict | None], tmp_path:
     local_delta = CheckpointManager(local, read_only=True).restore(2)
     for name, value in local_delta.model.items():
         assert_bitwise_equal(remote_delta.model[name], value, name)
-    with CheckpointManager(url, storage_options=opts) as mgr:
+    with CheckpointManager(url, storage_options=opts, reader_grace=0) as mgr:
         report = mgr.gc("every=2")  # step 2 loses its base: re-coded, its metadata staged first
         assert report.removed == [1, 3] and mgr.steps() == [0, 2, 4]
         assert report.recoded or report.rewritten
@@ -737,7 +737,8 @@ def test_commit_deletes_what_its_listing_found(endpoint: str, proxy: FaultProxy)
     def values(n: int) -> dict:
         return {"w": torch.arange(1000.0) + n}
 
-    with CheckpointManager(url, storage_options=options(proxy.url), workers=1) as mgr:
+    with CheckpointManager(url, storage_options=options(proxy.url), workers=1,
+                           reader_grace=0) as mgr:
         mgr.save(1, extra=values(0), rng=False)
         first = step_objects()
         proxy.set_faults(error_rate=1.0, only=r"PUT .*/step-000000000001/metadata\.json|"

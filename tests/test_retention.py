@@ -3,7 +3,8 @@
 
 The property every test checks: after gc every kept step is restorable and
 restores to the very same bytes as before, whatever the policy and the
-shape of the delta chains.
+shape of the delta chains. The writers here delete at once (``reader_grace=0``),
+so that the tests see what a gc deletes; tests/test_reader_race.py covers the grace.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def build(path: Path, full_every: int, dtype: torch.dtype = torch.float32, steps
           **kwargs: object) -> Path:
     """A directory with ``steps`` saved from a short training run (a few optimizer steps apart)."""
     model, optimizer = _model(dtype)
-    with CheckpointManager(path, full_every=full_every, **kwargs) as mgr:
+    with CheckpointManager(path, full_every=full_every, reader_grace=0, **kwargs) as mgr:
         for step in steps:
             _train(model, optimizer, dtype)
             mgr.save(step, model, optimizer)
@@ -214,7 +215,7 @@ def test_gc_keeps_every_kept_step_restorable(templates, tmp_path: Path, full_eve
     """Kept steps that stay restore bit for bit; full rewrites too; re-coded deltas within the
     error their stats record; the directory does not grow; the dry run says what the run does."""
     path = templates(full_every, torch.float32, tmp_path / "ckpt")
-    mgr = CheckpointManager(path)
+    mgr = CheckpointManager(path, reader_grace=0)
     before = chains(mgr)
     assert list(before) == STEPS
     values = {s: tensors_of(mgr, s) for s in STEPS}
@@ -263,7 +264,7 @@ def test_gc_keeps_every_kept_step_restorable(templates, tmp_path: Path, full_eve
 def test_chain_shapes(templates, tmp_path: Path) -> None:
     """The cases the parametrized test covers, spelled out on known chains."""
     path = templates(5, torch.float32, tmp_path / "f5")
-    mgr = CheckpointManager(path)
+    mgr = CheckpointManager(path, reader_grace=0)
     assert chains(mgr) == {1: ("full", None), 2: ("delta", 1), 3: ("delta", 2), 4: ("delta", 3),
                            5: ("delta", 4), 6: ("full", None), 7: ("delta", 6), 8: ("delta", 7),
                            9: ("delta", 8), 10: ("delta", 9)}
@@ -278,7 +279,7 @@ def test_chain_shapes(templates, tmp_path: Path) -> None:
     mgr.close()
 
     path = templates(3, torch.float32, tmp_path / "f3")
-    with CheckpointManager(path) as mgr:
+    with CheckpointManager(path, reader_grace=0) as mgr:
         report = mgr.gc("last=2")  # 9 is a delta on 8, which goes; 10 is full
         assert (report.kept, report.removed, report.rewritten, report.recoded) == (
             [9, 10], [1, 2, 3, 4, 5, 6, 7, 8], [9], [])
@@ -296,7 +297,7 @@ def test_float32_deltas_stay_on_a_full_rewrite(templates, tmp_path: Path) -> Non
     """A full rewrite holds the very values its step restored to, which are the running values of
     float32 tensors: deltas above it stay as they are."""
     path = templates(5, torch.float32, tmp_path / "f32")
-    with CheckpointManager(path) as mgr:
+    with CheckpointManager(path, reader_grace=0) as mgr:
         values = {s: restored(mgr, s) for s in (8, 9, 10)}
         report = mgr.gc("last=3")
         assert (report.rewritten, report.recoded) == ([8], [])
@@ -308,7 +309,7 @@ def test_bfloat16_rewrites_cascade(templates, tmp_path: Path) -> None:
     """A bfloat16 delta coded against a step rewritten as full, with no kept step to re-code it
     on, is rewritten too (its float32 running values are gone); float32 deltas need not."""
     path = templates(5, torch.bfloat16, tmp_path / "bf16")
-    mgr = CheckpointManager(path)
+    mgr = CheckpointManager(path, reader_grace=0)
     metas = {s: mgr.metadata(s) for s in mgr.steps()}
     assert any(r.dtype == "bfloat16" and c.codec == "quant" and c.params["pred"] == "base"
                for r in metas[4].tensors for f in r.fragments for c in f.chunks)
@@ -331,7 +332,7 @@ def test_bfloat16_deltas_are_recoded_on_float32_running_values(templates, tmp_pa
     running values (instead of a cascade of full steps that loses them), within their recorded
     error of what they restored to; a manager continuing from the latest one keeps its deltas."""
     path = templates(5, torch.bfloat16, tmp_path / "bf16")
-    mgr = CheckpointManager(path, full_every=5)
+    mgr = CheckpointManager(path, full_every=5, reader_grace=0)
     values = {s: tensors_of(mgr, s) for s in mgr.steps()}
     before = dir_bytes(path)
     report = mgr.gc("every=3")
@@ -362,7 +363,7 @@ def test_bfloat16_without_cascade_would_break(tmp_path: Path) -> None:
     are not all bfloat16 values already."""
     fine = dataclasses.replace(CompressionConfig.preset("balanced"), weights=Quantizer(step=0.5))
     path = build(tmp_path / "bf16", 5, torch.bfloat16, compression=fine)
-    mgr = CheckpointManager(path)
+    mgr = CheckpointManager(path, reader_grace=0)
     expected = restored(mgr, 9)
     captured, save_id = mgr.restore(8).captured(), new_save_id()  # a full step 8, behind its back
     written = write_data(mgr.storage, 8, save_id, captured)
@@ -395,7 +396,7 @@ def test_dry_run_reports_recoded_steps_and_sizes(templates, tmp_path: Path) -> N
     """The dry run names the steps the run re-codes and rewrites, and estimates the bytes after from
     the sizes on disk (a full step as one of its layout, not raw_bytes / 1.2)."""
     path = templates(5, torch.float32, tmp_path / "ckpt")
-    with CheckpointManager(path) as mgr:
+    with CheckpointManager(path, reader_grace=0) as mgr:
         dry = mgr.gc("every=3", dry_run=True)
         report = mgr.gc("every=3")
     assert (dry.recoded, dry.rewritten, dry.held) == (report.recoded, report.rewritten, []) == (
@@ -425,7 +426,7 @@ def test_replacing_would_grow_the_directory(templates, tmp_path: Path,
     the kept steps' chains need are held, and only the others go."""
     path = templates(5, torch.float32, tmp_path / "ckpt")
     values = {}
-    with CheckpointManager(path) as mgr:
+    with CheckpointManager(path, reader_grace=0) as mgr:
         values = {s: restored(mgr, s) for s in STEPS}
         files = snapshot(path)
         huge = 10 << 20  # what every replacement would take
@@ -448,7 +449,7 @@ def test_replacing_would_grow_the_directory(templates, tmp_path: Path,
 def test_unreadable_steps_are_left_alone(templates, tmp_path: Path) -> None:
     path = templates(5, torch.float32, tmp_path / "ckpt")
     (path / step_dir_name(2) / "metadata.json").write_text("{not json")
-    mgr = CheckpointManager(path)
+    mgr = CheckpointManager(path, reader_grace=0)
     values = {s: restored(mgr, s) for s in (9, 10)}
     report = mgr.gc("last=2,every=5")
     # 2 is unreadable: kept as is. 5 depends on 4 -> 3 -> 2: its chain is broken already, so it is
@@ -468,7 +469,7 @@ def test_unreadable_steps_are_left_alone(templates, tmp_path: Path) -> None:
 def test_kept_steps_with_a_missing_base_are_left_alone(templates, tmp_path: Path) -> None:
     path = templates(5, torch.float32, tmp_path / "ckpt")
     shutil.rmtree(path / step_dir_name(7))  # 8, 9 and 10 cannot be restored any more
-    with CheckpointManager(path) as mgr:
+    with CheckpointManager(path, reader_grace=0) as mgr:
         values = restored(mgr, 6)
         dry = mgr.gc("last=3,every=6", dry_run=True)
         report = mgr.gc("last=3,every=6")
@@ -482,7 +483,7 @@ def test_kept_steps_with_a_missing_base_are_left_alone(templates, tmp_path: Path
 
 def test_damaged_chain_stops_gc_before_changing_anything(templates, tmp_path: Path) -> None:
     path = templates(5, torch.float32, tmp_path / "ckpt")
-    mgr = CheckpointManager(path)
+    mgr = CheckpointManager(path, reader_grace=0)
     meta = mgr.metadata(6)
     chunk = meta.tensor("model/0.weight").fragments[0].chunks[0]
     data = path / step_dir_name(6) / meta.files[chunk.file].name
@@ -517,7 +518,7 @@ def test_a_crash_at_any_point_leaves_kept_steps_restorable(templates, tmp_path: 
             countdown[0] -= 1
             return real(*args)
 
-        mgr = CheckpointManager(path)
+        mgr = CheckpointManager(path, reader_grace=0)
         monkeypatch.setattr(retention_module, "commit_step",
                             lambda *a, **k: fail_at_point(lambda: real_commit(*a, **k)))
         monkeypatch.setattr(mgr.storage, "remove_tree",
@@ -529,7 +530,7 @@ def test_a_crash_at_any_point_leaves_kept_steps_restorable(templates, tmp_path: 
             crashed = True
         monkeypatch.undo()
         mgr.close()
-        mgr = CheckpointManager(path)  # a new writer, as after a crash
+        mgr = CheckpointManager(path, reader_grace=0)  # a new writer, as after a crash
         for s in [3, 6, 9, 10]:
             meta = mgr.metadata(s)
             if meta.kind == "delta" and "recoded" in (meta.stats.compression or {}):
@@ -607,7 +608,7 @@ def tiny_gpt_run(path: Path, saves: int, keep: str, full_every: int = 10, train_
     model = TinyGPT(SIZES["tiny"])
     optimizer = make_optimizer(model)
     data, _ = split_corpus(load_corpus(1 << 20))
-    mgr = CheckpointManager(path, full_every=full_every)
+    mgr = CheckpointManager(path, full_every=full_every, reader_grace=0)
     kinds, sizes = [], []
     for step in range(1, saves + 1):
         for _ in range(train_steps):

@@ -559,7 +559,8 @@ def _cmd_du(args: argparse.Namespace) -> int:
             lines.append(f"step {r['step']}: missing data files: {', '.join(r['missing_files'])}")
         if r["other_bytes"]:
             lines.append(f"step {r['step']}: {human_bytes(r['other_bytes'])} in unreferenced files "
-                         "(removed by the next writer)")
+                         "(a replaced version's, kept for readers a while, or a failed save's; "
+                         "removed by the writer)")
     lines += [f"not counted, could not be read: {error}" for error in unreadable]
     _print_lines(lines)
     return outcome
@@ -581,7 +582,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         report = reader.gc(policy, dry_run=True)
         path = reader.path
     else:
-        with CheckpointManager(args.path) as mgr:
+        with CheckpointManager(args.path, reader_grace=args.reader_grace) as mgr:
             try:
                 report = mgr.gc(policy)
             except WriterLockedError as exc:
@@ -870,6 +871,10 @@ def _add_gc(sub: Any, parents: _Parents) -> None:
         "deleted first; if the new versions still do not fit, the steps they need are held and\n"
         "gc says how many bytes the new versions need (exit code 1).\n"
         "Steps whose metadata cannot be read are left alone.\n\n"
+        "What it deletes or replaces is deleted at once, with the data a writer kept for\n"
+        "readers (reader_grace) and no longer needs to: gc frees the space now. Readers\n"
+        "restoring meanwhile read a changed step again; --reader-grace S keeps the deleted\n"
+        "data S seconds for them instead (deleted by a later save or gc).\n\n"
         "--keep SPEC is a comma-separated list of rules; a step is kept if any rule keeps it:\n\n"
         "  last=K         the K highest steps\n"
         "  every=M        every step whose number is a multiple of M\n"
@@ -882,6 +887,8 @@ def _add_gc(sub: Any, parents: _Parents) -> None:
         _cmd_gc, [parents.path])
     gc.add_argument("--keep", required=True, metavar="SPEC",
                     help="retention policy, e.g. last=5,every=1000,full_within=5000")
+    gc.add_argument("--reader-grace", type=float, default=0.0, metavar="S",
+                    help="keep what is deleted S seconds for readers (default 0: free it now)")
     gc.add_argument("--dry-run", action="store_true",
                     help="change nothing; report what would be removed, replaced and freed")
 

@@ -37,7 +37,7 @@ log = logging.getLogger("deltackpt")
 RECORD_PATTERN = re.compile(r"retired-([0-9]{1,20})-([0-9a-f]{8})\.json")
 RECORD_FORMAT = "deltackpt-retired"
 MAX_RECORD_BYTES = 1 << 24
-DEFAULT_GRACE = 0.0  # seconds: deleted at once, and readers read a changed chain again
+DEFAULT_GRACE = 300.0  # seconds: a few minutes, what restoring a large step may take
 
 
 @dataclass(frozen=True)

@@ -633,8 +633,9 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
             if not _no_space(exc):
                 raise
             replacer.abort()
-            if retired is not None:
-                retired.purge(everything=True)
+            if retired is not None:  # space first: what readers were given goes, and this
+                retired.purge(everything=True)  # gc deletes at once
+                retired = None
             deleted = _held(plan).removed  # no kept step needs them: make room
             for s in reversed(deleted):
                 _delete_step(storage, s)
