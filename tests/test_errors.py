@@ -77,7 +77,8 @@ def test_step_not_found_lists_available_steps(mgr: CheckpointManager) -> None:
 
 
 def test_existing_step_needs_overwrite(mgr: CheckpointManager, ckpt_dir: Path) -> None:
-    """Saving an existing step raises StepExistsError; overwrite=True replaces it, leaving only new data."""
+    """Saving an existing step raises StepExistsError; overwrite=True replaces it, keeping the old
+    data only for readers (named by a retired record: FORMAT.md 1.4)."""
     mgr.save(4, extra={"v": torch.full((3000,), 1.0)}, rng=False)
     old_meta = mgr.metadata(4)
     old_files = sorted(p.name for p in step_dir(ckpt_dir, 4).iterdir())
@@ -89,8 +90,11 @@ def test_existing_step_needs_overwrite(mgr: CheckpointManager, ckpt_dir: Path) -
     mgr.save(4, extra={"v": torch.full((3000,), 2.0), "new": True}, rng=False, overwrite=True)
     new_meta = mgr.metadata(4)
     assert new_meta.save_id != old_meta.save_id
-    names = sorted(p.name for p in step_dir(ckpt_dir, 4).iterdir())
-    assert names == sorted(["metadata.json", *(f.name for f in new_meta.files)])
+    names = {p.name for p in step_dir(ckpt_dir, 4).iterdir()}
+    old_data = {f.name for f in old_meta.files}
+    assert names == {"metadata.json", *(f.name for f in new_meta.files)} | old_data
+    retired = [json.loads(p.read_text())["files"] for p in ckpt_dir.glob("retired-*.json")]
+    assert retired == [sorted(f"{step_dir(ckpt_dir, 4).name}/{n}" for n in old_data)]
     assert all(f.name.startswith(f"d-{new_meta.save_id}-") for f in new_meta.files)
     extra = mgr.restore(4).extra
     assert extra["new"] is True
