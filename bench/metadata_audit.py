@@ -24,8 +24,9 @@ weight, AdamW, RNG states, an ``extra`` of every tag), it reports:
   at most one line on stderr and no traceback;
 * **readers during retention** (``--race-seconds``, 0 skips it): a writer saving a small model
   every ~0.05 s with ``keep="last=3"`` and two reader processes restoring the second-newest
-  and the oldest step, on a local directory (``reader_grace`` 0 and 30 s) and on a moto S3
-  server (``tests/reader_race.py``): restores, steps found deleted, false damage, other errors;
+  and the oldest step, on a local directory (``reader_grace`` 0 and the default) and on a
+  moto S3 server (``reader_grace`` 0; ``tests/reader_race.py``): restores, steps found
+  deleted, false damage, other errors;
   and one process running ``deltackpt ls``, ``verify`` and ``du`` in turn: each must exit 0.
 """
 
@@ -58,6 +59,7 @@ from s3_server import moto_server
 
 from deltackpt import CheckpointManager, DeltackptError
 from deltackpt.format.metadata import METADATA_FILE, step_dir_name
+from deltackpt.io.retired import DEFAULT_GRACE
 
 
 def _flip_outcome(root: Path, expected: dict) -> str:
@@ -97,17 +99,19 @@ def races(seconds: float) -> list[tuple[str, collections.Counter, list[str]]]:
     """The reader/retention race on each storage: its cell, outcomes and unexpected errors."""
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
-        for grace in (0, 30):
+        for grace in (0, DEFAULT_GRACE):
             counts, errors = race(f"{tmp}/grace{grace}", seconds=seconds,
                                   writer={"reader_grace": grace})
-            cells.append((f"local, reader_grace={grace}", counts, errors))
-        counts, errors = race(f"{tmp}/commands", seconds=seconds, readers=1, commands=True)
+            cells.append((f"local, reader_grace={grace:g}", counts, errors))
+        counts, errors = race(f"{tmp}/commands", seconds=seconds, readers=1, commands=True,
+                              writer={"reader_grace": 0})
         cells.append(("local, ls/verify/du", counts, errors))
     with moto_server(own_process=True) as endpoint:
         options = {"key": "AKIAAUDIT", "secret": "not-a-secret", "endpoint_url": endpoint,
                    "skip_instance_cache": True}
         fsspec.filesystem("s3", **options).mkdir("audit")
-        counts, errors = race("s3://audit/run", seconds=seconds, options=options)
+        counts, errors = race("s3://audit/run", seconds=seconds, options=options,
+                              writer={"reader_grace": 0})
         cells.append(("moto S3, reader_grace=0", counts, errors))
     return cells
 
