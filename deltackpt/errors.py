@@ -99,3 +99,8 @@ def os_failure(kind: type[OSError], path: str, exc: OSError, prefix: str = "",
     error = kind(f"{prefix}{path}: {reason}{suffix}")
     error.errno, error.path, error.reason = exc.errno, path, reason
     return error
+
+
+class IntegrationError(DeltackptError):
+    """A framework an integration drives is missing, of a version deltackpt is not tested with,
+    or hands over what the integration cannot map (names both versions, or the names)."""

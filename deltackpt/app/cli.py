@@ -390,6 +390,22 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- export ----------------------------------------------------------------------------------
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from deltackpt.integrations.hf_export import export_hf
+
+    written = export_hf(args.path, args.out, args.hf_config, step=args.step,
+                        tokenizer=args.tokenizer, max_shard_size=args.max_shard_size,
+                        overwrite=args.force)
+    _print_written(args, f"exported step {written.step} of {args.path} as a Hugging Face model "
+                         f"folder into {written.out}",
+                   {"step": written.step, "format": "huggingface", "out": str(written.out)},
+                   written.files, [])
+    return 0
+
+
 # -- convert ---------------------------------------------------------------------------------
 
 
@@ -769,6 +785,31 @@ def _add_restore(sub: Any, parents: _Parents) -> None:
     restore.add_argument("--force", action="store_true", help="write into a non-empty DIR")
 
 
+def _add_export(sub: Any, parents: _Parents) -> None:
+    """The ``export`` command."""
+    export = _add_command(
+        sub, "export", "write one step as a Hugging Face model folder (from_pretrained loads it)",
+        "Write the model weights of a step into DIR as the model that --hf-config describes\n"
+        "(a folder with its config.json) saves them: model.safetensors, or shards and\n"
+        "model.safetensors.index.json above --max-shard-size, with config.json, and the\n"
+        "tokenizer's files when --tokenizer names its folder. The training model's names\n"
+        "are mapped to the config model's (torch.compile, FSDP, activation checkpointing\n"
+        "and DDP wrapper names dropped); names that do not match are an error listing them.\n"
+        "Nothing is downloaded. Needs transformers: pip install 'deltackpt[transformers]'.\n"
+        "PATH is never modified; DIR must be empty or new unless --force is given.",
+        "  deltackpt export runs/ckpt --hf-config configs/tiny-llama --out hf/\n"
+        "  deltackpt export runs/ckpt --step 100 --hf-config cfg/ --tokenizer tok/ --out hf/",
+        _cmd_export, [parents.path, parents.one_step])
+    export.add_argument("--hf-config", required=True, metavar="CONFIG_DIR",
+                        help="folder holding the model's config.json")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--tokenizer", metavar="TOKENIZER_DIR",
+                        help="folder whose tokenizer files are copied into DIR")
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors file before sharding (default: %(default)s)")
+    export.add_argument("--force", action="store_true", help="write into a non-empty DIR")
+
+
 def _add_convert(sub: Any, parents: _Parents) -> None:
     """The ``convert`` command."""
     convert = _add_command(
@@ -904,6 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  deltackpt ls runs/ckpt\n  deltackpt info runs/ckpt --step 100\n"
                "  deltackpt verify runs/ckpt --deep\n"
                "  deltackpt restore runs/ckpt --format safetensors --out export/\n"
+               "  deltackpt export runs/ckpt --hf-config cfg/ --out hf_model/\n"
                "  deltackpt convert model.pt --out runs/ckpt\n"
                "  deltackpt gc runs/ckpt --keep last=5,every=1000 --dry-run\n\n"
                "exit codes: 0 success, 1 damage found (verify, ls) or no space to finish (gc), "
@@ -912,7 +954,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"deltackpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parents = _parents()
-    for add in (_add_ls, _add_info, _add_restore, _add_convert, _add_verify, _add_du, _add_gc):
+    for add in (_add_ls, _add_info, _add_restore, _add_export, _add_convert, _add_verify, _add_du,
+                _add_gc):
         add(sub, parents)
     _add_demo(sub)
     return parser
