@@ -76,7 +76,7 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str],
     manager = CheckpointManager(path, read_only=True, storage_options=storage_options)
     target = prepare_out(Path(out), [] if "://" in manager.path else [Path(manager.path)],
                          overwrite)
-    ckpt = manager.restore(manager.resolve_step(step))
+    ckpt = manager.restore(step)
     names = hf_names(list(ckpt.model))
     weights = {names[fqn]: tensor for fqn, tensor in ckpt.model.items()}
     try:
