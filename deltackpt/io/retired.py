@@ -121,6 +121,15 @@ class RetiredFiles:
         with self._lock:
             self.records.append(record)
 
+    def release(self, paths: Iterable[str]) -> None:
+        """Files a commit or deletion no longer references: the data files among them are
+        retired (:meth:`retire`), anything else (a failed save's ``*.tmp``) deleted now."""
+        paths = set(paths)
+        data = {p for p in paths if DATA_FILE_PATTERN.fullmatch(p.rpartition("/")[2])}
+        self.retire(data)
+        for rel in sorted(paths - data):
+            self.storage.remove(rel)
+
     def purge(self, *, everything: bool = False) -> None:
         """Delete the files retired at least ``grace`` seconds ago (with ``everything``: all),
         then their records; a step directory left empty and without metadata goes too."""

@@ -29,7 +29,6 @@ from deltackpt.dist.shards import Part, parts_to_write
 from deltackpt.errors import DeltackptError, FormatError, WriteFailedError, os_failure
 from deltackpt.format.dtypes import DTypeSpec, raw_bytes, spec_for
 from deltackpt.format.metadata import (
-    DATA_FILE_PATTERN,
     MAX_METADATA_BYTES,
     MAX_METADATA_INFLATION,
     METADATA_FILE,
@@ -408,9 +407,8 @@ def remove_unreferenced(storage: Storage, step_dir: str, meta: StepMetadata,
         names = [n for n in storage.listdir(step_dir)
                  if n not in referenced and storage.kind(f"{step_dir}/{n}") != "dir"]
     paths = [f"{step_dir}/{name}" for name in names if f"{step_dir}/{name}" not in keep]
-    data = [p for p in paths if DATA_FILE_PATTERN.fullmatch(p.rpartition("/")[2])] \
-        if retired is not None else []
-    if data:
-        retired.retire(data)
-    for rel in sorted(set(paths) - set(data)):
+    if retired is not None:
+        retired.release(paths)
+        return
+    for rel in paths:
         storage.remove(rel)

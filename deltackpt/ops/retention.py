@@ -96,7 +96,6 @@ from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import ConfigError, DeltackptError, UnsafePathError
 from deltackpt.format.checks import check_int, config_error
 from deltackpt.format.metadata import (
-    DATA_FILE_PATTERN,
     METADATA_FILE,
     StepMetadata,
     layout_of,
@@ -566,12 +565,8 @@ def _delete_step(storage: Storage, step: int, retired: RetiredFiles | None = Non
     if retired is None or retired.grace <= 0:
         storage.remove_tree(step_dir)
         return
-    names = [n for n in storage.listdir(step_dir) if storage.kind(f"{step_dir}/{n}") == "file"]
-    data = [f"{step_dir}/{n}" for n in names if DATA_FILE_PATTERN.fullmatch(n)]
-    retired.retire(data)
-    for name in names:
-        if f"{step_dir}/{name}" not in data:
-            storage.remove(f"{step_dir}/{name}")
+    retired.release(f"{step_dir}/{n}" for n in storage.listdir(step_dir)
+                    if storage.kind(f"{step_dir}/{n}") == "file")
 
 
 def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: SaveSettings,
