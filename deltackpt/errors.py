@@ -104,3 +104,8 @@ def os_failure(kind: type[OSError], path: str, exc: OSError, prefix: str = "",
 class IntegrationError(DeltackptError):
     """A framework an integration drives is missing, of a version deltackpt is not tested with,
     or hands over what the integration cannot map (names both versions, or the names)."""
+
+
+class OtherRunError(DeltackptError):
+    """An integration was asked to save into a checkpoint that holds another run's steps,
+    without being told to continue that run."""

@@ -12,6 +12,9 @@ from deltackpt.errors import IntegrationError
 # package: (extra, lowest tested version, first version not tested)
 TESTED = {
     "transformers": ("transformers", (5, 17), (6, 0)),
+    "accelerate": ("accelerate", (1, 15), (2, 0)),
+    "lightning": ("lightning", (2, 6), (2, 7)),
+    "torchtitan": ("torchtitan", (0, 3), (0, 4)),
 }
 
 
