@@ -27,7 +27,6 @@ from deltackpt.format.checks import check_bool, check_int, check_number
 from deltackpt.format.metadata import (
     Box,
     StepMetadata,
-    box_index,
     layout_of,
     metadata_file,
 )
@@ -45,7 +44,7 @@ from deltackpt.save.capture import capture
 from deltackpt.save.driver import Saved, SaveSettings, Writer, encode_at_call, save_step
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle, SaveQueue
-from deltackpt.save.reference import KnownMetadata, Reference
+from deltackpt.save.reference import KnownMetadata, Reference, resumed
 from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
@@ -360,13 +359,45 @@ class CheckpointManager(CheckpointDirectory):
                               self._workers(group)), waited
 
     def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
-                      progress: bool = False) -> SaveInfo:
+                      progress: bool = False, group: Group | None = None) -> SaveInfo:
         """Write already captured state as ``step``, once the saves in flight ended (used by
-        :meth:`save`; state merged from hand-sharded ranks, docs/PATTERNS.md)."""
+        :meth:`save`; state merged from hand-sharded ranks, docs/PATTERNS.md; the integrations'
+        state), on the ranks of ``group`` (default: the running torch.distributed group)."""
         step = check_step(step)
         self.wait()
-        return self._save(step, captured, Group.current() or Group.single(),
+        return self._save(step, captured, group or Group.current() or Group.single(),
                           overwrite=overwrite, progress=progress)
+
+    def continue_chain(self, captured: CapturedState, group: Group | None = None) -> int | None:
+        """Code the next save of ``captured`` (the state about to be saved, laid out as it will
+        be) as a delta on the directory's last committed step, read back for the boxes this rank
+        writes, as :meth:`load` would have left it; for a run that restarted without loading
+        through this manager (the integrations). Returns that step, or None where the next
+        save is full anyway: no step, one of another layout, or a chain as long as
+        ``full_every`` allows. Every rank of ``group`` calls it; each decides alone, and a
+        save whose ranks disagree is full."""
+        if self._reference.recon is not None or not self._settings().keeps_reference:
+            return None
+        steps = self.steps()
+        if not steps:
+            return None
+        group = group or Group.current() or Group.single()
+        parts = shard_parts(captured, group)
+        boxes = {name: (p[0].offsets, p[0].sizes) for name, p in parts.items() if p}
+        pool = self._workers(group if group.world_size > 1 else None)
+
+        def read_back(reads: _MetadataReads) -> Reconstruction | None:
+            meta = reads(steps[-1])
+            if layout_of(meta) != captured_layout(captured) \
+                    or len(chain_of(self.storage, meta, reads)) >= self.full_every:
+                return None
+            _, recon = self._restore_chain(meta, reads, boxes=boxes, workers=pool)
+            return resumed(recon, meta, boxes, captured, parts)
+
+        recon = read_consistently(self.storage, steps[-1], read_back,
+                                  functools.partial(_MetadataReads, self))
+        self._reference.restart(recon)
+        return None if recon is None else recon.step
 
     def _settings(self) -> SaveSettings:
         return SaveSettings(self.compression, self.full_every, self.chunk_bytes, self._controller,
@@ -582,28 +613,10 @@ class _MetadataReads(ChainReads):
 def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], group: Group | None,
              model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
              extra: Any) -> Reconstruction | None:
-    """The reconstruction the next save codes against after loading step ``meta``: the loaded
-    running values of the boxes this rank writes (``recon`` holds those of ``boxes``, whole
-    tensors elsewhere). None when the next save must be full: the state loaded into is not
-    laid out as the step was, or this rank would write other boxes than the step's fragments
-    (a delta keeps its base's fragments, docs/FORMAT.md 5), as after a change of world size."""
+    """The reconstruction the next save codes against after loading step ``meta`` into
+    ``model``, ``optimizer`` and ``extra`` (:func:`~deltackpt.save.reference.resumed`)."""
     captured = capture(model, optimizer, extra, rng=meta.state.get("rng") is not None)
-    if captured_layout(captured) != layout_of(meta):
-        return None
-    parts = {name: p[0] for name, p in shard_parts(captured, group).items() if p}
-    records = {r.name: r for r in meta.tensors}
-    if any((part.offsets, part.sizes) not in [(f.offsets, f.sizes) for f in records[name].fragments]
-           for name, part in parts.items()):
-        return None
-    values = {}
-    for name, part in parts.items():
-        if name in recon.values:
-            origin, shape = boxes.get(name, ([0] * len(part.sizes), records[name].shape))
-            index = box_index(part.offsets, part.sizes, origin)
-            values[name] = recon.values[name].reshape(shape)[index].reshape(-1).copy()
-    local = {name: part.values for name, part in parts.items()}
-    return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
-                          meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
+    return resumed(recon, meta, boxes, captured, shard_parts(captured, group))
 
 
 def load_universal(path: str | os.PathLike[str], step: int | None = None) -> UniversalCheckpoint:

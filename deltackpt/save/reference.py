@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltackpt.dist.shards import Part
+from deltackpt.encode.encoder import captured_layout
 from deltackpt.encode.reconstruction import Reconstruction
-from deltackpt.format.metadata import StepMetadata, metadata_file
+from deltackpt.format.metadata import Box, StepMetadata, box_index, layout_of, metadata_file
+from deltackpt.format.state import CapturedState
 from deltackpt.io.reader import read_metadata
 from deltackpt.io.storage import Storage
 
@@ -56,3 +59,29 @@ class Reference:
         chain = {s: self.known[s] for s in base.chain if s in self.known} if base else {}
         identity = storage.identity(metadata_file(meta.step))
         self.known = chain if identity is None else {**chain, meta.step: (identity, meta)}
+
+
+def resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box],
+            captured: CapturedState, parts: dict[str, list[Part]]) -> Reconstruction | None:
+    """The reconstruction a save of ``captured`` (this rank writing ``parts``) codes against
+    after step ``meta`` was restored into it: the restored running values (``recon``, of
+    ``boxes``; whole tensors elsewhere) of the boxes this rank writes. None when the next save
+    must be full: the state is not laid out as the step was, or this rank would write other
+    boxes than the step's fragments (a delta keeps its base's fragments, docs/FORMAT.md 5), as
+    after a change of world size."""
+    if captured_layout(captured) != layout_of(meta):
+        return None
+    mine = {name: p[0] for name, p in parts.items() if p}
+    records = {r.name: r for r in meta.tensors}
+    if any((part.offsets, part.sizes) not in [(f.offsets, f.sizes) for f in records[name].fragments]
+           for name, part in mine.items()):
+        return None
+    values = {}
+    for name, part in mine.items():
+        if name in recon.values:
+            origin, shape = boxes.get(name, ([0] * len(part.sizes), records[name].shape))
+            index = box_index(part.offsets, part.sizes, origin)
+            values[name] = recon.values[name].reshape(shape)[index].reshape(-1).copy()
+    local = {name: part.values for name, part in mine.items()}
+    return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
+                          meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
