@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import zstandard
 
 from deltackpt.format.dtypes import BY_NAME
@@ -105,3 +109,28 @@ def edit_metadata(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]],
     obj.pop(CHECKSUM_KEY, None)
     path.write_text(seal_json(json.dumps(obj, separators=(",", ":"))))
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for a gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, scenario, world: int, port: int, args: tuple) -> None:
+    """One gloo rank of :func:`run_ranks`: ``scenario(rank, world, *args)`` in its group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        scenario(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(scenario, world: int, *args) -> None:
+    """Run ``scenario(rank, world, *args)`` on ``world`` forked gloo ranks; a rank's exception
+    fails the test with its traceback."""
+    mp.start_processes(rank_main, args=(scenario, world, free_port(), args), nprocs=world,
+                       start_method="fork")

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port, rank_main, run_ranks
 from torch import nn
 
 from deltackpt import CheckpointManager, DistributedError
@@ -23,29 +22,6 @@ from deltackpt.dist.group import Group
 from deltackpt.dist.shards import parts_to_write
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, scenario, world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        scenario(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(scenario, world: int, *args) -> None:
-    """Run ``scenario(rank, world, *args)`` on ``world`` forked gloo ranks; a rank's exception
-    fails the test with its traceback."""
-    mp.start_processes(_rank_main, args=(scenario, world, _free_port(), args), nprocs=world,
-                       start_method="fork")
 
 
 class Net(nn.Module):
@@ -613,7 +589,7 @@ def _killed_mid_save(rank: int, world: int, path: str, report: str) -> None:
 
 def test_a_rank_killed_mid_save_leaves_earlier_steps_and_no_partial_step(tmp_path: Path) -> None:
     report = tmp_path / "rank0.txt"
-    context = mp.start_processes(_rank_main, args=(_killed_mid_save, 2, _free_port(), (
+    context = mp.start_processes(rank_main, args=(_killed_mid_save, 2, free_port(), (
         str(tmp_path / "ckpt"), str(report))), nprocs=2, start_method="fork", join=False)
     for process in context.processes:
         process.join(timeout=120)
