@@ -36,7 +36,7 @@ from deltackpt.io.reader import chain_of
 from deltackpt.io.retired import DEFAULT_GRACE, RetiredFiles
 from deltackpt.io.tiering import UploadCache
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
-from deltackpt.ops.retention import GCReport, RetentionPolicy, collect_garbage
+from deltackpt.ops.retention import GCReport, KeepSteps, RetentionPolicy, collect_garbage
 from deltackpt.restore.cached import restore_cached
 from deltackpt.restore.consistent import ChainReads, read_consistently
 from deltackpt.restore.universal import UniversalCheckpoint
@@ -466,7 +466,8 @@ class CheckpointManager(CheckpointDirectory):
             log.warning("step %d: target_ratio %g not met, achieved %.1fx (steps scaled by %.3g)",
                         info.step, info.target_ratio, info.ratio, meta.stats.compression["scale"])
 
-    def gc(self, keep: str | RetentionPolicy | None = None, *, dry_run: bool = False) -> GCReport:
+    def gc(self, keep: str | RetentionPolicy | KeepSteps | None = None, *,
+           dry_run: bool = False) -> GCReport:
         """Delete the steps a retention policy does not keep (default: the manager's ``keep``).
 
         No kept step ever becomes unrestorable, and the directory never
@@ -482,8 +483,11 @@ class CheckpointManager(CheckpointDirectory):
         On a full disk it deletes what no kept step needs first, and where
         the replacements still do not fit it keeps the steps they need and
         reports (and logs) the bytes they need (``GCReport.needed_bytes``).
+        ``keep`` as :class:`~deltackpt.ops.retention.KeepSteps` keeps the steps it names and,
+        replacing none, those their chains need.
         """
-        policy = RetentionPolicy.parse(keep) if keep is not None else self.keep
+        policy = keep if isinstance(keep, KeepSteps) else \
+            RetentionPolicy.parse(keep) if keep is not None else self.keep
         if policy is None:
             raise ConfigError("gc needs a retention policy: pass keep= here or to the manager")
         if not dry_run:

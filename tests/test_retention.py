@@ -680,7 +680,8 @@ def test_cli_gc(templates, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
                    "removed": [1, 2, 4, 5, 7, 8], "rewritten": [3], "recoded": [9, 10], "held": [],
                    "freed_bytes": dry["freed_bytes"], "added_bytes": dry["added_bytes"],
                    "bytes_before": sum(dir_bytes(p) for p in path.glob("step-*")),
-                   "bytes_after": dry["bytes_after"], "dry_run": True, "skipped": [], "needed_bytes": 0}
+                   "bytes_after": dry["bytes_after"], "dry_run": True, "skipped": [], "needed_bytes": 0,
+                   "chains_kept": False}
     assert dry["freed_bytes"] == sum(dir_bytes(path / step_dir_name(s)) for s in dry["removed"])
     assert dry["bytes_after"] < dry["bytes_before"]
 
@@ -822,3 +823,23 @@ def test_cli_ls_and_info_show_errors(templates, tmp_path: Path, capsys: pytest.C
     assert (code, err) == (0, "")
     assert "compression     " not in out  # a full step has no compression config
     assert re.search(r"^weights +\d+ .*x +- +- +- +-$", out, re.M)
+
+
+def test_keep_steps_holds_chains_and_replaces_nothing(templates, tmp_path: Path) -> None:
+    """KeepSteps keeps the steps it names as they are, with the steps their chains need; a dropped
+    step goes once no kept step needs it."""
+    path = templates(5, torch.float32, tmp_path / "ckpt")  # full 1 and 6, deltas between
+    with CheckpointManager(path, reader_grace=0) as mgr:
+        values = {s: restored(mgr, s) for s in STEPS}
+        files = snapshot(path)
+        dry = mgr.gc(retention_module.KeepSteps(frozenset({3, 7, 99})), dry_run=True)
+        report = mgr.gc(retention_module.KeepSteps(frozenset({3, 7, 99})))
+        for r in (dry, report):
+            assert (r.kept, r.removed, r.held, r.recoded, r.rewritten, r.chains_kept) == (
+                [1, 2, 3, 6, 7], [4, 5, 8, 9, 10], [1, 2, 6], [], [], True)
+        assert "held 3 steps the kept steps' chains need (1, 2, 6)" in report.describe()
+        gone = tuple(step_dir_name(s) for s in report.removed)
+        assert snapshot(path) == {k: v for k, v in files.items() if not k.startswith(gone)}
+        assert all(restored(mgr, s) == values[s] for s in report.kept)
+        assert mgr.gc(retention_module.KeepSteps(frozenset({6}))).removed == [1, 2, 3, 7]
+        assert mgr.steps() == [6] and restored(mgr, 6) == values[6]

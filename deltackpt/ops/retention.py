@@ -69,6 +69,13 @@ changes no kept step) and writes the replacements again; when they still
 do not fit, it keeps the chains (as for size) and reports the bytes the
 replacements need, so that a gc with that much free space completes.
 
+**Steps chosen by the caller.** :class:`KeepSteps` keeps the steps a caller
+names (a framework that rotates its checkpoints itself, as Lightning's
+``ModelCheckpoint`` does) and replaces none: every step a kept step's chain
+needs is held, so a step the caller drops is deleted once no kept step needs
+it. The directory may then hold up to ``full_every - 1`` more steps for each
+kept delta, and a kept step keeps the values it had.
+
 **full_every.** The manager that runs the gc (``keep=`` after every save)
 codes its next save against the reconstruction of its last one. When that
 step is replaced, the manager continues from the new reconstruction, with
@@ -222,6 +229,19 @@ class RetentionPolicy:
         return kept
 
 
+@dataclass(frozen=True)
+class KeepSteps:
+    """Keep exactly ``steps`` (those committed), each with the steps its chain needs, and never
+    replace a kept step (see the module doc): for a caller that decides itself which steps
+    to keep. Every other step is deleted once no kept step's chain needs it."""
+
+    steps: frozenset[int]
+
+    def select(self, steps: list[int], kinds: dict[int, str]) -> set[int]:
+        """The steps of ``steps`` to keep (``kinds`` is ignored)."""
+        return set(steps) & self.steps
+
+
 @dataclass
 class GCReport:
     """What :func:`collect_garbage` did (or, for a dry run, would do).
@@ -245,7 +265,9 @@ class GCReport:
     ``raw_bytes / 1.2``. ``needed_bytes``: when the disk had no space for
     the replacements even after deleting the steps no kept step needs, the
     bytes they would take (estimated as for a dry run), for which their
-    chains are ``held`` instead; else 0. All lists are ascending.
+    chains are ``held`` instead; else 0. ``chains_kept``: the policy
+    (:class:`KeepSteps`) holds the kept steps' chains instead of replacing
+    them. All lists are ascending.
     """
 
     kept: list[int]
@@ -260,6 +282,7 @@ class GCReport:
     bytes_before: int = 0
     bytes_after: int = 0
     needed_bytes: int = 0
+    chains_kept: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-able values."""
@@ -282,7 +305,9 @@ class GCReport:
             text = (f"removed {removed}, re-coded {recoded}, rewrote {rewritten}, kept "
                     f"{n(len(self.kept))}; freed {human_bytes(self.freed_bytes)}, wrote "
                     f"{human_bytes(self.added_bytes)} ({before} -> {after})")
-        if self.held:
+        if self.held and self.chains_kept:
+            text += f"; held {n(len(self.held))} the kept steps' chains need{_listing(self.held)}"
+        elif self.held:
             why = (f"the disk has no space to replace the steps that need them (they need about "
                    f"{human_bytes(self.needed_bytes)}: free that much and run gc again)"
                    if self.needed_bytes else
@@ -351,7 +376,7 @@ class _Plan:
     sizes: dict[int, int]  # bytes of each step's directory
 
 
-def _plan(directory: Steps, policy: RetentionPolicy) -> _Plan:
+def _plan(directory: Steps, policy: RetentionPolicy | KeepSteps) -> _Plan:
     """Decide from the metadata alone what to keep and remove, and which kept steps to skip."""
     steps = directory.steps()
     metas: dict[int, StepMetadata] = {}
@@ -569,16 +594,18 @@ def _delete_step(storage: Storage, step: int, retired: RetiredFiles | None = Non
                     if storage.kind(f"{step_dir}/{n}") == "file")
 
 
-def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: SaveSettings,
-                    restore: ChainRestore, workers: Workers = None, dry_run: bool = False,
-                    follow: int | None = None, retired: RetiredFiles | None = None
+def collect_garbage(directory: Steps, policy: RetentionPolicy | KeepSteps, *,
+                    settings: SaveSettings, restore: ChainRestore, workers: Workers = None,
+                    dry_run: bool = False, follow: int | None = None,
+                    retired: RetiredFiles | None = None
                     ) -> tuple[GCReport, Reconstruction | None]:
     """Delete every step of ``directory`` that ``policy`` does not keep.
 
     Kept steps whose chain loses a step are replaced first (re-coded as
     deltas on stable kept steps, or rewritten as full steps; see the module
     doc): no kept step becomes unrestorable, and the directory does not
-    grow. Nothing is committed or deleted unless every replacement was
+    grow. Under :class:`KeepSteps` none is replaced: the steps their chains
+    need are held. Nothing is committed or deleted unless every replacement was
     written, metadata included, so committing them writes nothing. A step
     whose metadata cannot be read is kept and left alone. ``dry_run`` writes
     and deletes nothing and reports what a real run would do, with
@@ -620,10 +647,11 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
 
     replacer = new_replacer()
     followed, deleted, needed = None, [], 0
+    hold = isinstance(policy, KeepSteps)
 
     try:
         try:
-            bases = replace_kept(replacer.estimate if dry_run else replacer.write)
+            bases = None if hold else replace_kept(replacer.estimate if dry_run else replacer.write)
         except OSError as exc:
             if not _no_space(exc):
                 raise
@@ -673,5 +701,5 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy, *, settings: Save
     report = GCReport(plan.kept, plan.removed, sorted(s for s, b in bases.items() if b is None),
                       sum(plan.sizes[s] for s in plan.removed), added, dry_run, plan.skipped,
                       sorted(s for s, b in bases.items() if b is not None), held, before, after,
-                      needed)
+                      needed, hold)
     return report, followed
