@@ -24,6 +24,9 @@ MODEL_KEYS = ("model", "state_dict", "model_state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_state_dict")
 OPTIMIZER_CLASS_KEY = "optimizer_class"  # written by deltackpt's torch and DCP exports
 TORCH_FILE = "checkpoint.pt"  # the file of deltackpt's torch export
+# What to do about an optimizer whose parameters cannot be named after the model, as a converter says it.
+NAMING_ADVICE = ("save the optimizer with parameter names (build it from model.named_parameters(), "
+                 "or save get_optimizer_state_dict), or convert the model alone (--model-only)")
 
 
 @dataclass
@@ -76,7 +79,7 @@ def native_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 def fqn_optimizer(sd: Any, class_name: str | None, origin: str,
                   model: Mapping[str, torch.Tensor] | None = None,
-                  notes: list[str] | None = None) -> dict[str, Any]:
+                  notes: list[str] | None = None, advice: str = NAMING_ADVICE) -> dict[str, Any]:
     """The optimizer tree ``{"class", "param_groups", "state"}`` (state by FQN) of an optimizer
     state dict in either layout; ``class_name`` None: recognized from the hyperparameters.
 
@@ -86,7 +89,8 @@ def fqn_optimizer(sd: Any, class_name: str | None, origin: str,
     Without them, the parameters are named after ``model``, the state dict
     saved beside it, when its parameters match the indices in order
     (:func:`parameters_by_index`; one sentence saying so is added to
-    ``notes``). ``origin`` names the file in errors.
+    ``notes``; ``advice`` ends the error where they cannot be). ``origin`` names the file in
+    errors.
     """
     if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), list):
         raise ConversionError(f"{origin}: the optimizer entry is not an optimizer state dict "
@@ -103,7 +107,7 @@ def fqn_optimizer(sd: Any, class_name: str | None, origin: str,
                if not all(isinstance(p, str) for p in group["params"])
                and not ("param_names" in group and len(group["param_names"]) == len(group["params"]))]
     if unnamed and model is not None:
-        by_model = parameters_by_index(sd["param_groups"], state, model, origin)
+        by_model = parameters_by_index(sd["param_groups"], state, model, origin, advice)
         if notes is not None:
             notes.append(by_model.note)
     elif unnamed:
@@ -167,7 +171,8 @@ def names_text(names: list[str], limit: int = 6) -> str:
 
 
 def parameters_by_index(param_groups: list[Mapping[str, Any]], state: Mapping[Any, Any],
-                        model: Mapping[str, torch.Tensor], origin: str) -> IndexNames:
+                        model: Mapping[str, torch.Tensor], origin: str,
+                        advice: str = NAMING_ADVICE) -> IndexNames:
     """Name the parameters of an optimizer state dict that lists them by index, without
     ``param_names``, after the model state dict saved with it.
 
@@ -179,8 +184,8 @@ def parameters_by_index(param_groups: list[Mapping[str, Any]], state: Mapping[An
     buffers: the assignment in order that agrees with the shapes of every
     parameter's optimizer state, where each module's parameters come before
     its buffers and torch's batch-norm statistics are buffers. Refused, with
-    a ConversionError saying why, when no assignment agrees or the state
-    leaves more than one.
+    a ConversionError saying why and what to do (``advice``), when no
+    assignment agrees or the state leaves more than one.
     """
     indices = [p for group in param_groups for p in group["params"]]
     n = len(indices)
@@ -241,8 +246,6 @@ def parameters_by_index(param_groups: list[Mapping[str, Any]], state: Mapping[An
             taken.append(module[:k])
         return [fqn for part in reversed(taken) for fqn in part]
 
-    advice = ("save the optimizer with parameter names (build it from model.named_parameters(), or "
-              "save get_optimizer_state_dict), or convert the model alone (--model-only)")
     start = f"{origin}: the optimizer lists its {n} parameters by index, without names, and"
     if n not in reach:
         floating = len(candidates)
