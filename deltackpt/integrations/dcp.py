@@ -73,7 +73,8 @@ from deltackpt.save.info import SaveInfo
 
 FORMAT = 1  # of extra["dcp"]
 _STATE_KEY = re.compile(r"(?:.*\.)?state\.(?P<fqn>.+)\.(?P<key>[^.]+)")
-_GROUP_KEY = re.compile(r"(?:.*\.)?param_groups\.(?P<index>\d+)\.(?P<name>[^.]+)")
+_INDEXED_GROUP = re.compile(r"(?:.*\.)?param_groups\.(?P<index>\d+)\.(?P<name>[^.]+)")
+_FLAT_GROUP = re.compile(r"(?:.*\.)?param_groups\.(?P<fqn>.+)\.(?P<name>[^.]+)")
 
 
 class _Runs:
@@ -268,20 +269,30 @@ def _optimizer_states(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[st
 
 
 def _param_groups(objects: Mapping[str, Any], state_of: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The optimizer's param groups from DCP's ``param_groups.<i>.<name>`` values (their
-    ``params`` list FQNs, as ``get_state_dict`` gives them), or one group of every parameter
-    with state where they do not list exactly those."""
-    groups: dict[int, dict[str, Any]] = {}
-    for key, value in objects.items():
-        m = _GROUP_KEY.fullmatch(key)
-        if m and "value" in value:
-            groups.setdefault(int(m["index"]), {})[m["name"]] = value["value"]
-    listed = [g for _, g in sorted(groups.items())]
-    if all(isinstance(g.get("params"), list) for g in listed):
-        params = [p for g in listed for p in g["params"]]
-        if listed and sorted(params) == sorted(state_of) and len(set(params)) == len(params):
-            return listed
-    return [{"params": sorted(state_of)}]
+    """The optimizer's param groups from DCP's values: ``param_groups.<i>.<name>`` (whose
+    ``params`` list FQNs, as ``get_state_dict`` gives them) or, flattened
+    (``flatten_optimizer_state_dict``, torchtitan), ``param_groups.<fqn>.<name>``, parameters
+    of equal hyperparameters making a group; else one group of every parameter with state."""
+    indexed: dict[int, dict[str, Any]] = {}
+    flat: dict[str, dict[str, Any]] = {}
+    for key, stored in objects.items():
+        if "value" not in stored:
+            continue
+        if m := _INDEXED_GROUP.fullmatch(key):
+            indexed.setdefault(int(m["index"]), {})[m["name"]] = stored["value"]
+        if (m := _FLAT_GROUP.fullmatch(key)) and m["fqn"] in state_of:
+            flat.setdefault(m["fqn"], {})[m["name"]] = stored["value"]
+    groups = [g for _, g in sorted(indexed.items())]
+    if groups and all(isinstance(g.get("params"), list) for g in groups):
+        params = [p for g in groups for p in g["params"]]
+        if sorted(params) == sorted(state_of) and len(set(params)) == len(params):
+            return groups
+    by_values: dict[str, dict[str, Any]] = {}
+    for fqn in state_of:
+        hyper = flat.get(fqn, {})
+        group = by_values.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})
+        group["params"].append(fqn)
+    return list(by_values.values())
 
 
 def _no_tensor(name: str) -> torch.Tensor:
