@@ -307,12 +307,13 @@ def _torch_optimizer_defaults() -> dict[str, dict[str, Any]]:
 def optimizer_class(param_groups: list[Mapping[str, Any]]) -> str | None:
     """The ``torch.optim`` class whose param groups have exactly these hyperparameter names, or None.
 
-    Adam and AdamW share their names and differ in ``decoupled_weight_decay``.
+    Adam and AdamW share their names and differ in ``decoupled_weight_decay``. The
+    ``initial_lr`` that torch's learning-rate schedulers add to every group does not count.
     """
     if not param_groups:
         return None
     group = param_groups[0]
-    keys = {k for k in group if k not in ("params", "param_names")}
+    keys = {k for k in group if k not in ("params", "param_names", "initial_lr")}
     matches = [name for name, d in _torch_optimizer_defaults().items() if set(d) == keys]
     if len(matches) > 1 and "decoupled_weight_decay" in keys:
         matches = [name for name in matches if _torch_optimizer_defaults()[name][
