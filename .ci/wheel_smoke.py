@@ -49,6 +49,23 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def dcp_round_trip(path: Path, model: nn.Module) -> None:
+    """A model saved with dcp.save through deltackpt.dcp.Writer loads back bit for bit."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import deltackpt.dcp
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    dcp.save({"model": model.state_dict()}, storage_writer=deltackpt.dcp.Writer(path, step=0))
+    loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load({"model": loaded}, storage_reader=deltackpt.dcp.Reader(path))
+    if not all(torch.equal(loaded[k], v) for k, v in saved.items()):
+        sys.exit("a step saved through deltackpt.dcp did not load back bit for bit")
+
+
 def main() -> None:
     installed = Path(deltackpt.__file__).resolve()
     if REPO in installed.parents:
@@ -88,8 +105,10 @@ def main() -> None:
         command("restore", path, "--format", "safetensors", "--out", Path(tmp) / "export")  # interop
         if not (Path(tmp) / "export" / "model.safetensors").is_file():
             sys.exit("deltackpt restore --format safetensors wrote no model.safetensors")
+        dcp_round_trip(Path(tmp) / "dcp", model2)
     print(f"wheel smoke test passed: deltackpt {deltackpt.__version__} from {installed.parent}: "
-          "save and restore (full and delta), --version, ls, verify, info, restore --format safetensors")
+          "save and restore (full and delta), --version, ls, verify, info, restore --format safetensors, "
+          "deltackpt.dcp")
 
 
 if __name__ == "__main__":

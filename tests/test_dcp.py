@@ -6,14 +6,18 @@ process, FSDP2 saves on 2 gloo ranks loaded in 1 process and on 3 ranks, and bad
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import run_ranks
+from helpers import free_port, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -150,6 +154,9 @@ def test_a_dcp_step_is_an_ordinary_step(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["verify", str(tmp_path / "ckpt")]) == 0
     assert main(["ls", str(tmp_path / "ckpt")]) == 0
     assert "delta" in capsys.readouterr().out
+    assert main(["restore", str(tmp_path / "ckpt"), "--step", "1", "--format", "safetensors",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_a_new_writer_or_process_continues_the_chain(tmp_path: Path) -> None:
@@ -186,6 +193,7 @@ class _Custom:
     pass
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_bad_input_is_refused_and_leaves_no_step(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     model = _model()
@@ -302,3 +310,17 @@ def test_fsdp_saves_on_2_ranks_load_in_1_process_and_on_3_ranks(tmp_path: Path) 
     saved = torch.load(expected, weights_only=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     run_ranks(_fsdp_load, 3, path, expected)
+
+
+@pytest.mark.slow
+def test_the_manuals_examples_run(tmp_path: Path) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "dcp.md").read_text()
+    examples = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(examples) == 2
+    for example in examples:  # each in a process of its own: the second starts a process group
+        subprocess.run([sys.executable, "-c", example], cwd=tmp_path, check=True,
+                       env={**os.environ, "MASTER_PORT": str(free_port())})
+    dcp_steps = CheckpointManager(tmp_path / "runs" / "dcp-ckpt").steps()
+    assert dcp_steps == [10, 20, 30]
+    titan = CheckpointManager(tmp_path / "runs" / "titan-ckpt")
+    assert titan.steps() == [20, 30, 40] and titan.info(40).kind == "delta"

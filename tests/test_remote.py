@@ -789,3 +789,32 @@ def test_own_metadata_identity_trusted_only_under_the_lease(
     info = mgr.save(1, extra={"w": torch.arange(1000.0) + 1}, rng=False)
     assert info.kind == "full"
     mgr.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_steps_on_object_storage(remote: tuple[str, dict | None]) -> None:
+    """deltackpt.dcp's Writer and Reader take URLs and storage options as everywhere else."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import deltackpt.dcp
+
+    url, opts = remote
+    model, optimizer = model_and_optimizer()
+    saved = []
+    for step in range(2):
+        train(model, optimizer, 2)
+        msd, osd = get_state_dict(model, optimizer)
+        writer = deltackpt.dcp.Writer(url, step, full_every=2, storage_options=opts)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+        saved.append((writer.info.kind, {k: v.clone() for k, v in msd.items()}))
+    assert [kind for kind, _ in saved] == ["full", "delta"]
+    fresh, fresh_optimizer = model_and_optimizer(seed=1)
+    train(fresh, fresh_optimizer)
+    msd, osd = get_state_dict(fresh, fresh_optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=deltackpt.dcp.Reader(url, 0, storage_options=opts))
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    for fqn, value in saved[0][1].items():
+        assert_bitwise_equal(fresh.state_dict()[fqn], value, fqn)

@@ -13,9 +13,10 @@ from torch import nn
 
 pytest.importorskip("torchtitan")
 
-from deltackpt import CheckpointManager, ConfigError  # noqa: E402
-from deltackpt.app.cli import main  # noqa: E402
-from helpers import run_ranks  # noqa: E402
+from helpers import run_ranks
+
+from deltackpt import CheckpointManager, ConfigError
+from deltackpt.app.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -122,3 +123,49 @@ def test_options_deltackpt_cannot_serve_are_refused() -> None:
         config(enable=True, async_mode="async_with_pinned_mem")
     with pytest.raises(ConfigError, match="full_every"):
         config(enable=True, full_every=0)
+
+
+class _Opaque:
+    """An object of the job's own class: no weights-only load makes it back."""
+
+
+class Unsafe(Counter):
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "opaque": _Opaque()}
+
+
+def _failing_save(rank: int, world: int, folder: str) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from deltackpt import IntegrationError
+
+    model, optimizers, schedulers, counter, checkpointer = _job(folder)
+    checkpointer.states["counter"] = Unsafe()
+    _train_step(model, optimizers, schedulers, counter, rank)
+    with pytest.raises(CheckpointException) as failed:
+        checkpointer.save(1)
+    assert isinstance(failed.value.failures[0][0], IntegrationError)
+    assert "counter.opaque" in str(failed.value)
+    checkpointer.close()
+
+
+def test_a_failed_save_raises_dcps_exception_and_leaves_no_step(tmp_path: Path) -> None:
+    folder = str(tmp_path / "checkpoint")
+    run_ranks(_failing_save, 1, folder)
+    assert CheckpointManager(folder).steps() == []
+    assert [p.name for p in Path(folder).iterdir() if p.name.startswith("step")] == []
+
+
+def test_a_torchtitan_outside_the_tested_range_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import importlib.metadata
+    import sys
+
+    from deltackpt import IntegrationError
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.5.0" if name == "torchtitan" else real(name))
+    monkeypatch.delitem(sys.modules, "deltackpt.integrations.torchtitan", raising=False)
+    with pytest.raises(IntegrationError, match=r"torchtitan 0\.5\.0 is installed.*0\.3 up to"):
+        importlib.import_module("deltackpt.integrations.torchtitan")
