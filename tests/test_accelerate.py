@@ -253,6 +253,11 @@ def _rank(rank: int, port: int, root: str) -> None:
             assert_same_value(ours, _snapshot(resumed))
         else:
             assert_same_value(ours, final)
+            resumed = build(7, seedable)
+            resumed.accelerator.load_state(path.with_suffix(".accelerate"))
+            list(_epochs(resumed, 1, 3))
+            theirs = _snapshot(resumed)["models"][0]["0.weight"]
+            assert not torch.equal(theirs, final["models"][0]["0.weight"])
             resumed = build(8, seedable)
             assert Checkpointer(resumed.accelerator, path).load_state() == 6
             loaded = _snapshot(resumed)
