@@ -324,3 +324,26 @@ def test_the_manuals_examples_run(tmp_path: Path) -> None:
     assert dcp_steps == [10, 20, 30]
     titan = CheckpointManager(tmp_path / "runs" / "titan-ckpt")
     assert titan.steps() == [20, 30, 40] and titan.info(40).kind == "delta"
+
+
+def test_optimizer_state_is_recognised_by_its_parameter() -> None:
+    """``<prefix>state.<fqn>.<key>`` is optimizer state where one reading of the name finds one
+    tensor ending in ``<fqn>`` of its shape, whatever ``state`` components the names hold."""
+    w, b = torch.ones(4, 3), torch.ones(4)
+    state = {"model.state.proj.weight": w, "model.state.proj.bias": b,
+             "optim.state.state.proj.weight.exp_avg": w * 2,
+             "optim.state.state.proj.weight.step": torch.tensor(3.0),
+             "optim.state.gone.exp_avg": w * 3,  # no parameter ends in "gone"
+             "ema.proj.weight": w * 4}  # a tensor of another prefix
+    captured = dcp_module.capture_dcp(state, {})
+    roles = {t.name: (t.role, t.fqn, t.state_key) for t in captured.tensors}
+    assert roles["model/state.proj.weight"] == ("param", "state.proj.weight", None)
+    assert roles["model/state.proj.bias"] == ("buffer", "state.proj.bias", None)
+    assert roles["optimizer/state/state.proj.weight/exp_avg"] == (
+        "optimizer", "state.proj.weight", "exp_avg")
+    assert roles["optimizer/state/state.proj.weight/step"][2] == "step"
+    assert roles["extra/dcp/values/optim.state.gone.exp_avg"][0] == "extra"
+    assert roles["extra/dcp/values/ema.proj.weight"][0] == "extra"
+    names = captured.tree["extra"]["dcp"]["tensors"]
+    assert names["optim.state.state.proj.weight.exp_avg"] == \
+        "optimizer/state/state.proj.weight/exp_avg"

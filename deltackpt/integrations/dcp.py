@@ -72,7 +72,6 @@ from deltackpt.save.capture import capture_values
 from deltackpt.save.info import SaveInfo
 
 FORMAT = 1  # of extra["dcp"]
-_STATE_KEY = re.compile(r"(?:.*\.)?state\.(?P<fqn>.+)\.(?P<key>[^.]+)")
 _INDEXED_GROUP = re.compile(r"(?:.*\.)?param_groups\.(?P<index>\d+)\.(?P<name>[^.]+)")
 _FLAT_GROUP = re.compile(r"(?:.*\.)?param_groups\.(?P<fqn>.+)\.(?P<name>[^.]+)")
 
@@ -255,16 +254,22 @@ def capture_dcp(state: Mapping[str, Any], payloads: Mapping[str, bytes]) -> Capt
 
 def _optimizer_states(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple]]:
     """``key -> (model key, (fqn, state key))`` of the optimizer state tensors: those named
-    ``<prefix>state.<fqn>.<key>`` for which exactly one other tensor's key ends in ``<fqn>``,
-    the parameter (the others are not recognised, and stored as they are)."""
-    matches = {k: m for k in tensors if (m := _STATE_KEY.fullmatch(k))}
-    candidates = [k for k in tensors if k not in matches]
+    ``<prefix>state.<fqn>.<key>`` for which exactly one reading of the name finds exactly one
+    other tensor whose key ends in ``<fqn>``, the parameter, of the state's shape (or the
+    state a scalar, as ``step``); the others are not recognised, and stored as they are."""
+    parts = {k: k.split(".") for k in tensors}
+    readings = {k: [(".".join(p[i + 1:-1]), p[-1]) for i in range(len(p) - 2) if p[i] == "state"]
+                for k, p in parts.items()}
     out = {}
-    for key, m in matches.items():
-        fqn = m["fqn"]
-        owners = [c for c in candidates if c == fqn or c.endswith("." + fqn)]
-        if len(owners) == 1:
-            out[key] = (owners[0], (fqn, m["key"]))
+    for key, options in readings.items():
+        found = []
+        for fqn, state_key in options:
+            owners = [c for c in tensors if (c == fqn or c.endswith("." + fqn)) and (
+                tensors[c].shape == tensors[key].shape or tensors[key].numel() == 1)]
+            if len(owners) == 1:
+                found.append((owners[0], (fqn, state_key)))
+        if len(found) == 1:
+            out[key] = found[0]
     return out
 
 
