@@ -127,7 +127,7 @@ class CheckpointIO(_LightningCheckpointIO):
         self._readers: dict[str, CheckpointManager] = {}
         self._files: dict[str, int] = {}  # the files naming steps of the directory -> their step
         self._dropped: set[int] = set()  # steps no file names any more, deleted once not needed
-        self._last: tuple[int, list[Any]] | None = None  # the last step saved, and its state's
+        self._last: tuple[int, Any] | None = None  # the last step saved, its state's fingerprints
         self._resumed: int | None = None  # the step of this directory the run resumed from
         self._cleanup = False  # drop what the files known at the resumed step do not name
         self._checked = False  # the directory was checked for another run's steps
@@ -201,7 +201,7 @@ class CheckpointIO(_LightningCheckpointIO):
         if ckpt.metadata.save_id != ref["save_id"]:
             raise IntegrationError(
                 f"{path} names step {ref['step']} of {manager.path}, which was saved again since "
-                "(by a run that resumed from an earlier step); it holds that run's state now")
+                "(by a run resumed from an earlier checkpoint); it holds another state now")
         rest = torch.load(io.BytesIO(header["lightning"]), map_location=map_location,
                           weights_only=weights_only)
         rest.update(_training_dict(ckpt, ref["optimizers"], map_location))
