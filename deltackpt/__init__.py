@@ -2,7 +2,7 @@
 
 The public API is :class:`CheckpointManager` (save, restore, load steps),
 :class:`CompressionConfig` and :class:`Quantizer` (what delta steps keep),
-:class:`RetentionPolicy` (which steps to keep), :class:`UniversalCheckpoint`
+:class:`RetentionPolicy` and :class:`KeepSteps` (which steps to keep), :class:`UniversalCheckpoint`
 (a restored step, one whole tensor per name) and :func:`load_universal`.
 The on-disk format is specified in docs/FORMAT.md.
 """
@@ -44,6 +44,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "SaveHandle": "deltackpt.save.queue",
     "SaveInfo": "deltackpt.save.info",
     "GCReport": "deltackpt.ops.retention",
+    "KeepSteps": "deltackpt.ops.retention",
     "RetentionPolicy": "deltackpt.ops.retention",
     "UniversalCheckpoint": "deltackpt.restore.universal",
     "load_universal": "deltackpt.manager",
@@ -52,7 +53,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from deltackpt.encode.policy import EXACT, CompressionConfig, Quantizer
     from deltackpt.manager import CheckpointManager, load_universal
-    from deltackpt.ops.retention import GCReport, RetentionPolicy
+    from deltackpt.ops.retention import GCReport, KeepSteps, RetentionPolicy
     from deltackpt.restore.loading import LoadReport
     from deltackpt.restore.universal import UniversalCheckpoint
     from deltackpt.save.info import SaveInfo
@@ -71,6 +72,7 @@ __all__ = [
     "FormatError",
     "GCReport",
     "IntegrationError",
+    "KeepSteps",
     "LoadReport",
     "NotACheckpointError",
     "OtherRunError",

@@ -483,8 +483,8 @@ class CheckpointManager(CheckpointDirectory):
         On a full disk it deletes what no kept step needs first, and where
         the replacements still do not fit it keeps the steps they need and
         reports (and logs) the bytes they need (``GCReport.needed_bytes``).
-        ``keep`` as :class:`~deltackpt.ops.retention.KeepSteps` keeps the steps it names and,
-        replacing none, those their chains need.
+        ``keep`` as :class:`~deltackpt.KeepSteps` keeps the steps it names and, replacing none,
+        those their chains need.
         """
         policy = keep if isinstance(keep, KeepSteps) else \
             RetentionPolicy.parse(keep) if keep is not None else self.keep
