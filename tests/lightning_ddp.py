@@ -34,6 +34,10 @@ class Regression(L.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
     def configure_optimizers(self) -> dict:
         params = list(self.named_parameters())
         groups = [[(n, p) for n, p in params if p.dim() >= 2], [(n, p) for n, p in params if p.dim() < 2]]

@@ -251,6 +251,19 @@ def test_saves_of_one_global_step_share_its_step(tmp_path: Path, caplog: pytest.
     assert "optimizer_states" not in loaded
 
 
+def test_validating_from_a_checkpoint_changes_nothing(tmp_path: Path) -> None:
+    """A load by validate (not fit) is no resume: later saves drop no step another file names."""
+    ckpt, kept = tmp_path / "ckpt", tmp_path / "files"
+    plugin = CheckpointIO(ckpt, full_every=2, reader_grace=0)
+    module = seeded(Regression)
+    t = fit(module, plugin, 12, saver(kept, save_last=True))
+    t.validate(module, data(), ckpt_path=str(kept / "epoch=0-step=4.ckpt"), verbose=False)
+    t.save_checkpoint(kept / "after.ckpt")
+    assert CheckpointManager(ckpt, read_only=True).steps() == [4, 8, 12]
+    for path in files(kept):
+        assert CheckpointIO(ckpt).load_checkpoint(path)["global_step"] in (4, 8, 12)
+
+
 def _index_keyed(named: bool) -> dict[str, Any]:
     """A Lightning-like checkpoint whose optimizer covers one of two same-shaped layers."""
     torch.manual_seed(0)

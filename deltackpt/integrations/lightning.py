@@ -30,9 +30,10 @@ bumping it): the step is then saved again, full, and the first file loads it too
 ``remove_checkpoint`` (top-k rotation) drops the step unless another file names it; a dropped
 step is deleted once no kept step's chain needs it (:class:`~deltackpt.ops.retention.KeepSteps`),
 so a rotation never breaks a kept step. Which files name which steps is written in each file,
-so that a run resumed from one knows them. Resuming from a step continues the run from there:
-the first save after it drops the steps no file known at that step names, among them those
-saved after it by the run it resumed.
+so that a run resumed from one knows them. Resuming from a step (``fit(ckpt_path=...)``; a load
+for ``validate`` or ``test`` changes nothing) continues the run from there: the first save after
+it drops the steps no file known at that step names, among them those saved after it by the run
+it resumed.
 
 Under DDP Lightning saves on global rank 0 only, which holds the whole replicated state: the
 plugin saves there as a single process (``save_captured`` on a group of one), and every rank
@@ -77,6 +78,7 @@ lightning = require("lightning")
 from lightning.fabric.plugins.io import CheckpointIO as _LightningCheckpointIO  # noqa: E402
 from lightning.fabric.plugins.io import TorchCheckpointIO  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 log = logging.getLogger("deltackpt")
 
@@ -185,7 +187,9 @@ class CheckpointIO(_LightningCheckpointIO):
         optimizer states) with the rest of the checkpoint the file holds (read with
         ``weights_only`` as ``torch.load`` reads it). Another file is read as
         ``TorchCheckpointIO`` reads it, so a run can resume from Lightning's own checkpoint.
-        ``map_location``: None (the CPU) or a device."""
+        ``map_location``: None (the CPU) or a device. Loaded by a Trainer's ``fit``, a step of
+        the plugin's directory is the one the run resumes from (see the module doc); otherwise
+        (``validate``, ``test``, a direct call) a load changes nothing."""
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise IntegrationError(f"map_location={map_location!r}: deltackpt.lightning restores "
                                    "to the CPU or moves to one device (a str or torch.device)")
@@ -206,7 +210,7 @@ class CheckpointIO(_LightningCheckpointIO):
                           weights_only=weights_only)
         rest.update(_training_dict(ckpt, ref["optimizers"], map_location))
         checkpoint = {key: rest[key] for key in ref["keys"]}  # in the order Lightning made it
-        if _same_directory(manager.path, self.path):
+        if _same_directory(manager.path, self.path) and _fitting(_calling_strategy()):
             self._resumed, self._cleanup, self._last = ref["step"], True, None
             self._files = {**ref["files"], _file_key(path): ref["step"]}
         return checkpoint
@@ -378,6 +382,15 @@ def _calling_strategy() -> Any | None:
             return caller
         frame = frame.f_back
     return None
+
+
+def _fitting(strategy: Any | None) -> bool:
+    """Whether ``strategy`` (of :func:`_calling_strategy`) runs a Trainer's ``fit``: a load
+    there resumes training; one of ``validate``, ``test`` or ``predict`` does not."""
+    try:
+        return strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
+    except (AttributeError, RuntimeError):  # no strategy, module or trainer
+        return False
 
 
 def _module_names(strategy: Any, states: Any) -> list[list[list[str]] | None]:
