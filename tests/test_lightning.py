@@ -29,7 +29,13 @@ from helpers import assert_same_value  # noqa: E402
 from lightning_ddp import Regression, data  # noqa: E402
 
 import deltackpt.lightning  # noqa: E402
-from deltackpt import CheckpointManager, IntegrationError, OtherRunError, WriteFailedError  # noqa: E402
+from deltackpt import (  # noqa: E402
+    CheckpointManager,
+    ConfigError,
+    IntegrationError,
+    OtherRunError,
+    WriteFailedError,
+)
 from deltackpt.app.cli import main  # noqa: E402
 from deltackpt.app.demo import DELTA_TOLERANCE  # noqa: E402
 from deltackpt.lightning import CheckpointIO, CheckpointSaveError  # noqa: E402
@@ -363,6 +369,9 @@ def test_other_files_and_devices(tmp_path: Path) -> None:
     assert all(t.is_meta for t in loaded["state_dict"].values())
     with pytest.raises(IntegrationError, match="map_location"):
         plugin.load_checkpoint(tmp_path / "x.ckpt", map_location=lambda storage, loc: storage)
+    with pytest.raises(ConfigError, match="full_every"):
+        CheckpointIO(tmp_path / "other", full_every=0)
+    assert not (tmp_path / "other").exists()
     with pytest.raises(TypeError, match="storage_options"):
         plugin.save_checkpoint(_index_keyed(named=True), tmp_path / "y.ckpt", storage_options={})
     plugin.remove_checkpoint(tmp_path / "w.pt")

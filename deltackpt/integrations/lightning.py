@@ -54,9 +54,9 @@ import torch
 import xxhash
 
 from deltackpt.dist.group import Group
-from deltackpt.encode.policy import CompressionConfig
+from deltackpt.encode.policy import CompressionConfig, as_config
 from deltackpt.errors import ConfigError, ConversionError, DeltackptError, IntegrationError, OtherRunError
-from deltackpt.format.checks import check_bool
+from deltackpt.format.checks import check_bool, check_int, check_number
 from deltackpt.format.metadata import metadata_file
 from deltackpt.format.state import CapturedState
 from deltackpt.integrations.frameworks import require
@@ -120,6 +120,12 @@ class CheckpointIO(_LightningCheckpointIO):
                  workers: int | None = None, storage_options: Mapping[str, Any] | None = None,
                  reader_grace: float | None = None) -> None:
         check_bool(continue_run, "continue_run")
+        check_int(full_every, "full_every")
+        if workers is not None:
+            check_int(workers, "workers")
+        if reader_grace is not None:
+            check_number(reader_grace, "reader_grace", least=0)
+        as_config(compression)  # refused here, not at the first save
         self.path = os.fspath(path)
         self.continue_run = continue_run
         grace = {} if reader_grace is None else {"reader_grace": reader_grace}
