@@ -28,6 +28,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from deltackpt import (  # noqa: E402
     CheckpointManager,
+    ConfigError,
     IntegrationError,
     OtherRunError,
     StepExistsError,
@@ -208,6 +209,21 @@ def test_another_runs_directory_is_refused_unless_continued(tmp_path: Path) -> N
     with pytest.raises(IntegrationError, match=r"step 1 of .*plain was not saved by deltackpt's "
                                                r"Trainer"):
         _trainer(Trainer, tmp_path / "elsewhere").train(resume_from_checkpoint=str(tmp_path / "plain"))
+
+
+def test_settings_that_cannot_be_used_are_refused_naming_them(tmp_path: Path) -> None:
+    CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=r"ckpt was opened read_only; the Trainer saves into it"):
+        _trainer(Trainer, tmp_path, checkpoint=CheckpointManager(tmp_path / "ckpt", read_only=True))
+    with pytest.raises(ConfigError, match=r"save_total_limit=2 and the manager's keep='last=3' both"):
+        _trainer(Trainer, tmp_path, save_total_limit=2,
+                 checkpoint=CheckpointManager(tmp_path / "ckpt", keep="last=3"))
+    with pytest.raises(ConfigError, match=r"checkpoint must be a path, a URL or a CheckpointManager"):
+        _trainer(Trainer, tmp_path, checkpoint=3)
+    with pytest.raises(ConfigError, match=r"continue_run must be True or False, got 'yes'"):
+        _trainer(Trainer, tmp_path, continue_run="yes")
+    with pytest.raises(ConfigError, match=r"resume_from_checkpoint must be True, a step, a path"):
+        _trainer(Trainer, tmp_path).train(resume_from_checkpoint=2.5)
 
 
 def test_a_run_checkpointed_by_the_trainer_resumes_from_its_folder(tmp_path: Path) -> None:

@@ -109,8 +109,9 @@ class CheckpointMixin:
             ``<output_dir>/deltackpt``), or a :class:`~deltackpt.CheckpointManager`, for its
             settings (``full_every``, ``compression``, ``keep``, ``blocking=False``, a ``cache``,
             ``storage_options``).
-        continue_run: save into a directory that holds another run's steps, after them
-            (without it, and without resuming from one of them, the first save refuses).
+        continue_run: save into a directory that holds another run's steps, among them
+            (without it, and without resuming from one of them, ``train()`` refuses before
+            training).
 
     ``save_total_limit`` keeps the last steps (and the best one, as the Trainer does); a
     manager's own ``keep=`` serves when it is not set. Every other argument is the Trainer's.
