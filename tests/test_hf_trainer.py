@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from deltackpt import (  # noqa: E402
+    BackgroundSaveError,
     CheckpointManager,
     ConfigError,
     IntegrationError,
@@ -238,12 +239,15 @@ def test_a_run_checkpointed_by_the_trainer_resumes_from_its_folder(tmp_path: Pat
     assert ours.checkpoint_manager.steps() == [6]
 
 
+@pytest.mark.parametrize("blocking", [True, False])
 def test_a_failed_save_raises_an_os_error_and_leaves_no_step(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              blocking: bool) -> None:
     """A disk that fills at the second save: ``train`` raises the ``OSError`` a failed write of
-    the Trainer's own checkpoint raises, with errno ENOSPC and deltackpt's error chained; step
-    4 left nothing behind, and the run resumes from step 2."""
-    manager = CheckpointManager(tmp_path / "ckpt")
+    the Trainer's own checkpoint raises, with errno ENOSPC and deltackpt's error chained (an
+    asynchronous save's at the next save); step 4 left nothing behind, and the run resumes from
+    step 2."""
+    manager = CheckpointManager(tmp_path / "ckpt", blocking=blocking)
     storage, create = manager.storage, manager.storage.create
 
     class Full:
@@ -260,7 +264,8 @@ def test_a_failed_save_raises_an_os_error_and_leaves_no_step(tmp_path: Path,
     original, before = trainer._save_checkpoint, set()
 
     def save(model: Any, trial: Any) -> None:
-        if trainer.state.global_step == 4:  # the disk is full from now on
+        if trainer.state.global_step == 4:  # the disk is full from now on (step 2 committed)
+            manager.wait()
             before.update(files_under(tmp_path / "ckpt"))
             monkeypatch.setattr(storage, "create", lambda rel: Full(create(rel)))
         original(model, trial)
@@ -268,12 +273,16 @@ def test_a_failed_save_raises_an_os_error_and_leaves_no_step(tmp_path: Path,
     monkeypatch.setattr(trainer, "_save_checkpoint", save)
     with pytest.raises(OSError) as failure:
         trainer.train()
+    raised_at = 4 if blocking else 6
     assert type(failure.value) is OSError and failure.value.errno == errno.ENOSPC
-    assert isinstance(failure.value.__cause__, WriteFailedError)
-    assert re.match(rf"saving the checkpoint of global step 4 to {re.escape(manager.path)} "
-                    r"failed: writing step 4 failed: .*No space left on device",
-                    failure.value.strerror)
-    assert trainer.state.global_step == 4 and files_under(tmp_path / "ckpt") == before
+    cause = failure.value.__cause__
+    assert isinstance(cause if blocking else cause.__cause__, WriteFailedError)
+    assert isinstance(cause, WriteFailedError if blocking else BackgroundSaveError)
+    assert re.match(rf"saving the checkpoint of global step {raised_at} to "
+                    rf"{re.escape(manager.path)} failed: .*writing step 4 failed: .*No space left "
+                    r"on device", failure.value.strerror)
+    assert trainer.state.global_step == raised_at
+    assert files_under(tmp_path / "ckpt") == before
     monkeypatch.undo()
     assert manager.steps() == [2]
     resumed = _trainer(Trainer, tmp_path, max_steps=4, checkpoint=manager)
