@@ -21,22 +21,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from children import dir_bytes, run_child
 
 from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, make_scheduler, split_corpus
 
 METHODS = ["accelerate", "deltackpt", "deltackpt-async"]
 BATCH = 16
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def measure(method: str, size: str, saves: int, every: int, out: Path) -> dict:
@@ -81,24 +75,15 @@ def measure(method: str, size: str, saves: int, every: int, out: Path) -> dict:
     seconds = time.perf_counter() - started
     save_steps = range(every, steps + 1, every)
     if ckpt is None:
-        written = [_dir_bytes(out / f"checkpoint_{s}") for s in save_steps]
+        written = [dir_bytes(out / f"checkpoint_{s}") for s in save_steps]
     else:
-        written = [_dir_bytes(out / "ckpt" / f"step-{s:012d}") for s in save_steps]
+        written = [dir_bytes(out / "ckpt" / f"step-{s:012d}") for s in save_steps]
         kinds = [ckpt.manager.info(s).kind for s in save_steps]
     state = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
         v.numel() * v.element_size() for s in optimizer.optimizer.state.values()
         for v in s.values() if isinstance(v, torch.Tensor))
     return {"waited": waited, "written": written, "kinds": kinds, "seconds": seconds,
             "state": state, "loss": loss.item()}
-
-
-def _child(args: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run([sys.executable, __file__, "--child", *args, "--tmp", tmp],
-                                capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"bench child {args} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -116,7 +101,7 @@ def main() -> None:
         print(json.dumps(measure(method, size, int(saves), int(every), Path(args.tmp))))
         return
 
-    rows = {m: _child([m, args.size, str(args.saves), str(args.every)]) for m in METHODS}
+    rows = {m: run_child(__file__, [m, args.size, str(args.saves), str(args.every)]) for m in METHODS}
     base = rows["accelerate"]
     print(f"TinyGPT {args.size} trained with accelerate on the CPU ({os.cpu_count()} CPUs), "
           f"a save every {args.every} steps, {args.saves} saves; training state "

@@ -27,14 +27,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from children import dir_bytes, run_child
 
 from deltackpt import CheckpointManager
 from deltackpt.app.training import (
@@ -61,10 +59,6 @@ def _rss_bytes() -> int:
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _setup(size: str, seed: int = 0):
@@ -132,7 +126,7 @@ def measure_method(method: str, size: str, saves: int, out: Path) -> dict:
     if method == "torch.save":
         written = [(out / f"{i}.pt").stat().st_size for i in range(saves)]
     elif method.startswith("dcp"):
-        written = [_dir_bytes(out / f"dcp-{i}") for i in range(saves)]
+        written = [dir_bytes(out / f"dcp-{i}") for i in range(saves)]
     return {"method": method, "raw_bytes": raw, "blocked": blocked[1:],  # without the first
             "first_blocked": blocked[0], "written": written,
             "peak_rss": _peak_rss_bytes(), "rss_growth": _peak_rss_bytes() - rss_before}
@@ -157,20 +151,11 @@ def measure_training(size: str, steps: int, async_saves: bool, out: Path) -> dic
     return {"steps_per_s": steps / seconds, "stall": stall}
 
 
-def _child(args: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run([sys.executable, __file__, "--child", *args, "--tmp", tmp],
-                                capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"bench child {args} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def _print_methods(args: argparse.Namespace, methods: list[str]) -> None:
     """Time the save ``methods`` (the snapshot copy first: the others are given against it)."""
     print(f"TinyGPT {args.size}, one training step before each save, {args.saves} saves "
           f"(median of all but the first); {os.cpu_count()} CPUs")
-    rows = {m: _child(["method", m, args.size, str(args.saves)]) for m in methods}
+    rows = {m: run_child(__file__, ["method", m, args.size, str(args.saves)]) for m in methods}
     raw = rows["snapshot"]["raw_bytes"]
     snapshot = statistics.median(rows["snapshot"]["blocked"])
     print(f"state: {raw / 2**20:.1f} MiB (weights and AdamW moments)\n")
@@ -217,8 +202,8 @@ def main() -> None:
           f"save every {SAVE_EVERY} steps against none, {args.train_rounds} alternated rounds:")
     with_saves, without = [], []
     for _ in range(args.train_rounds):
-        without.append(_child(["train", args.train_size, str(args.train_steps), "none"]))
-        with_saves.append(_child(["train", args.train_size, str(args.train_steps), "async"]))
+        without.append(run_child(__file__, ["train", args.train_size, str(args.train_steps), "none"]))
+        with_saves.append(run_child(__file__, ["train", args.train_size, str(args.train_steps), "async"]))
     a = statistics.median(r["steps_per_s"] for r in with_saves)
     b = statistics.median(r["steps_per_s"] for r in without)
     stall = statistics.median(r["stall"] for r in with_saves)

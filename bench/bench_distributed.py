@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from children import dir_bytes
 from conftest import note, record
 
 from deltackpt import CheckpointManager
@@ -38,10 +39,6 @@ from deltackpt.io.reader import ChunkSource
 
 SIZE, BEFORE, BETWEEN = os.environ.get("DELTACKPT_BENCH_DIST", "large:10:20").split(":")
 ROUNDS = 3
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _rank(rank: int, world: int, port: int, commands, answers) -> None:
@@ -161,7 +158,7 @@ def test_dcp_save(benchmark, four) -> None:
     ranks, tmp = four
     benchmark.pedantic(lambda: ranks.run("dcp_save", str(tmp / "dcp")), rounds=ROUNDS,
                        setup=lambda: shutil.rmtree(tmp / "dcp", ignore_errors=True))
-    record(benchmark, "dcp.save, 4 ranks", _raw_bytes(), _dir_bytes(tmp / "dcp"))
+    record(benchmark, "dcp.save, 4 ranks", _raw_bytes(), dir_bytes(tmp / "dcp"))
 
 
 def test_full_save(benchmark, four) -> None:
@@ -182,7 +179,7 @@ def test_full_save(benchmark, four) -> None:
     delete_previous()
     full()  # the step the loads read
     step_dir = tmp / "ckpt" / "step-000000000001"
-    record(benchmark, "deltackpt full save, 4 ranks", _raw_bytes(), _dir_bytes(step_dir))
+    record(benchmark, "deltackpt full save, 4 ranks", _raw_bytes(), dir_bytes(step_dir))
 
 
 def test_full_save_paired(four) -> None:
@@ -223,7 +220,7 @@ def test_delta_save(benchmark, four) -> None:
     assert set(kinds) == {"delta"}
     step_dir = tmp / f"delta-{ROUNDS - 1}" / "step-000000000002"
     assert paths == []
-    record(benchmark, "deltackpt delta save, 4 ranks", _raw_bytes(), _dir_bytes(step_dir))
+    record(benchmark, "deltackpt delta save, 4 ranks", _raw_bytes(), dir_bytes(step_dir))
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +240,6 @@ def test_load_4_to_2(benchmark, two) -> None:
     ranks, tmp = two
     read = benchmark.pedantic(lambda: ranks.run("load", str(tmp / "ckpt"), 1), rounds=ROUNDS)
     record(benchmark, "deltackpt load of the full step, 4 -> 2", _raw_bytes())
-    stored = _dir_bytes(tmp / "ckpt" / "step-000000000001")
+    stored = dir_bytes(tmp / "ckpt" / "step-000000000001")
     note(f"bytes read per rank loading the 4-rank full step on 2 ranks: "
          f"{', '.join(f'{b / 1e6:.1f} MB' for b in read)} of {stored / 1e6:.1f} MB stored")

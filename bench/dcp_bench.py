@@ -22,9 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from children import dir_bytes, run_child
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import deltackpt.dcp
@@ -51,10 +49,6 @@ METHODS = ["dcp.save", "deltackpt.dcp", "dcp.async_save", "deltackpt.dcp async",
 BASELINES = {"deltackpt.dcp": "dcp.save", "deltackpt.dcp async": "dcp.async_save",
              "deltackpt.torchtitan": "torchtitan"}
 BATCH = 16
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _titan_manager(cls: type, folder: Path, model, optimizer, **options):
@@ -122,9 +116,9 @@ def measure(method: str, size: str, saves: int, steps: int, out: Path) -> dict:
     if pending is not None:
         pending.result()
     if method.startswith("dcp"):
-        written = [_dir_bytes(out / f"dcp-{i}") for i in range(saves)]
+        written = [dir_bytes(out / f"dcp-{i}") for i in range(saves)]
     elif method == "torchtitan":
-        written = [_dir_bytes(out / "titan" / f"step-{i + 1}") for i in range(saves)]
+        written = [dir_bytes(out / "titan" / f"step-{i + 1}") for i in range(saves)]
     else:
         path = out / ("titan" if titan is not None else "ckpt")
         manager = CheckpointManager(path, read_only=True)
@@ -142,18 +136,15 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="training steps between saves")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one method, print JSON
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        with tempfile.TemporaryDirectory() as out:
-            print(json.dumps(measure(args.one, args.size, args.saves, args.steps, Path(out))))
+    if args.child:
+        method, size, saves, steps = args.child
+        print(json.dumps(measure(method, size, int(saves), int(steps), Path(args.tmp))))
         return
-    results = {}
-    for method in args.methods.split(","):
-        run = subprocess.run([sys.executable, __file__, "--one", method, "--size", args.size,
-                              "--saves", str(args.saves), "--steps", str(args.steps)],
-                             check=True, capture_output=True, text=True)
-        results[method] = json.loads(run.stdout.strip().splitlines()[-1])
+    results = {m: run_child(__file__, [m, args.size, str(args.saves), str(args.steps)])
+               for m in args.methods.split(",")}
     print(f"TinyGPT {args.size}, {args.saves} saves, {args.steps} training steps apart")
     print(f"{'method':22} {'bytes/save':>12} {'full':>12} {'delta':>12} {'waits (s)':>10}"
           f" {'bytes vs':>9} {'waits vs':>9}")

@@ -22,24 +22,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from children import dir_bytes, run_child
 
 from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, make_scheduler, split_corpus
 
 METHODS = ["lightning", "deltackpt"]
 BATCH = 16
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 def measure(method: str, size: str, saves: int, every: int, out: Path) -> dict:
@@ -69,7 +63,7 @@ def measure(method: str, size: str, saves: int, every: int, out: Path) -> dict:
             waited[step] += time.perf_counter() - started
             written[step] += os.path.getsize(path)
             if new:  # the step this save wrote
-                written[step] += _dir_bytes(ckpt / f"step-{step:012d}")
+                written[step] += dir_bytes(ckpt / f"step-{step:012d}")
                 kinds[step] = self.manager.info(step).kind
 
         def remove_checkpoint(self, path: Any) -> None:
@@ -116,16 +110,7 @@ def measure(method: str, size: str, saves: int, every: int, out: Path) -> dict:
     steps = sorted(written)
     return {"waited": [waited[s] for s in steps], "written": [written[s] for s in steps],
             "kinds": [kinds.get(s, "") for s in steps], "seconds": seconds, "state": state,
-            "disk": _dir_bytes(out), "loss": float(trainer.callback_metrics["train_loss"])}
-
-
-def _child(args: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run([sys.executable, __file__, "--child", *args, "--tmp", tmp],
-                                capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"bench child {args} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+            "disk": dir_bytes(out), "loss": float(trainer.callback_metrics["train_loss"])}
 
 
 def main() -> None:
@@ -143,7 +128,7 @@ def main() -> None:
         print(json.dumps(measure(method, size, int(saves), int(every), Path(args.tmp))))
         return
 
-    rows = {m: _child([m, args.size, str(args.saves), str(args.every)]) for m in METHODS}
+    rows = {m: run_child(__file__, [m, args.size, str(args.saves), str(args.every)]) for m in METHODS}
     base = rows["lightning"]
     print(f"TinyGPT {args.size} trained with Lightning on the CPU ({os.cpu_count()} CPUs), a "
           f"checkpoint every {args.every} steps (top 3 by loss and last.ckpt), {args.saves} "

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from children import dir_bytes
 
 METHODS = ["trainer", "deltackpt", "deltackpt-async"]
 SIZES = {  # GPT-2 configs: layers, width, heads, context
@@ -45,10 +46,6 @@ def _written() -> int:
     """Bytes this process has passed to write(2) so far (``wchar`` of /proc/self/io)."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _run(method: str, size: str, saves: int, steps: int, limit: int | None, out: Path) -> dict:
@@ -94,10 +91,10 @@ def _run(method: str, size: str, saves: int, steps: int, limit: int | None, out:
     trainer.train()
     seconds, written = time.perf_counter() - started, _written() - written
     if method == "trainer":
-        saved = {int(p.name.split("-")[1]): ("full", _dir_bytes(p)) for p in out.glob("checkpoint-*")}
+        saved = {int(p.name.split("-")[1]): ("full", dir_bytes(p)) for p in out.glob("checkpoint-*")}
     else:
         manager = trainer.checkpoint_manager
-        saved = {s: (manager.info(s).kind, _dir_bytes(out / "deltackpt" / f"step-{s:012d}"))
+        saved = {s: (manager.info(s).kind, dir_bytes(out / "deltackpt" / f"step-{s:012d}"))
                  for s in manager.steps()}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     params = sum(p.numel() for p in model.parameters())
