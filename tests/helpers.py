@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -134,3 +135,12 @@ def run_ranks(scenario, world: int, *args) -> None:
     fails the test with its traceback."""
     mp.start_processes(rank_main, args=(scenario, world, free_port(), args), nprocs=world,
                        start_method="fork")
+
+
+def manual_examples(page: str, after: str = "") -> list[str]:
+    """The Python examples of the manual's ``docs/<page>`` (those after the line ``after``, if
+    given), as the tests that run them take them."""
+    text = (Path(__file__).parent.parent / "docs" / page).read_text()
+    if after:
+        text = text.split(f"\n{after}\n", 1)[1]
+    return re.findall(r"```python\n(.*?)```", text, re.S)

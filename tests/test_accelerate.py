@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import assert_same_value, free_port, step_dir
+from helpers import assert_same_value, free_port, manual_examples, step_dir
 from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
@@ -400,8 +400,7 @@ def test_an_untested_accelerate_version_is_refused(tmp_path: Path,
 
 
 def test_the_manuals_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    page = (Path(__file__).parent.parent / "docs" / "accelerate.md").read_text()
-    example = re.findall(r"```python\n(.*?)```", page.split("\n## Example\n")[1], re.S)
+    example = manual_examples("accelerate.md", after="## Example")
     assert len(example) == 1
     monkeypatch.chdir(tmp_path)
     AcceleratorState._reset_state(True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import free_port, run_ranks
+from helpers import free_port, manual_examples, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -314,8 +313,7 @@ def test_fsdp_saves_on_2_ranks_load_in_1_process_and_on_3_ranks(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_the_manuals_examples_run(tmp_path: Path) -> None:
-    page = (Path(__file__).parent.parent / "docs" / "dcp.md").read_text()
-    examples = re.findall(r"```python\n(.*?)```", page, re.S)
+    examples = manual_examples("dcp.md")
     assert len(examples) == 2
     for example in examples:  # each in a process of its own: the second starts a process group
         subprocess.run([sys.executable, "-c", example], cwd=tmp_path, check=True,

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from helpers import manual_examples  # noqa: E402
 
 from deltackpt import CheckpointManager, IntegrationError  # noqa: E402
 from deltackpt.app.cli import main  # noqa: E402
@@ -165,8 +166,7 @@ def test_an_untested_transformers_version_is_refused(tmp_path: Path,
 
 
 def test_the_manuals_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    page = (Path(__file__).parent.parent / "docs" / "huggingface.md").read_text()
-    example = re.findall(r"```python\n(.*?)```", page, re.S)
+    example = manual_examples("huggingface.md")
     assert len(example) == 1
     monkeypatch.chdir(tmp_path)
     exec(compile(example[0], "docs/huggingface.md", "exec"), {})

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_value, assert_state_dicts_equal, files_under, step_dir
+from helpers import assert_same_value, assert_state_dicts_equal, files_under, manual_examples, step_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -318,8 +318,7 @@ def test_ddp_saves_every_ranks_rng_and_resumes_exactly(tmp_path: Path) -> None:
 
 
 def test_the_manuals_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    page = (Path(__file__).parent.parent / "docs" / "transformers-trainer.md").read_text()
-    example = re.findall(r"```python\n(.*?)```", page, re.S)
+    example = manual_examples("transformers-trainer.md")
     assert len(example) == 1
     monkeypatch.chdir(tmp_path)
     exec(compile(example[0], "docs/transformers-trainer.md", "exec"), {})

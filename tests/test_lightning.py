@@ -14,7 +14,6 @@ import importlib
 import importlib.metadata
 import logging
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from helpers import assert_same_value  # noqa: E402
+from helpers import assert_same_value, manual_examples  # noqa: E402
 from lightning_ddp import Regression, data  # noqa: E402
 
 import deltackpt.lightning  # noqa: E402
@@ -404,8 +403,7 @@ def test_ddp_on_two_cpu_processes_saves_and_resumes(tmp_path: Path) -> None:
 
 
 def test_the_manuals_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    page = (Path(__file__).parent.parent / "docs" / "lightning.md").read_text()
-    example = re.findall(r"```python\n(.*?)```", page, re.S)
+    example = manual_examples("lightning.md")
     assert len(example) == 1
     monkeypatch.chdir(tmp_path)
     exec(compile(example[0], "docs/lightning.md", "exec"), {"__name__": "__main__"})
