@@ -474,10 +474,12 @@ def test_help_and_version(runs: Runs) -> None:
 def test_demo_unavailable_is_reported(monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Without an importable deltackpt.app.demo the other commands work and ``demo`` says why."""
-    import deltackpt
+    import deltackpt.app
     from deltackpt.app.cli import main
 
-    monkeypatch.delattr(deltackpt, "demo", raising=False)
+    # An earlier import of the demo left it an attribute of its package, where `from
+    # deltackpt.app import demo` finds it before sys.modules.
+    monkeypatch.delattr(deltackpt.app, "demo", raising=False)
     monkeypatch.setitem(sys.modules, "deltackpt.app.demo", None)  # makes the import fail
     assert main(["demo", "--steps", "3"]) == 2
     assert "the demo is unavailable: cannot import deltackpt.app.demo" in capsys.readouterr().err
