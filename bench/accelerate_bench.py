@@ -17,15 +17,13 @@ the first), each beside accelerate's, and the run's wall time.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from children import dir_bytes, run_child
+from children import compare_methods, dir_bytes
 
 from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, make_scheduler, split_corpus
 
@@ -87,21 +85,10 @@ def measure(method: str, size: str, saves: int, every: int, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="small", choices=sorted(SIZES),
-                        help="the TinyGPT trained [%(default)s]")
-    parser.add_argument("--saves", type=int, default=10, help="saves per method [%(default)s]")
-    parser.add_argument("--every", type=int, default=10, help="training steps between saves "
-                                                               "[%(default)s]")
-    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--tmp", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        method, size, saves, every = args.child
-        print(json.dumps(measure(method, size, int(saves), int(every), Path(args.tmp))))
+    compared = compare_methods(__file__, __doc__.split("\n\n")[0], METHODS, measure)
+    if compared is None:
         return
-
-    rows = {m: run_child(__file__, [m, args.size, str(args.saves), str(args.every)]) for m in METHODS}
+    args, rows = compared
     base = rows["accelerate"]
     print(f"TinyGPT {args.size} trained with accelerate on the CPU ({os.cpu_count()} CPUs), "
           f"a save every {args.every} steps, {args.saves} saves; training state "

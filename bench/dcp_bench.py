@@ -1,9 +1,9 @@
 """deltackpt.dcp and deltackpt.torchtitan beside DCP's own storage and torchtitan's own manager, on
 the same training run (issue 28, item 8).
 
-``python bench/dcp_bench.py`` (CPU; ``--size small --saves 10 --steps 5`` by default) trains a
+``python bench/dcp_bench.py`` (CPU; ``--size small --saves 10 --every 5`` by default) trains a
 TinyGPT with AdamW on real text (the demo's corpus), seeded alike for every method, saving every
-``--steps`` training steps, each method in a process of its own:
+``--every`` training steps, each method in a process of its own:
 
 * ``dcp.save`` (DCP's FileSystemWriter, a directory per save) and ``deltackpt.dcp``
   (``Writer``, one checkpoint directory, ``full_every=10``: a full step, then deltas);
@@ -18,8 +18,6 @@ save), and each against its baseline in the same run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from children import dir_bytes, run_child
+from children import compare_methods, dir_bytes
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import deltackpt.dcp
@@ -131,21 +129,11 @@ def measure(method: str, size: str, saves: int, steps: int, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=sorted(SIZES))
-    parser.add_argument("--saves", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=5, help="training steps between saves")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--tmp", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        method, size, saves, steps = args.child
-        print(json.dumps(measure(method, size, int(saves), int(steps), Path(args.tmp))))
+    compared = compare_methods(__file__, __doc__.splitlines()[0], METHODS, measure, every=5)
+    if compared is None:
         return
-    results = {m: run_child(__file__, [m, args.size, str(args.saves), str(args.steps)])
-               for m in args.methods.split(",")}
-    print(f"TinyGPT {args.size}, {args.saves} saves, {args.steps} training steps apart")
+    args, results = compared
+    print(f"TinyGPT {args.size}, {args.saves} saves, {args.every} training steps apart")
     print(f"{'method':22} {'bytes/save':>12} {'full':>12} {'delta':>12} {'waits (s)':>10}"
           f" {'bytes vs':>9} {'waits vs':>9}")
     for method, r in results.items():
