@@ -254,6 +254,8 @@ def test_saves_of_one_global_step_share_its_step(tmp_path: Path, caplog: pytest.
         handed = plugin.handed[str(tmp_path / f"{name}.ckpt")]
         assert loaded.keys() == handed.keys() and loaded["loops"] == handed["loops"]
     assert "optimizer_states" not in loaded
+    plugin.teardown()  # outside fit, the caller's to call: the managers' threads stop
+    reader.teardown()
 
 
 def test_validating_from_a_checkpoint_changes_nothing(tmp_path: Path) -> None:
@@ -265,8 +267,11 @@ def test_validating_from_a_checkpoint_changes_nothing(tmp_path: Path) -> None:
     t.validate(module, data(), ckpt_path=str(kept / "epoch=0-step=4.ckpt"), verbose=False)
     t.save_checkpoint(kept / "after.ckpt")
     assert CheckpointManager(ckpt, read_only=True).steps() == [4, 8, 12]
+    reader = CheckpointIO(ckpt)
     for path in files(kept):
-        assert CheckpointIO(ckpt).load_checkpoint(path)["global_step"] in (4, 8, 12)
+        assert reader.load_checkpoint(path)["global_step"] in (4, 8, 12)
+    plugin.teardown()
+    reader.teardown()
 
 
 def _index_keyed(named: bool) -> dict[str, Any]:
@@ -295,6 +300,7 @@ def test_an_ambiguous_optimizer_mapping_is_refused(tmp_path: Path) -> None:
     plugin.save_checkpoint(_index_keyed(named=True), tmp_path / "x.ckpt")
     meta = plugin.manager.metadata(1)
     assert {r.fqn for r in meta.tensors if r.role == "optimizer"} == {"1.weight", "1.bias"}
+    plugin.teardown()
 
 
 def test_another_runs_directory_is_refused_unless_continued(tmp_path: Path) -> None:
@@ -342,6 +348,7 @@ def test_a_failed_save_raises_an_oserror_and_leaves_nothing(tmp_path: Path,
         t.save_checkpoint(tmp_path / "a-file" / "x.ckpt")
     assert isinstance(failure.value.__cause__, OSError)
     assert plugin.manager.steps() == []
+    plugin.teardown()
 
 
 def test_an_untested_lightning_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
