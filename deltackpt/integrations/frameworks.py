@@ -9,13 +9,17 @@ from types import ModuleType
 
 from deltackpt.errors import IntegrationError
 
-# package: (extra, lowest tested version, first version not tested)
+# module: (extra, lowest tested version, first version not tested)
 TESTED = {
     "transformers": ("transformers", (5, 17), (6, 0)),
     "accelerate": ("accelerate", (1, 15), (2, 0)),
     "lightning": ("lightning", (2, 6), (2, 7)),
     "torchtitan": ("torchtitan", (0, 3), (0, 4)),
+    "deepspeed": ("deepspeed", (0, 19), (0, 20)),
+    "megatron.core": ("megatron", (0, 16), (0, 17)),
 }
+# the distributions whose name is not their module's
+DISTRIBUTIONS = {"megatron.core": "megatron-core"}
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -24,10 +28,13 @@ def _release(version: str) -> tuple[int, int]:
     return (int(numbers[0]), int(numbers[1]) if len(numbers) > 1 else 0) if numbers else (0, 0)
 
 
-def require(package: str) -> ModuleType:
-    """Import ``package`` after checking that it is installed in a version deltackpt is tested
-    with; raises :class:`IntegrationError` naming the extra to install, or both versions."""
-    extra, lowest, beyond = TESTED[package]
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` after checking that its distribution is installed in a version deltackpt
+    is tested with; raises :class:`IntegrationError` naming the extra to install, or both
+    versions."""
+    extra, lowest, beyond = TESTED[module]
+    package = DISTRIBUTIONS.get(module, module)
     try:
         version = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -36,4 +43,4 @@ def require(package: str) -> ModuleType:
         raise IntegrationError(
             f"{package} {version} is installed; deltackpt is tested with {package} "
             f"{lowest[0]}.{lowest[1]} up to (not including) {beyond[0]}.{beyond[1]}")
-    return importlib.import_module(package)
+    return importlib.import_module(module)
