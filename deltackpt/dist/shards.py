@@ -13,6 +13,9 @@ one rank commits the metadata that lists them all. Which boxes:
   step counters of FSDP2 optimizers are) and split the same way. Its bytes
   are compared across ranks first: a plain tensor that differs between
   ranks (a hand-sharded layout) is refused rather than stitched together;
+* a tensor captured with a :class:`~deltackpt.format.state.Placement` (a
+  framework's own sharding, as Megatron-core's) is that box of its global
+  tensor, written by the rank whose placement says it writes it;
 * RNG states and ``extra`` are rank 0's.
 """
 
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from deltackpt.format.metadata import TensorRecord
-    from deltackpt.format.state import CapturedState
+    from deltackpt.format.state import CapturedState, Placement
 
 T = TypeVar("T")
 
@@ -90,12 +93,17 @@ def with_local(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor(local, tensor._spec, requires_grad=False)
 
 
-def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | None) -> list[Part]:
+def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | None,
+                   placement: Placement | None = None) -> list[Part]:
     """The boxes of ``tensor`` (global shape ``tensor.shape``) that this rank writes.
 
-    Without a group, or with one rank: the whole tensor. Raises ``ValueError`` naming the
-    tensor for a DTensor with ``Partial`` placements (reduce it first).
+    Without a group, or with one rank: the whole tensor. With a ``placement``: ``tensor`` is
+    the box at its offsets, written where the placement says so, whatever the group. Raises
+    ``ValueError`` naming the tensor for a DTensor with ``Partial`` placements (reduce it
+    first), or for a placed box that does not lie within its global shape.
     """
+    if placement is not None:
+        return _placed_part(name, tensor, placement)
     shape = list(tensor.shape)
     if group is None or group.world_size == 1:
         return [Part([0] * len(shape), shape, tensor)]
@@ -115,6 +123,16 @@ def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | No
     if hi == lo:
         return []
     return [Part([offsets[0] + lo, *offsets[1:]], [hi - lo, *sizes[1:]], values[lo:hi])]
+
+
+def _placed_part(name: str, tensor: torch.Tensor, placement: Placement) -> list[Part]:
+    """The box ``tensor`` of a placed tensor, if this rank writes it."""
+    offsets, sizes, shape = list(placement.offsets), list(tensor.shape), list(placement.shape)
+    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
+        raise ValueError(f"tensor {name!r}: a box of shape {sizes} at offsets {offsets} does not "
+                         f"lie within its global shape {shape}")
+    return [Part(offsets, sizes, tensor)] if placement.writes else []
 
 
 def _dtensor_box(name: str, tensor: Any) -> tuple[list[int], list[int], torch.Tensor,
@@ -153,9 +171,10 @@ def check_same_state(captured: CapturedState, group: Group, *, at_call: bool = F
     mine: dict | str = {}
     try:
         for t in captured.tensors:
-            plain = t.alias_of is None and t.role not in RANK0_ROLES and not is_dtensor(t.tensor)
+            plain = t.alias_of is None and t.role not in RANK0_ROLES \
+                and not is_dtensor(t.tensor) and t.placement is None
             digest = tensor_digest(t.tensor) if plain else None
-            mine[t.name] = (t.role, str(t.tensor.dtype), tuple(t.tensor.shape), t.alias_of,
+            mine[t.name] = (t.role, str(t.tensor.dtype), t.global_shape, t.alias_of,
                             local_values(t.tensor).device.type, digest)
     except Exception as exc:  # raised on every rank below
         mine = f"{type(exc).__name__}: {exc}"
@@ -183,7 +202,8 @@ def check_same_state(captured: CapturedState, group: Group, *, at_call: bool = F
                                 f"{rank} (role, dtype, shape, alias, device)")
             elif ours[5] != other[5]:
                 problems.append(f"tensor {name!r} is a plain tensor whose values differ between "
-                                f"ranks 0 and {rank}: only DTensors may hold different shards")
+                                f"ranks 0 and {rank}: only DTensors and placed boxes may hold "
+                                "different shards")
     if problems:
         raise DistributedError("ranks disagree on the state to save: " + "; ".join(problems[:20])
                                    + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
@@ -226,7 +246,7 @@ def shard_parts(captured: CapturedState, group: Group | None) -> dict[str, list[
     """The boxes of each stored tensor this rank writes (:func:`parts_to_write`; without a
     group or with one rank, every tensor whole), by name; a tensor has at most one, whose values its delta
     encoder codes. This is the rank's layout, an input of a save's plan."""
-    return {t.name: parts_to_write(t.name, t.role, t.tensor, group)
+    return {t.name: parts_to_write(t.name, t.role, t.tensor, group, t.placement)
             for t in captured.tensors if t.alias_of is None}
 
 

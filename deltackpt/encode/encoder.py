@@ -78,7 +78,8 @@ def captured_layout(captured: CapturedState,
     """Role, dtype and shape of every stored tensor of a capture (as ``format.layout_of``), or of
     the ``local`` parts of its tensors that one rank codes."""
     if local is None:
-        local = {t.name: t.tensor for t in captured.tensors if t.alias_of is None}
+        return {t.name: (t.role, spec_for(t.tensor.dtype, t.name).name, t.global_shape)
+                for t in captured.tensors if t.alias_of is None}
     return {t.name: (t.role, spec_for(t.tensor.dtype, t.name).name, tuple(local[t.name].shape))
             for t in captured.tensors if t.name in local}
 

@@ -11,9 +11,22 @@ import torch
 from deltackpt.format.tree import decode_tree
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor given as its local box lies in its global tensor, for state that a
+    framework shards by its own description instead of as DTensors (Megatron-core's
+    ``ShardedTensor``): the global ``shape``, the box's ``offsets`` in it, and whether this
+    rank ``writes`` the box (False: a replica of a box another rank writes)."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    writes: bool = True
+
+
 @dataclass
 class CapturedTensor:
-    """A tensor of the state with its universal name and role."""
+    """A tensor of the state with its universal name and role; with a ``placement``, the tensor
+    is this rank's box of a larger global tensor."""
 
     name: str
     role: str
@@ -21,6 +34,13 @@ class CapturedTensor:
     fqn: str | None = None
     state_key: str | None = None
     alias_of: str | None = None
+    placement: Placement | None = None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor as stored: its placement's, else the tensor's (a DTensor's
+        global shape)."""
+        return self.placement.shape if self.placement is not None else tuple(self.tensor.shape)
 
 
 @dataclass

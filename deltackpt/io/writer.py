@@ -211,12 +211,12 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
     records, stored = [], []
     for item in captured.tensors:
         spec = spec_for(item.tensor.dtype, item.name)
-        record = TensorRecord(item.name, item.role, spec.name, list(item.tensor.shape),
+        record = TensorRecord(item.name, item.role, spec.name, list(item.global_shape),
                               item.fqn, item.state_key, item.alias_of)
         records.append(record)
         if item.alias_of is None:
-            mine = parts_to_write(item.name, item.role, item.tensor, None) if parts is None \
-                else parts[item.name]
+            mine = parts[item.name] if parts is not None else \
+                parts_to_write(item.name, item.role, item.tensor, None, item.placement)
             for part in mine:
                 fragment = Fragment(part.offsets, part.sizes)
                 record.fragments.append(fragment)
