@@ -11,7 +11,9 @@ One reader per format, registered in :data:`READERS`, and
   Hugging Face sharded set with its ``*.safetensors.index.json``), including
   the ``optimizer.safetensors`` and ``extra.safetensors`` deltackpt exports;
 * ``deepspeed``: a DeepSpeed universal checkpoint folder (``zero/<param>/fp32.pt``,
-  ``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``), as ``ds_to_universal.py`` writes it.
+  ``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``), as ``ds_to_universal.py`` writes it, or a
+  checkpoint folder as DeepSpeed's ``save_checkpoint`` writes it (ZeRO stage 0 to 3,
+  :mod:`~deltackpt.interop.zero`).
 
 The checkpoints of the ranks of a hand-sharded run (one per tensor-parallel
 rank, each in any of these formats) are read with a sharding spec
@@ -475,6 +477,11 @@ def _decoded_section(path: Path, section: str, metadata: dict[str, str],
 # -- DeepSpeed universal checkpoint ------------------------------------------------------------
 
 
+def _universal(path: Path) -> bool:
+    """Whether ``path`` is a DeepSpeed universal checkpoint folder, or holds the file naming one."""
+    return (path / "zero").is_dir() or (path / "latest_universal").is_file()
+
+
 def _deepspeed_folder(path: Path) -> Path:
     """The universal checkpoint folder: ``path`` if it holds ``zero/``, else the one its
     ``latest_universal`` file names."""
@@ -516,7 +523,8 @@ def _param_file(path: Path) -> torch.Tensor:
 
 def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
                    model_only: bool = False) -> Source:
-    """A DeepSpeed universal checkpoint folder.
+    """A DeepSpeed universal checkpoint folder, or a checkpoint folder as DeepSpeed's
+    ``save_checkpoint`` writes it (read by :func:`~deltackpt.interop.zero.read_zero`).
 
     ``zero/<name>/fp32.pt`` is parameter ``name`` (the fp32 master copy);
     its other files (``exp_avg.pt``, ``exp_avg_sq.pt``, ``step.pt``) are its
@@ -529,7 +537,13 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
     taken to be AdamW (DeepSpeed's Adam runs in AdamW mode by default). With
     ``model_only``, the optimizer state is left out unread.
     """
-    folder = _deepspeed_folder(_one(paths, "deepspeed"))
+    path = _one(paths, "deepspeed")
+    if not _universal(path):
+        from deltackpt.interop.zero import is_zero_folder, read_zero
+
+        if is_zero_folder(path):
+            return read_zero(path, optimizer_class_name, model_only)
+    folder = _deepspeed_folder(path)
     notes: list[str] = []
     params: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -651,11 +665,13 @@ def detect_format(paths: list[Path]) -> str:
     path = paths[0]
     if path.is_file():
         return "safetensors" if path.name.endswith((".safetensors", ".safetensors.index.json")) else "torch"
+    from deltackpt.interop.zero import is_zero_folder
+
     if (path / ROOT_MARKER).exists():
         raise ConversionError(f"{path} is a deltackpt checkpoint directory; export a step of it with "
                               "deltackpt restore --format (or CheckpointManager.restore)")
     found = {"dcp": (path / ".metadata").is_file(),
-             "deepspeed": (path / "zero").is_dir() or (path / "latest_universal").is_file(),
+             "deepspeed": _universal(path) or is_zero_folder(path),
              "torch": (path / TORCH_FILE).is_file(),
              "safetensors": any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))}
     formats = [f for f, yes in found.items() if yes]
@@ -663,7 +679,8 @@ def detect_format(paths: list[Path]) -> str:
         return formats[0]
     if not formats:
         raise ConversionError(f"{path}: no known checkpoint in it (looked for a DCP .metadata, a "
-                              f"DeepSpeed zero/ folder or latest_universal file, {TORCH_FILE}, "
+                              f"DeepSpeed zero/ folder, latest_universal or latest file or "
+                              "mp_rank_00_model_states.pt, {TORCH_FILE}, "
                               ".safetensors files)")
     raise ConversionError(f"{path} looks like {' and '.join(formats)}; name the format (--from)")
 
