@@ -4,7 +4,10 @@ own ``zero_to_fp32`` (weights) and ``ds_to_universal`` (moments)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,8 +18,11 @@ import torch
 from helpers import run_ranks
 from torch import nn
 
+from deltackpt import CheckpointManager
+from deltackpt.errors import ConversionError
 from deltackpt.interop import convert, detect_format, read_checkpoint
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for the DeepSpeed classes resave unpickles
 deepspeed = pytest.importorskip("deepspeed")
 
 pytestmark = pytest.mark.slow  # each checkpoint is a DeepSpeed run on 2 ranks: a few seconds
@@ -141,3 +147,148 @@ def test_bit_for_bit_with_deepspeeds_own_tools(written: Callable[[int, str], Pat
             assert same(state[name][key], value["param"]), (name, key)
         assert state[name]["step"] == STEPS
     assert (group["lr"], group["weight_decay"], converted["optimizer_class"]) == (1e-2, 0.1, "AdamW")
+
+
+def test_without_zero(written: Callable[[int, str], Path]) -> None:
+    """Stage 0: the optimizer's own state dict in the model states, its parameters numbered."""
+    folder = written(0, "fp32")
+    read = read_checkpoint(folder)
+    saved = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)
+    model, optimizer = read.state.model, read.state.decoded("optimizer")
+    trained = [n for n, p in Net().named_parameters() if p.requires_grad]
+    assert all(same(model[n], saved["module"][n]) for n in Net().state_dict())
+    for index, name in enumerate(trained):
+        assert all(same(optimizer["state"][name][k], saved["optimizer"]["state"][index][k])
+                   for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_converted_restores_into_plain_adamw_and_trains_on(written: Callable[[int, str], Path],
+                                                          tmp_path: Path) -> None:
+    folder = written(3, "fp32")  # under bf16, frozen parameters are bf16 (as zero_to_fp32 gives them)
+    subprocess.run([shutil.which("deltackpt") or "deltackpt", "convert", str(folder), "--out",
+                    str(tmp_path / "ckpt")], check=True, capture_output=True)
+    model = Net()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        assert manager.steps() == [STEPS]
+        manager.load(model=model, optimizer=optimizer)
+    expected = read_checkpoint(folder).state.decoded("optimizer")
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+    assert same(optimizer.state[model.head.weight]["exp_avg"], expected["state"]["head.weight"]["exp_avg"])
+    before = model.head.weight.detach().clone()
+    model(batch(torch.Generator().manual_seed(5))).logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert torch.isfinite(model.head.weight).all() and not torch.equal(model.head.weight, before)
+    assert optimizer.state[model.head.weight]["step"] == STEPS + 1
+
+
+def resave(path: Path, edit: Callable[[dict], None]) -> None:
+    """Rewrite a file DeepSpeed wrote (trusted: the test's own) as ``edit`` changes it."""
+    value = torch.load(path, weights_only=False)
+    edit(value)
+    torch.save(value, path)
+
+
+def test_bad_input_fails_clearly_and_writes_nothing(written: Callable[[int, str], Path],
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    def refused(folder: Path, match: str) -> None:
+        with pytest.raises(ConversionError, match=match):
+            convert(folder, out, source_format="deepspeed")
+        assert not out.exists()
+
+    def copy() -> Path:
+        folder = tmp_path / f"c{len(list(tmp_path.iterdir()))}" / "global_step3"
+        shutil.copytree(written(2, "fp32"), folder)
+        return folder
+
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", r"empty: not a DeepSpeed checkpoint \(no mp_rank_00_model_states\.pt")
+    with pytest.raises(ConversionError, match=r"looked for a DCP \.metadata, a DeepSpeed zero/ folder, "
+                                              r"latest_universal or latest file or mp_rank_00_model_states"):
+        detect_format([tmp_path / "empty"])
+
+    folder = copy()  # a missing rank file
+    (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused(folder, r"missing the optimizer files of data-parallel ranks zero_pp_rank_1_mp_rank_00_optim_"
+                    r"states\.pt \(mp_rank_00_model_states\.pt records 2 ranks\)")
+
+    folder = copy()  # the files of more ranks than the model states record
+    shutil.copy(folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                folder / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    refused(folder, r"holds optimizer files of 3 data-parallel ranks, but mp_rank_00_model_states\.pt "
+                    r"records 2 \(dp_world_size\)")
+
+    folder = copy()  # param_shapes that do not fit the partitions
+    resave(folder / "mp_rank_00_model_states.pt",
+           lambda s: s["param_shapes"][0].update({"head.weight": torch.Size([12, 5])}))
+    refused(folder, r"param group 0: the partitions of zero_pp_rank_0_mp_rank_00_optim_states\.pt, "
+                    r"zero_pp_rank_1_mp_rank_00_optim_states\.pt hold 166 values, but its param_shapes "
+                    r"need 171")
+
+    folder = copy()  # partitions whose sizes disagree
+    resave(folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt", lambda s: s["optimizer_state_dict"].update(
+        single_partition_of_fp32_groups=[s["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][:-1]]))
+    refused(folder, r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: partitions of \[83\] values "
+                    r"\(with padding\), but those of zero_pp_rank_0_mp_rank_00_optim_states\.pt hold \[84\]")
+
+    for version in ("0.3.16", "1.0.0", None):  # a layout deltackpt does not know
+        folder = copy()
+        resave(folder / "mp_rank_00_model_states.pt", lambda s, v=version: s.update(ds_version=v))
+        refused(folder, rf"mp_rank_00_model_states\.pt: written by DeepSpeed {version!r}, whose checkpoint "
+                        r"layout deltackpt does not know \(it reads those of DeepSpeed 0\.10 to 0\.19\)")
+
+    folder = copy()  # a layout key missing
+    resave(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+           lambda s: s["optimizer_state_dict"].pop("single_partition_of_fp32_groups"))
+    refused(folder, r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: expected 'single_partition_of_fp32_groups' "
+                    r"to hold a list \(the layout of DeepSpeed checkpoints\), it holds nothing")
+
+
+def test_nothing_untrusted_runs_and_nothing_outside_is_read(written: Callable[[int, str], Path],
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    folder = tmp_path / "ds" / "global_step3"
+    shutil.copytree(written(2, "bf16"), folder)
+    optim = folder / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+    # the DeepSpeed classes are allowed for the read only
+    read_checkpoint(folder)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(optim, weights_only=True)
+
+    # any other class is refused by name, and nothing runs
+    marker = tmp_path / "pwned"
+
+    class Crafted:
+        def __reduce__(self) -> tuple:
+            return os.mkdir, (str(marker),)
+
+    resave(optim, lambda s: s.update(hook=Crafted()))
+    with pytest.raises(ConversionError, match=r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt: torch\.load"
+                                              r"\(weights_only=True\) refuses it, as it holds "
+                                              r".*(posix|os)\.mkdir"):
+        convert(folder, out)
+    assert not marker.exists() and not out.exists()
+    resave(folder / "mp_rank_00_model_states.pt", lambda s: s.update(args=argparse.Namespace(lr=1)))
+    with pytest.raises(ConversionError, match=r"mp_rank_00_model_states\.pt: torch\.load\(weights_only"
+                                              r"=True\) refuses it, as it holds argparse\.Namespace"):
+        convert(folder, out)
+    assert not out.exists()
+
+    # a latest file, or a rank file, leading out of the checkpoint
+    (tmp_path / "ds" / "latest").write_text("../elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(folder / "mp_rank_00_model_states.pt", tmp_path / "elsewhere")
+    with pytest.raises(ConversionError, match=r"latest names .*elsewhere, which is outside the checkpoint"):
+        convert(tmp_path / "ds", out)
+    clean = tmp_path / "clean" / "global_step3"
+    shutil.copytree(written(2, "bf16"), clean)
+    optim = clean / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.move(optim, tmp_path / "outside.pt")
+    optim.symlink_to(tmp_path / "outside.pt")
+    with pytest.raises(ConversionError, match=r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt, which is "
+                                              r"outside the checkpoint directory"):
+        convert(clean, out)
+    assert not out.exists()

@@ -58,6 +58,7 @@ from deltackpt.interop.layouts import (
     split_document,
 )
 from deltackpt.interop.patterns import ShardingSpec, merge_states
+from deltackpt.interop.zero import is_zero_folder, read_zero
 from deltackpt.save.capture import capture_values
 
 
@@ -493,8 +494,8 @@ def _deepspeed_folder(path: Path) -> Path:
         if (folder / "zero").is_dir():
             return folder
         raise ConversionError(f"{latest} names {folder}, which has no zero/ folder")
-    raise ConversionError(f"{path}: not a DeepSpeed universal checkpoint (no zero/ folder and no "
-                          "latest_universal file)")
+    raise ConversionError(f"{path}: not a DeepSpeed checkpoint (no mp_rank_00_model_states.pt or "
+                          "latest file, no universal zero/ folder and no latest_universal file)")
 
 
 def _try_load(path: Path, what: str, notes: list[str]) -> Any:
@@ -538,11 +539,10 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
     ``model_only``, the optimizer state is left out unread.
     """
     path = _one(paths, "deepspeed")
-    if not _universal(path):
-        from deltackpt.interop.zero import is_zero_folder, read_zero
-
-        if is_zero_folder(path):
-            return read_zero(path, optimizer_class_name, model_only)
+    if not _universal(path) and is_zero_folder(path):
+        read = read_zero(path, optimizer_class_name, model_only)
+        return Source("deepspeed", _captured(read.parts, str(read.folder), read.buffers), read.parts.step,
+                      read.parts.notes, found=read.found)
     folder = _deepspeed_folder(path)
     notes: list[str] = []
     params: dict[str, torch.Tensor] = {}
@@ -665,8 +665,6 @@ def detect_format(paths: list[Path]) -> str:
     path = paths[0]
     if path.is_file():
         return "safetensors" if path.name.endswith((".safetensors", ".safetensors.index.json")) else "torch"
-    from deltackpt.interop.zero import is_zero_folder
-
     if (path / ROOT_MARKER).exists():
         raise ConversionError(f"{path} is a deltackpt checkpoint directory; export a step of it with "
                               "deltackpt restore --format (or CheckpointManager.restore)")
@@ -679,9 +677,8 @@ def detect_format(paths: list[Path]) -> str:
         return formats[0]
     if not formats:
         raise ConversionError(f"{path}: no known checkpoint in it (looked for a DCP .metadata, a "
-                              f"DeepSpeed zero/ folder, latest_universal or latest file or "
-                              "mp_rank_00_model_states.pt, {TORCH_FILE}, "
-                              ".safetensors files)")
+                              "DeepSpeed zero/ folder, latest_universal or latest file or "
+                              f"mp_rank_00_model_states.pt, {TORCH_FILE}, .safetensors files)")
     raise ConversionError(f"{path} looks like {' and '.join(formats)}; name the format (--from)")
 
 

@@ -23,6 +23,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,6 @@ import torch
 from deltackpt.errors import ConversionError
 from deltackpt.interop.files import inside, load_weights_only
 from deltackpt.interop.layouts import Parts, count_tensors, names_text, optimizer_class, parameters_by_index
-from deltackpt.interop.sources import Source, _captured
 
 KNOWN_VERSIONS = ((0, 10), (0, 19))
 """The DeepSpeed versions (major, minor; first and last) whose checkpoint layout this reader knows
@@ -369,7 +369,18 @@ def _frozen(states_files: list[tuple[Mapping[str, Any], Path]], stage: int) -> d
     return frozen
 
 
-def read_zero(path: Path, optimizer_class_name: str | None = None, model_only: bool = False) -> Source:
+@dataclass
+class ZeroRead:
+    """What :func:`read_zero` read: the state (with its notes), which tensors are buffers, how
+    many tensors it found, and the checkpoint folder."""
+
+    parts: Parts
+    buffers: set[str]
+    found: int
+    folder: Path
+
+
+def read_zero(path: Path, optimizer_class_name: str | None = None, model_only: bool = False) -> ZeroRead:
     """A DeepSpeed checkpoint folder as ``engine.save_checkpoint`` writes it (or the folder of its
     ``latest`` file): fp32 weights, Adam's moments, step and hyperparameters by parameter name,
     padding stripped; frozen parameters, buffers and tied names from the model states."""
@@ -441,7 +452,6 @@ def read_zero(path: Path, optimizer_class_name: str | None = None, model_only: b
         notes.append(f"not converted: DeepSpeed's {' and '.join(left)} state")
     step = states.get("global_steps")
     step = step if isinstance(step, int) and not isinstance(step, bool) else None
-    parts = Parts(model, optimizer, None, step)
     found = len(model) + (count_tensors(optimizer["state"]) if optimizer else 0)
-    buffers = {n for n in buffer_names if n in model}
-    return Source("deepspeed", _captured(parts, str(folder), buffers), step, notes, found=found)
+    return ZeroRead(Parts(model, optimizer, None, step, notes), {n for n in buffer_names if n in model},
+                    found, folder)
