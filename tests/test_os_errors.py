@@ -196,8 +196,9 @@ def test_an_io_error_on_read_keeps_its_errno(tmp_path: Path, monkeypatch: pytest
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "pread", pread)
-    with pytest.raises(ReadFailedError) as failure:
-        CheckpointManager(root, read_only=True).restore(2)
+    # closed on the way out: the error's traceback would keep the manager and its threads
+    with pytest.raises(ReadFailedError) as failure, CheckpointManager(root, read_only=True) as mgr:
+        mgr.restore(2)
     assert failure.value.errno == errno.EIO and "Input/output error" in str(failure.value)
     assert str(step_dir(root, 1)) in str(failure.value)
     assert main(["verify", str(root)]) == EXIT_UNCHECKED
