@@ -25,7 +25,8 @@ from deltackpt.interop import convert, detect_format, read_checkpoint
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for the DeepSpeed classes resave unpickles
 deepspeed = pytest.importorskip("deepspeed")
 
-pytestmark = pytest.mark.slow  # each checkpoint is a DeepSpeed run on 2 ranks: a few seconds
+# each checkpoint is a DeepSpeed run on 2 ranks: a few seconds
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("only_torch_safe_globals")]
 STEPS = 3
 ZERO_TO_FP32 = "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint"
 

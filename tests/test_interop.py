@@ -35,7 +35,7 @@ from deltackpt.app.cli import main
 from deltackpt.errors import ConversionError
 from deltackpt.interop import convert, export, read_checkpoint
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+pytestmark = [pytest.mark.usefixtures("one_torch_thread", "only_torch_safe_globals"),
               # torch's dcp.save and dcp.load in one process, as the tests mean to call them
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
