@@ -33,11 +33,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.fixture(autouse=True)
 def _new_process():
     """Each test starts as a new process would: no manager kept, no directory touched."""
-    dcp_module._runs.managers.clear()
-    dcp_module._runs.touched.clear()
+    dcp_module.runs.managers.clear()
+    dcp_module.runs.touched.clear()
     yield
-    dcp_module._runs.managers.clear()
-    dcp_module._runs.touched.clear()
+    dcp_module.runs.managers.clear()
+    dcp_module.runs.touched.clear()
 
 
 def _failure(raised: pytest.ExceptionInfo) -> BaseException:
@@ -164,8 +164,8 @@ def test_a_new_writer_or_process_continues_the_chain(tmp_path: Path) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     _train(model, optimizer, 2, seed=0)
     dcp.save(_state(model, optimizer, 0), storage_writer=deltackpt.dcp.Writer(path, step=0))
-    dcp_module._runs.managers.clear()  # a restarted process: nothing kept in memory
-    dcp_module._runs.touched.clear()
+    dcp_module.runs.managers.clear()  # a restarted process: nothing kept in memory
+    dcp_module.runs.touched.clear()
     _train(model, optimizer, 2, seed=1)
     with pytest.raises(CheckpointException) as refused:
         dcp.save(_state(model, optimizer, 1), storage_writer=deltackpt.dcp.Writer(path, step=1))
@@ -175,8 +175,8 @@ def test_a_new_writer_or_process_continues_the_chain(tmp_path: Path) -> None:
     writer = deltackpt.dcp.Writer(path, step=1, continue_run=True)
     dcp.save(_state(model, optimizer, 1), storage_writer=writer)
     assert (writer.info.kind, writer.info.base_step) == ("delta", 0)  # read back from step 0
-    dcp_module._runs.managers.clear()
-    dcp_module._runs.touched.clear()
+    dcp_module.runs.managers.clear()
+    dcp_module.runs.touched.clear()
     model, optimizer, _ = _loaded(path, None)  # resuming from the directory continues its run
     _train(model, optimizer, 2, seed=2)
     writer = deltackpt.dcp.Writer(path, step=2)
@@ -229,12 +229,12 @@ def test_stored_bytes_are_checked_before_dcp_unpickles_them(tmp_path: Path) -> N
     torch.save({"kept": torch.ones(2)}, holder)  # a tensor inside: kept as DCP's bytes
     objects = {"a": dcp_module._object("a", holder.getvalue())}
     assert set(objects["a"]) == {"bytes"}
-    assert torch.equal(torch.load(io.BytesIO(dcp_module._serialised("a", {"a": {
+    assert torch.equal(torch.load(io.BytesIO(dcp_module.serialised("a", {"a": {
         "bytes": {"$bytes": __import__("base64").b64encode(holder.getvalue()).decode()}}})),
         weights_only=True)["kept"], torch.ones(2))
     evil = pickle.dumps(_Custom(), protocol=2)
     with pytest.raises(IntegrationError, match="weights_only"):
-        dcp_module._serialised("b", {"b": {"bytes": {
+        dcp_module.serialised("b", {"b": {"bytes": {
             "$bytes": __import__("base64").b64encode(evil).decode()}}})
 
 

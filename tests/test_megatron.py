@@ -143,7 +143,7 @@ def _load_bad(rank: int, world: int, root: str) -> None:
     plain = CheckpointManager(Path(root, "plain"))
     plain.save(4, torch.nn.Linear(2, 2))
     plain.close()
-    with pytest.raises(IntegrationError, match=r"step 4 was not saved by deltackpt\.megatron"):
+    with pytest.raises(IntegrationError, match=r"step 4 was not saved through deltackpt\.megatron"):
         dist_checkpointing.load(_state(rank, world, 3.0), directory,
                                 sharded_strategy=megatron.LoadStrategy(Path(root, "plain")))
     with pytest.raises(IntegrationError, match="saved with Megatron's 'torch_dist' strategy"):

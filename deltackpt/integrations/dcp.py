@@ -60,7 +60,7 @@ from deltackpt.dist.shards import is_dtensor
 from deltackpt.encode.policy import CompressionConfig
 from deltackpt.errors import ConfigError, IntegrationError
 from deltackpt.format.dtypes import spec_named
-from deltackpt.format.metadata import StepMetadata, tensor_name
+from deltackpt.format.metadata import Box, StepMetadata, tensor_name
 from deltackpt.format.state import CapturedState
 from deltackpt.format.tree import decode_tree, encode_tree
 from deltackpt.integrations.runs import check_same_run
@@ -98,17 +98,17 @@ class _Runs:
             return manager
 
 
-_runs = _Runs()
+runs = _Runs()
 
 
-def _key(path: str | os.PathLike[str]) -> str:
+def directory_key(path: str | os.PathLike[str]) -> str:
     """The identity of a checkpoint directory within this process."""
     text = os.fspath(path)
     return text if "://" in text and not text.startswith("file://") else \
         os.path.realpath(text.removeprefix("file://"))
 
 
-def _group(process_group: Any) -> Group:
+def ranks_of(process_group: Any) -> Group:
     """The ranks DCP saves or loads with: those of ``process_group`` (default: the default
     group), or this process alone outside torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -146,7 +146,7 @@ class Writer(StorageWriter):
 
     @property
     def key(self) -> str:
-        return _key(self.path)
+        return directory_key(self.path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """DCP's ``checkpoint_id``, if given, is the checkpoint directory."""
@@ -177,14 +177,14 @@ class Writer(StorageWriter):
             raise IntegrationError(f"deltackpt.dcp.Writer needs a planner that keeps the state "
                                    f"dict it plans (DefaultSavePlanner does); "
                                    f"{type(planner).__qualname__} has none")
-        group = _group(self.process_group)
+        group = ranks_of(self.process_group)
         mine = {item.index.fqn: planner.resolve_data(item).getvalue()
                 for item in plan.items if item.type == WriteItemType.BYTE_IO}
         payloads: dict[str, bytes] = {}
         for theirs in group.all_gather(mine):
             payloads.update(theirs)
         captured = group.together("capture of the DCP state", lambda: capture_dcp(state, payloads))
-        manager = _runs.manager(self)
+        manager = runs.manager(self)
         try:
             group.together("check of the directory", lambda: self._check_run(manager))
             manager.continue_chain(captured, group)
@@ -192,14 +192,14 @@ class Writer(StorageWriter):
                                               group=group)
         finally:
             manager.close()  # the writer lock, until the next save; the reference stays
-        _runs.touched.add(self.key)
+        runs.touched.add(self.key)
         done: Future[list[WriteResult]] = Future()
         done.set_result([WriteResult(index=item.index, size_in_bytes=_item_bytes(item, mine),
                                      storage_data=None) for item in plan.items])
         return done
 
     def _check_run(self, manager: CheckpointManager) -> None:
-        check_same_run(manager, continue_run=self.continue_run, resumed=self.key in _runs.touched)
+        check_same_run(manager, continue_run=self.continue_run, resumed=self.key in runs.touched)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing is left to do: rank 0 committed the step in :meth:`write_data`."""
@@ -362,7 +362,7 @@ class Reader(StorageReader):
                                               storage_options=self.storage_options)
         step = self._manager.resolve_step(self.step)
         self._meta = meta = self._manager.metadata(step)
-        dcp = _dcp_section(meta)
+        dcp = saved_section(meta, "dcp", FORMAT, "deltackpt.dcp.Writer")
         records = {r.name: r for r in meta.tensors}
         items: dict[str, Any] = {}
         for key, name in dcp["tensors"].items():
@@ -374,7 +374,7 @@ class Reader(StorageReader):
                                       torch.Size(record.shape))])
         for key in dcp["objects"]:
             items[key] = BytesStorageMetadata()
-        _runs.touched.add(_key(self.path))
+        runs.touched.add(directory_key(self.path))
         return Metadata(state_dict_metadata=items)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -393,16 +393,17 @@ class Reader(StorageReader):
         manager, meta = self._manager, self._meta
         if manager is None or meta is None:
             raise IntegrationError("deltackpt.dcp.Reader: read_data before read_metadata")
-        dcp = _dcp_section(meta)
+        dcp = saved_section(meta, "dcp", FORMAT, "deltackpt.dcp.Writer")
         names = dcp["tensors"]
         wanted: dict[str, list[Any]] = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(_serialised(item.storage_index.fqn,
+                planner.load_bytes(item, io.BytesIO(serialised(item.storage_index.fqn,
                                                                 dcp["objects"])))
             else:
                 wanted.setdefault(names[item.storage_index.fqn], []).append(item)
-        boxes = {name: _spanning(items) for name, items in wanted.items()}
+        boxes = {name: spanning([(list(i.storage_offsets), list(i.lengths)) for i in items])
+                 for name, items in wanted.items()}
         step = meta.step
 
         def restore(reads: ChainReads) -> dict[str, torch.Tensor]:
@@ -428,18 +429,18 @@ class Reader(StorageReader):
         return done
 
 
-def _dcp_section(meta: StepMetadata) -> dict[str, Any]:
-    """``extra["dcp"]`` of a step saved through :class:`Writer`; :class:`IntegrationError`
-    for another step."""
+def saved_section(meta: StepMetadata, key: str, version: int, saved_by: str) -> dict[str, Any]:
+    """``extra[key]`` of a step an integration saved (``saved_by`` names it), of format
+    ``version``; :class:`IntegrationError` for another step."""
     extra = meta.state.get("extra")
-    section = extra.get("dcp") if isinstance(extra, dict) else None
-    if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise IntegrationError(f"step {meta.step} was not saved through deltackpt.dcp.Writer "
-                               "(it has no DCP keys); load it with CheckpointManager.load")
+    section = extra.get(key) if isinstance(extra, dict) else None
+    if not isinstance(section, dict) or section.get("format") != version:
+        raise IntegrationError(f"step {meta.step} was not saved through {saved_by}; load it "
+                               "with CheckpointManager.load")
     return section
 
 
-def _serialised(key: str, objects: Mapping[str, Any]) -> bytes:
+def serialised(key: str, objects: Mapping[str, Any]) -> bytes:
     """DCP's serialisation of the value stored under ``key`` (a JSON value is saved again as
     DCP does; stored bytes only if ``torch.load(weights_only=True)`` reads them)."""
     stored = objects[key]
@@ -452,9 +453,8 @@ def _serialised(key: str, objects: Mapping[str, Any]) -> bytes:
     return data
 
 
-def _spanning(items: list[Any]) -> tuple[list[int], list[int]]:
-    """The box (offsets, sizes) spanning the storage regions of ``items``."""
-    lo = [min(item.storage_offsets[d] for item in items) for d in range(len(items[0].lengths))]
-    hi = [max(item.storage_offsets[d] + item.lengths[d] for item in items)
-          for d in range(len(lo))]
+def spanning(boxes: list[Box]) -> Box:
+    """The box (offsets, sizes) spanning ``boxes``."""
+    lo = [min(offsets[d] for offsets, _ in boxes) for d in range(len(boxes[0][0]))]
+    hi = [max(offsets[d] + sizes[d] for offsets, sizes in boxes) for d in range(len(lo))]
     return lo, [h - low for h, low in zip(hi, lo, strict=True)]

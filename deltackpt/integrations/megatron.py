@@ -40,7 +40,15 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.metadata import StepMetadata
 from deltackpt.format.state import CapturedState, Placement
 from deltackpt.format.tree import encode_tree
-from deltackpt.integrations.dcp import _group, _key, _runs, _serialised, capture_dcp
+from deltackpt.integrations.dcp import (
+    capture_dcp,
+    directory_key,
+    ranks_of,
+    runs,
+    saved_section,
+    serialised,
+    spanning,
+)
 from deltackpt.integrations.frameworks import require
 from deltackpt.integrations.runs import check_same_run
 from deltackpt.manager import CheckpointManager
@@ -110,7 +118,7 @@ class SaveStrategy(SaveShardedStrategy):
 
     @property
     def key(self) -> str:
-        return _key(self.path)
+        return directory_key(self.path)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -120,7 +128,7 @@ class SaveStrategy(SaveShardedStrategy):
         """Save the sharded state dict as the step, every rank together (each its boxes; rank 0
         commits), and name the step in ``checkpoint_dir``."""
         step = self.step if self.step is not None else _iteration(checkpoint_dir)
-        group = _group(None)
+        group = ranks_of(None)
         tensors, placements, payloads = _local_state(sharded_state_dict)
         described = {k: (list(p.shape), str(t.dtype)) for k, (t, p) in
                      ((k, (tensors[k], placements[k])) for k in tensors)}
@@ -134,16 +142,16 @@ class SaveStrategy(SaveShardedStrategy):
                     placements[key] = Placement(tuple(shape), (0,) * len(shape), writes=False)
         captured = group.together("capture of the Megatron state",
                                   lambda: capture_megatron(tensors, placements, merged))
-        manager = _runs.manager(self)
+        manager = runs.manager(self)
         try:
             group.together("check of the directory", lambda: check_same_run(
-                manager, continue_run=self.continue_run, resumed=self.key in _runs.touched))
+                manager, continue_run=self.continue_run, resumed=self.key in runs.touched))
             manager.continue_chain(captured, group)
             self.info = manager.save_captured(step, captured, overwrite=self.overwrite,
                                               group=group)
         finally:
             manager.close()  # the writer lock, until the next save; the reference stays
-        _runs.touched.add(self.key)
+        runs.touched.add(self.key)
         if group.rank == 0:
             pointer = {"path": self.path if "://" in os.fspath(self.path) else self.key,
                        "step": step}
@@ -247,7 +255,7 @@ class LoadStrategy(LoadShardedStrategy):
                                        ) from None
         manager = CheckpointManager(path, read_only=True, storage_options=self.storage_options)
         meta = manager.metadata(manager.resolve_step(step))
-        _section(meta)
+        saved_section(meta, "megatron", FORMAT, "deltackpt.megatron.SaveStrategy")
         return manager, meta
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
@@ -271,7 +279,7 @@ class LoadStrategy(LoadShardedStrategy):
             elif isinstance(value, ShardedObject) and value.unique_key not in dcp["objects"]:
                 raise IntegrationError(f"step {meta.step} of {manager.path} holds no "
                                        f"ShardedObject {value.unique_key!r}")
-        boxes = {name: _spanning(found) for name, found in wanted.items()}
+        boxes = {name: spanning(found) for name, found in wanted.items()}
 
         def restore(reads: ChainReads) -> dict[str, torch.Tensor]:
             current = reads(meta.step)
@@ -281,11 +289,11 @@ class LoadStrategy(LoadShardedStrategy):
             return restore_chain(manager.storage, current, boxes=boxes, read=reads)[0]
 
         tensors = read_consistently(manager.storage, meta.step, restore)
-        _runs.touched.add(_key(manager.path))
+        runs.touched.add(directory_key(manager.path))
 
         def loaded(value: Any) -> Any:
             if isinstance(value, ShardedObject):
-                return torch.load(io.BytesIO(_serialised(value.unique_key, dcp["objects"])),
+                return torch.load(io.BytesIO(serialised(value.unique_key, dcp["objects"])),
                                   weights_only=True)
             if not isinstance(value, ShardedTensor):
                 return value
@@ -312,24 +320,6 @@ class LoadStrategy(LoadShardedStrategy):
                                 device="meta")
             out[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
         return out
-
-
-def _section(meta: StepMetadata) -> dict[str, Any]:
-    """``extra["megatron"]`` of a step saved by :class:`SaveStrategy`; :class:`IntegrationError`
-    for another step."""
-    extra = meta.state.get("extra")
-    section = extra.get("megatron") if isinstance(extra, dict) else None
-    if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise IntegrationError(f"step {meta.step} was not saved by deltackpt.megatron."
-                               "SaveStrategy; load it with CheckpointManager.load")
-    return section
-
-
-def _spanning(boxes: list[Box]) -> Box:
-    """The box spanning ``boxes``."""
-    lo = [min(offsets[d] for offsets, _ in boxes) for d in range(len(boxes[0][0]))]
-    hi = [max(offsets[d] + sizes[d] for offsets, sizes in boxes) for d in range(len(lo))]
-    return lo, [h - low for h, low in zip(hi, lo, strict=True)]
 
 
 def register(save: SaveStrategy | None = None) -> None:
