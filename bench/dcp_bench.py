@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from children import compare_methods, dir_bytes
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
 
 import deltackpt.dcp
 from deltackpt import CheckpointManager
@@ -59,7 +59,7 @@ def _titan_manager(cls: type, folder: Path, model, optimizer, **options):
             return get_state_dict(model, optimizer)[1]
 
         def load_state_dict(self, state: dict) -> None:
-            raise NotImplementedError
+            set_optimizer_state_dict(model, optimizer, state)
 
     config = cls.Config(enable=True, folder=str(folder), interval=1, keep_latest_k=0, **options)
     manager = config.build(dataloader=None, model_parts=[model], optimizers=Optimizers(),
