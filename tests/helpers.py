@@ -112,6 +112,12 @@ def edit_metadata(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]],
     return path
 
 
+# Ranks fork from a clean single-threaded server, never from pytest's process: a fork taken
+# while another thread holds a lock (an earlier test's writer, a framework's pool) can hang.
+START_METHOD = "forkserver"
+mp.get_context(START_METHOD).set_forkserver_preload(["torch", "deltackpt", "helpers"])
+
+
 def free_port() -> int:
     """A TCP port free on loopback now, for a gloo rendezvous."""
     with socket.socket() as s:
@@ -131,10 +137,10 @@ def rank_main(rank: int, scenario, world: int, port: int, args: tuple) -> None:
 
 
 def run_ranks(scenario, world: int, *args) -> None:
-    """Run ``scenario(rank, world, *args)`` on ``world`` forked gloo ranks; a rank's exception
-    fails the test with its traceback."""
+    """Run ``scenario(rank, world, *args)`` on ``world`` gloo ranks; a rank's exception fails the
+    test with its traceback."""
     mp.start_processes(rank_main, args=(scenario, world, free_port(), args), nprocs=world,
-                       start_method="fork")
+                       start_method=START_METHOD)
 
 
 def manual_examples(page: str, after: str = "") -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import assert_same_value, free_port, manual_examples, step_dir
+from helpers import START_METHOD, assert_same_value, free_port, manual_examples, step_dir
 from torch import nn
 
 accelerate = pytest.importorskip("accelerate")
@@ -268,7 +268,7 @@ def _rank(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_two_gloo_processes_resume_as_the_run_never_interrupted(tmp_path: Path) -> None:
-    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method=START_METHOD)
     ckpt = CheckpointManager(tmp_path / "generator", read_only=True)
     assert ckpt.steps() == [4, 6] and ckpt.metadata(4).world_size == 2
     processes = ckpt.restore(4).extra["accelerate"]["processes"]
