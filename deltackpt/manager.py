@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -284,15 +284,14 @@ class CheckpointManager(CheckpointDirectory):
         if self._queue is not None:
             self._queue.admit(step)
         if not (self.blocking if blocking is None else blocking):
-            return self._save_async(step, model, optimizer, extra, rng=rng, overwrite=overwrite,
-                                    progress=progress, started=started)
+            return self._save_async(step, lambda: capture(model, optimizer, extra, rng),
+                                    overwrite=overwrite, progress=progress, started=started)
         info = self.save_captured(step, capture(model, optimizer, extra, rng),
                                   overwrite=overwrite, progress=progress)
         return dataclasses.replace(info, blocked_seconds=time.perf_counter() - started)
 
-    def _save_async(self, step: int, model: nn.Module | None,
-                    optimizer: torch.optim.Optimizer | None, extra: Any, *, rng: bool,
-                    overwrite: bool, progress: bool, started: float) -> SaveHandle:
+    def _save_async(self, step: int, capturing: Callable[[], CapturedState], *, overwrite: bool,
+                    progress: bool, started: float) -> SaveHandle:
         """Capture and snapshot the state here, then plan, encode, write and commit it on the
         save thread (:mod:`deltackpt.save.queue`, :meth:`_save`). Under torch.distributed
         the save's collectives run there, on a gloo group of their own
@@ -310,7 +309,7 @@ class CheckpointManager(CheckpointDirectory):
         if group is None:
             self._target.prepare(step, overwrite)  # refused at once: a step that exists, the lock
         ranks = Group.single() if group is None else self._background_group
-        captured = capture(model, optimizer, extra, rng)
+        captured = capturing()
         devices = device_coded(captured)
         encoding, waited_encoding = self._encode_at_call(step, captured, ranks, devices)
         buffers, waited = queue.snapshots.acquire()
@@ -359,11 +358,22 @@ class CheckpointManager(CheckpointDirectory):
                               self._workers(group)), waited
 
     def save_captured(self, step: int, captured: CapturedState, *, overwrite: bool = False,
-                      progress: bool = False, group: Group | None = None) -> SaveInfo:
+                      progress: bool = False, group: Group | None = None,
+                      blocking: bool = True) -> SaveInfo | SaveHandle:
         """Write already captured state as ``step``, once the saves in flight ended (used by
         :meth:`save`; state merged from hand-sharded ranks, docs/PATTERNS.md; the integrations'
-        state), on the ranks of ``group`` (default: the running torch.distributed group)."""
+        state), on the ranks of ``group`` (default: the running torch.distributed group).
+        ``blocking=False`` (on the running group only) snapshots it and returns the save's
+        handle, as :meth:`save` does."""
         step = check_step(step)
+        if not blocking:
+            if group is not None:
+                raise ConfigError("an asynchronous save_captured runs on the default group: "
+                                  "leave group= unset")
+            if self._queue is not None:
+                self._queue.admit(step)
+            return self._save_async(step, lambda: captured, overwrite=overwrite,
+                                    progress=progress, started=time.perf_counter())
         self.wait()
         return self._save(step, captured, group or Group.current() or Group.single(),
                           overwrite=overwrite, progress=progress)
