@@ -54,17 +54,24 @@ def train(engine: Any, generator: torch.Generator, steps: int) -> list[float]:
 
 
 def full_state(engine: Any) -> dict[str, torch.Tensor]:
-    """Every trained parameter's fp32 value and Adam moments, by DeepSpeed's own accessors."""
+    """Every trained parameter's fp32 value and Adam moments, by DeepSpeed's own accessors (or,
+    without ZeRO, the optimizer's own parameters: the model's, or their fp32 copies)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    optimizer = engine.optimizer
+    masters = {id(lp): hp for lps, hps in zip(getattr(optimizer, "fp16_groups", ()),
+                                              getattr(optimizer, "fp32_groups", ()), strict=True)
+               for lp, hp in zip(lps, hps, strict=True)}
     out = {}
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
             continue
-        if engine.zero_optimization_stage() == 0 and engine.optimizer.__class__.__name__ == "AdamW":
-            out[name] = param.detach().clone()
+        if engine.zero_optimization_stage() == 0:
+            master = masters.get(id(param), param)
+            state = getattr(optimizer, "optimizer", optimizer).state[master]
+            out[name] = master.detach().clone()
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = engine.optimizer.state[param][key].clone()
+                out[f"{name}.{key}"] = state[key].clone()
             continue
         out[name] = safe_get_full_fp32_param(param).clone()
         for key in ("exp_avg", "exp_avg_sq"):
@@ -153,8 +160,8 @@ def load_on_one_rank(rank: int, world: int, root: str, stage: int, dtype: str) -
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
-@pytest.mark.parametrize(("stage", "dtype", "then"), [(1, "fp32", 2), (2, "fp32", 3), (2, "bf16", 1),
-                                                      (3, "fp32", 1)])
+@pytest.mark.parametrize(("stage", "dtype", "then"), [(0, "fp32", 2), (0, "bf16", 3), (1, "fp32", 2),
+                                                      (2, "fp32", 3), (2, "bf16", 1), (3, "fp32", 1)])
 def test_resume_matches_deepspeeds_own_and_loads_on_one_rank(tmp_path: Path, stage: int, dtype: str,
                                                              then: int) -> None:
     run_ranks(save_and_resume, 2, str(tmp_path), stage, dtype)

@@ -89,8 +89,9 @@ class _Slot:
 
 class _Holding:
     """How a DeepSpeed engine holds its parameters and their optimizer state: stage 0 (the
-    optimizer steps the parameters), ZeRO-1/2 and the bf16 optimizer (flat fp32 partitions,
-    ``_hp_mapping``), ZeRO-3 (partitioned parameters, ``ds_tensor``)."""
+    optimizer steps the parameters, or fp32 copies of 16-bit ones), ZeRO-1/2 and the bf16
+    optimizer (flat fp32 partitions, ``_hp_mapping``), ZeRO-3 (partitioned parameters,
+    ``ds_tensor``)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -99,6 +100,10 @@ class _Holding:
         self.zero3 = bool(engine.zero_optimization_partition_weights())
         self.partitioned = self.base is not self.optimizer
         self.group = getattr(self.optimizer, "dp_process_group", None) if self.partitioned else None
+        # 16-bit training without ZeRO: an fp32 copy of each parameter, which the optimizer steps
+        self.masters = {id(lp): hp for lps, hps in zip(getattr(self.optimizer, "fp16_groups", ()),
+                                                      getattr(self.optimizer, "fp32_groups", ()), strict=True)
+                        for lp, hp in zip(lps, hps, strict=True)} if not self.zero3 else {}
 
     @property
     def ranks(self) -> tuple[int, int]:
@@ -125,9 +130,10 @@ class _Holding:
             flat = self.optimizer.fp32_partitioned_groups_flat[sub]
             return _Slot(name, param, shape, start, count, flat.narrow(0, offset, count), flat,
                          offset)
-        if not param.requires_grad or not self.partitioned:
-            flat = param if param.requires_grad else None
-            return _Slot(name, param, shape, 0, numel, param.data.view(-1), flat, 0, partial=False)
+        master = self.masters.get(id(param), param)
+        if not param.requires_grad or not self.partitioned or master is not param:
+            flat = master if param.requires_grad else None
+            return _Slot(name, param, shape, 0, numel, master.data.view(-1), flat, 0, partial=False)
         mapping = getattr(param, "_hp_mapping", None)
         flat = self.base.param_groups[self._group_of(param)]["params"][0]
         if mapping is None:  # another rank's partition holds all of it
@@ -149,6 +155,8 @@ class _Holding:
             for sub, params in enumerate(self.optimizer.fp16_groups):
                 groups.setdefault(self.optimizer.sub_group_to_group_id[sub], []).extend(params)
             return [groups.get(g, []) for g in range(len(self.base.param_groups))]
+        if self.masters:
+            return self.optimizer.fp16_groups
         if self.partitioned:
             return self.optimizer.bit16_groups
         return [group["params"] for group in self.base.param_groups]
@@ -181,6 +189,10 @@ class _Holding:
             for slot in slots:
                 if slot.flat is not None:
                     slot.param.ds_tensor.data.view(-1).narrow(0, 0, slot.count).copy_(slot.weights)
+        elif self.masters:
+            for slot in slots:
+                if slot.flat is not None:
+                    slot.param.data.copy_(slot.flat.data)
         elif self.partitioned:
             self.optimizer.update_lp_params()
             # link the parameters to their state now rather than at the next step, so that
