@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import manual_examples, run_ranks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
@@ -252,3 +252,17 @@ def async_saves(rank: int, world: int, root: str) -> None:
 def test_asynchronous_saves_are_named_latest_once_written(tmp_path: Path) -> None:
     run_ranks(async_saves, 2, str(tmp_path))
     assert CheckpointManager(tmp_path, read_only=True).steps() == [1, 2]
+
+
+def _example(rank: int, world: int, root: str) -> None:
+    rank_env(rank, world)
+    engine_of(0, "fp32", 0)  # DeepSpeed's CPU set-up, as the manual's example needs it
+    os.chdir(root)
+    for code in manual_examples("deepspeed.md"):
+        exec(compile(code, "docs/deepspeed.md", "exec"), {"__name__": "__main__"})
+
+
+def test_docs_example(tmp_path: Path) -> None:
+    run_ranks(_example, 2, str(tmp_path))
+    manager = CheckpointManager(tmp_path / "runs" / "ds", read_only=True)
+    assert manager.steps() == [10, 20, 30] and manager.metadata(30).world_size == 2
