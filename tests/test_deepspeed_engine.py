@@ -59,9 +59,8 @@ def full_state(engine: Any) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     optimizer = engine.optimizer
-    masters = {id(lp): hp for lps, hps in zip(getattr(optimizer, "fp16_groups", ()),
-                                              getattr(optimizer, "fp32_groups", ()), strict=True)
-               for lp, hp in zip(lps, hps, strict=True)}
+    masters = {id(lp): hp for lps, hps in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True)
+               for lp, hp in zip(lps, hps, strict=True)} if hasattr(optimizer, "fp32_groups") else {}
     out = {}
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:

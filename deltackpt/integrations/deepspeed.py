@@ -101,9 +101,10 @@ class _Holding:
         self.partitioned = self.base is not self.optimizer
         self.group = getattr(self.optimizer, "dp_process_group", None) if self.partitioned else None
         # 16-bit training without ZeRO: an fp32 copy of each parameter, which the optimizer steps
-        self.masters = {id(lp): hp for lps, hps in zip(getattr(self.optimizer, "fp16_groups", ()),
-                                                      getattr(self.optimizer, "fp32_groups", ()), strict=True)
-                        for lp, hp in zip(lps, hps, strict=True)} if not self.zero3 else {}
+        unfused = hasattr(self.optimizer, "fp32_groups") and not self.zero3
+        self.masters = {id(lp): hp for lps, hps in zip(self.optimizer.fp16_groups,
+                                                      self.optimizer.fp32_groups, strict=True)
+                        for lp, hp in zip(lps, hps, strict=True)} if unfused else {}
 
     @property
     def ranks(self) -> tuple[int, int]:
