@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from deltackpt import CheckpointManager
 from deltackpt.errors import ConversionError
 from deltackpt.interop import convert, detect_format, read_checkpoint
+from deltackpt.interop.patterns import ShardingSpec
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for the DeepSpeed classes resave unpickles
 deepspeed = pytest.importorskip("deepspeed")
@@ -293,3 +295,116 @@ def test_nothing_untrusted_runs_and_nothing_outside_is_read(written: Callable[[i
                                               r"outside the checkpoint directory"):
         convert(clean, out)
     assert not out.exists()
+
+
+class TensorParallel:
+    """DeepSpeed's ``mpu``: every rank one tensor-parallel rank, no data parallelism."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = dist.new_group(list(range(dist.get_world_size())))
+        self.alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+
+    def get_model_parallel_rank(self) -> int:
+        return self.dist.get_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.dist.get_world_size()
+
+    def get_model_parallel_group(self) -> object:
+        return self.group
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+    def get_data_parallel_group(self) -> object:
+        return self.alone[self.dist.get_rank()]
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Megatron's ``copy_to_tensor_model_parallel_region``: the identity, whose backward sums the
+    gradient over the tensor-parallel ranks (so replicated layers before it stay equal)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad)
+        return grad
+
+
+class ColumnParallel(nn.Module):
+    """A layer norm (replicated), then a linear layer whose rows and bias the ranks split, as
+    Megatron's column-parallel linear layer."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        whole = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(6)
+        self.col = nn.Linear(6, 8 // world)
+        with torch.no_grad():
+            self.col.weight.copy_(whole.weight.chunk(world)[rank])
+            self.col.bias.copy_(whole.bias.chunk(world)[rank])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.col(_CopyToRanks.apply(self.norm(x)))
+
+
+def train_tensor_parallel(rank: int, world: int, out: str, stage: int) -> None:
+    """2 tensor-parallel ranks of a DeepSpeed run; each saves its parameters and moments (fp32,
+    as DeepSpeed's accessors give them) beside the checkpoint."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu",
+                      LOCAL_WORLD_SIZE=str(world))
+    import deepspeed.comm.torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    model = ColumnParallel(rank, world)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(),
+                                      mpu=TensorParallel())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        engine.backward(engine(torch.randn(2, 6, generator=generator)).square().mean())
+        engine.step()
+    engine.save_checkpoint(out, tag="tp")
+    torch.save({name: [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k)
+                                                       for k in ("exp_avg", "exp_avg_sq")]
+                for name, p in engine.module.named_parameters()}, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_parallel_ranks_merge_by_a_sharding_spec(tmp_path: Path, stage: int) -> None:
+    run_ranks(train_tensor_parallel, 2, str(tmp_path), stage)
+    folder = tmp_path / "tp"
+    assert {p.name for p in folder.iterdir()} >= {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_01_optim_states.pt"}
+    with pytest.raises(ConversionError, match=r"holds the states of 2 tensor-parallel ranks "
+                                              r"\(mp_rank_00 to mp_rank_01\): pass a sharding spec"):
+        convert(folder, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+    spec = ShardingSpec.from_dict({"rules": [{"pattern": "col.*", "kind": "partitioned", "dim": 0}]})
+    report = convert(folder, tmp_path / "out", sharding=spec, out_format="torch")
+    assert report.source_format == "deepspeed, 2 ranks merged" and report.step == STEPS
+    converted = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    group = converted["optimizer"]["param_groups"][0]
+    state = {n: converted["optimizer"]["state"][i]
+             for n, i in zip(group["param_names"], group["params"], strict=True)}
+    for name in ("col.weight", "col.bias", "norm.weight", "norm.bias"):
+        whole = [torch.cat([r[name][i] for r in ranks]) if name.startswith("col") else ranks[0][name][i]
+                 for i in range(3)]
+        assert same(converted["model"][name], whole[0]), name
+        assert same(state[name]["exp_avg"], whole[1]) and same(state[name]["exp_avg_sq"], whole[2]), name

@@ -58,7 +58,7 @@ from deltackpt.interop.layouts import (
     split_document,
 )
 from deltackpt.interop.patterns import ShardingSpec, merge_states
-from deltackpt.interop.zero import is_zero_folder, read_zero
+from deltackpt.interop.zero import is_zero_folder, read_zero, tensor_parallel_ranks
 from deltackpt.save.capture import capture_values
 
 
@@ -522,6 +522,14 @@ def _param_file(path: Path) -> torch.Tensor:
     return value["param"]
 
 
+def _zero_source(path: Path, optimizer_class_name: str | None, model_only: bool,
+                 mp_rank: int | None = None) -> Source:
+    """A DeepSpeed ``save_checkpoint`` folder (its tensor-parallel rank ``mp_rank``'s files)."""
+    read = read_zero(path, optimizer_class_name, model_only, mp_rank)
+    return Source("deepspeed", _captured(read.parts, str(read.folder), read.buffers), read.parts.step,
+                  read.parts.notes, found=read.found)
+
+
 def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
                    model_only: bool = False) -> Source:
     """A DeepSpeed universal checkpoint folder, or a checkpoint folder as DeepSpeed's
@@ -540,9 +548,7 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
     """
     path = _one(paths, "deepspeed")
     if not _universal(path) and is_zero_folder(path):
-        read = read_zero(path, optimizer_class_name, model_only)
-        return Source("deepspeed", _captured(read.parts, str(read.folder), read.buffers), read.parts.step,
-                      read.parts.notes, found=read.found)
+        return _zero_source(path, optimizer_class_name, model_only)
     folder = _deepspeed_folder(path)
     notes: list[str] = []
     params: dict[str, torch.Tensor] = {}
@@ -693,11 +699,17 @@ def read_sharded(paths: list[Path], sharding: ShardingSpec, source_format: str |
     rank order, merged into whole tensors by ``sharding`` (:func:`~deltackpt.interop.patterns.merge_states`).
 
     Each rank's checkpoint is read as :func:`read_checkpoint` reads one
-    (``source_format`` None: detected per path). The step, RNG states,
-    ``extra`` and optimizer param groups are rank 0's.
+    (``source_format`` None: detected per path); a single DeepSpeed ``save_checkpoint`` folder
+    holds the files of every tensor-parallel rank, read one rank at a time. The step, RNG
+    states, ``extra`` and optimizer param groups are rank 0's.
     """
-    ranks = [read_checkpoint(path, source_format, optimizer_class_name, model_only=model_only)
-             for path in paths]
+    if len(paths) == 1 and source_format in (None, "deepspeed") and not _universal(paths[0]) \
+            and is_zero_folder(paths[0]):
+        ranks = [_zero_source(paths[0], optimizer_class_name, model_only, mp)
+                 for mp in range(tensor_parallel_ranks(paths[0]))]
+    else:
+        ranks = [read_checkpoint(path, source_format, optimizer_class_name, model_only=model_only)
+                 for path in paths]
     try:
         state = merge_states([r.state for r in ranks], sharding)
     except (ValueError, DeltackptError) as exc:

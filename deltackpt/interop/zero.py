@@ -13,6 +13,10 @@ stand-ins for the few DeepSpeed classes those files pickle (:data:`DEEPSPEED_GLO
 so nothing of DeepSpeed runs and DeepSpeed need not be installed; any other
 class is refused by name.
 
+With tensor parallelism each tensor-parallel rank ``mp`` has files of its own
+(``mp_rank_<mp>_...``), read one rank at a time (:func:`read_zero`'s ``mp_rank``) and merged
+into whole tensors by a sharding spec (docs/PATTERNS.md).
+
 Read through :func:`~deltackpt.interop.sources.read_deepspeed`, which takes
 both these folders and universal ones.
 """
@@ -141,19 +145,21 @@ def _param_shapes(states: Mapping[str, Any], path: Path) -> list[dict[str, torch
     return [dict(g) for g in groups]
 
 
-def _optim_files(folder: Path, dp: int, path: Path) -> list[Path]:
-    """The optimizer files of the ``dp`` data-parallel ranks, in rank order."""
+def _optim_files(folder: Path, dp: int, path: Path, mp_rank: int) -> list[Path]:
+    """The optimizer files of the ``dp`` data-parallel ranks of tensor-parallel rank ``mp_rank``,
+    in rank order."""
     found: dict[int, Path] = {}
     for file in folder.glob("*_optim_states.pt"):
         match = OPTIM_STATES.fullmatch(file.name)
-        if match and int(match[3]) == 0:
+        if match and int(match[3]) == mp_rank:
             found[int(match[2])] = file
+    mp = f"mp_rank_{mp_rank:02d}"
     if not found:
         raise ConversionError(f"{folder}: no ZeRO optimizer files "
-                              f"(zero_pp_rank_0_mp_rank_00_optim_states.pt), though {path.name} records "
+                              f"(zero_pp_rank_0_{mp}_optim_states.pt), though {path.name} records "
                               "ZeRO training")
     prefix = next(iter(found.values())).name.split("zero_pp_rank_")[0]
-    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp) if r not in found]
+    missing = [f"{prefix}zero_pp_rank_{r}_{mp}_optim_states.pt" for r in range(dp) if r not in found]
     if missing:
         raise ConversionError(f"{folder}: missing the optimizer files of data-parallel ranks "
                               f"{names_text(missing)} ({path.name} records {dp} ranks)")
@@ -240,13 +246,13 @@ def _merge(flats: list[list[torch.Tensor]], shapes: list[dict[str, torch.Size]],
 
 
 def _read_partitions(folder: Path, states: Mapping[str, Any], states_path: Path,
-                     shapes: list[dict[str, torch.Size]], model_only: bool
+                     shapes: list[dict[str, torch.Size]], model_only: bool, mp_rank: int
                      ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
                                 list[dict[str, Any]], Any]:
     """The fp32 weights and optimizer state (by parameter name) of a ZeRO-1/2/3 checkpoint, the
     param groups' hyperparameters and the step."""
     dp = _get(states, "dp_world_size", int, states_path)
-    files = _optim_files(folder, dp, states_path)
+    files = _optim_files(folder, dp, states_path, mp_rank)
     flats: list[list[torch.Tensor]] = []
     moments: list[dict[str, list[torch.Tensor]]] = []
     stage = sizes = None
@@ -380,22 +386,44 @@ class ZeroRead:
     folder: Path
 
 
-def read_zero(path: Path, optimizer_class_name: str | None = None, model_only: bool = False) -> ZeroRead:
+def tensor_parallel_ranks(path: Path) -> int:
+    """The number of tensor-parallel ranks whose files the checkpoint folder at ``path`` holds."""
+    return len({mp for _, mp, _ in _model_states_files(zero_folder(path))})
+
+
+def read_zero(path: Path, optimizer_class_name: str | None = None, model_only: bool = False,
+              mp_rank: int | None = None) -> ZeroRead:
     """A DeepSpeed checkpoint folder as ``engine.save_checkpoint`` writes it (or the folder of its
     ``latest`` file): fp32 weights, Adam's moments, step and hyperparameters by parameter name,
-    padding stripped; frozen parameters, buffers and tied names from the model states."""
+    padding stripped; frozen parameters, buffers and tied names from the model states. With
+    tensor parallelism, the files of tensor-parallel rank ``mp_rank`` (required then)."""
     folder = zero_folder(path)
-    states_files = _model_states_files(folder)
-    if any(mp != 0 for _, mp, _ in states_files):
-        raise ConversionError(f"{folder}: holds the model states of several tensor-parallel ranks "
-                              "(mp_rank_01...); convert reads checkpoints without tensor parallelism")
+    every = _model_states_files(folder)
+    tp_ranks = sorted({mp for _, mp, _ in every})
+    if tp_ranks != list(range(len(tp_ranks))):
+        raise ConversionError(f"{folder}: holds the model states of tensor-parallel ranks {tp_ranks}; "
+                              f"expected ranks 0 to {len(tp_ranks) - 1}")
+    if mp_rank is None:
+        if len(tp_ranks) > 1:
+            raise ConversionError(f"{folder}: holds the states of {len(tp_ranks)} tensor-parallel "
+                                  "ranks (mp_rank_00 to mp_rank_"
+                                  f"{len(tp_ranks) - 1:02d}): pass a sharding spec (--spec, "
+                                  "docs/PATTERNS.md) to merge them")
+        mp_rank = 0
+    states_files = [f for f in every if f[1] == mp_rank]
+    if not states_files:
+        raise ConversionError(f"{folder}: holds no model states of tensor-parallel rank {mp_rank} "
+                              f"(ranks {tp_ranks})")
     states_path = states_files[0][2]
     states = _load(states_path, folder)
     dims = states.get("checkpoint_parallel_dimensions") or {}
-    if _get(states, "mp_world_size", int, states_path) != 1 or dims.get("pp_degree", 1) != 1:
-        raise ConversionError(f"{states_path}: trained with tensor or pipeline parallelism "
-                              f"({dict(dims) or 'mp_world_size ' + str(states['mp_world_size'])}); "
-                              "convert reads checkpoints without them")
+    if dims.get("pp_degree", 1) != 1:
+        raise ConversionError(f"{states_path}: trained with pipeline parallelism ({dict(dims)}); "
+                              "convert reads checkpoints without it")
+    mp = _get(states, "mp_world_size", int, states_path)
+    if mp != len(tp_ranks):
+        raise ConversionError(f"{states_path}: records {mp} tensor-parallel ranks "
+                              f"(mp_world_size), but {folder} holds the states of {len(tp_ranks)}")
     zero3 = states_files[0][0] != 0 or states_path.name.startswith("zero_pp_rank_")
     loaded = [(states, states_path)]
     if zero3:
@@ -407,9 +435,10 @@ def read_zero(path: Path, optimizer_class_name: str | None = None, model_only: b
         loaded += [(_load(p, folder), p) for _, _, p in states_files[1:]]
     notes: list[str] = []
     step_value = None
-    if zero3 or any(folder.glob("*zero_pp_rank_*_optim_states.pt")):
+    if zero3 or any(folder.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt")):
         shapes = _param_shapes(states, states_path)
-        weights, state, hypers, step_value = _read_partitions(folder, states, states_path, shapes, model_only)
+        weights, state, hypers, step_value = _read_partitions(folder, states, states_path, shapes,
+                                                              model_only, mp_rank)
     else:
         recorded = None if states.get("param_shapes") is None else _param_shapes(states, states_path)
         shapes, weights, state, hypers = _read_stage0(states, states_path, recorded, model_only, notes)
