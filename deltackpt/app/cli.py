@@ -834,7 +834,9 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
         "               mp_rank_00_model_states.pt where weights_only=True can load them\n\n"
         "With --spec FILE, the SRCs are the checkpoints of the tensor-parallel ranks of a\n"
         "hand-sharded run (Megatron style), rank 0 first, each in one of these formats; the\n"
-        "sharding spec in FILE (docs/PATTERNS.md) merges them into whole tensors.\n\n"
+        "sharding spec in FILE (docs/PATTERNS.md) merges them into whole tensors. A DeepSpeed\n"
+        "save_checkpoint folder holds every tensor-parallel rank (mp_rank_00, mp_rank_01...):\n"
+        "it is the one SRC.\n\n"
         "DIR (--to):\n\n"
         "  deltackpt    a standalone deltackpt directory holding one full, lossless step\n"
         + _EXPORT_FORMATS_HELP +
@@ -848,7 +850,8 @@ def _add_convert(sub: Any, parents: _Parents) -> None:
         "  deltackpt convert dcp_ckpt/ --to safetensors --out export/\n"
         "  deltackpt convert shards/ --from safetensors --out runs/ckpt --step 1000\n"
         "  deltackpt convert ds/global_step100 --to dcp --out dcp_ckpt/ --json\n"
-        "  deltackpt convert tp0.pt tp1.pt tp2.pt tp3.pt --spec gpt_tp.json --out runs/ckpt",
+        "  deltackpt convert tp0.pt tp1.pt tp2.pt tp3.pt --spec gpt_tp.json --out runs/ckpt\n"
+        "  deltackpt convert ds_ckpt/global_step100 --spec gpt_tp.json --out runs/ckpt",
         _cmd_convert, [])
     convert.add_argument("sources", nargs="+", metavar="SRC",
                          help="checkpoint file or directory (several: .safetensors files, or the "
