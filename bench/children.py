@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch.multiprocessing as mp
 
 from deltackpt.app.training import SIZES
 
@@ -54,3 +58,33 @@ def compare_methods(script: str, description: str, methods: list[str],
         return None
     return args, {m: run_child(script, [m, args.size, str(args.saves), str(args.every)])
                   for m in args.methods.split(",")}
+
+
+def run_two_ranks(rank_main: Callable, args: argparse.Namespace, root: str) -> dict:
+    """``rank_main(rank, 2, port, args, root, out)`` on 2 spawned processes (gloo rendezvous on
+    a free loopback ``port``); what the ranks put in the shared dict ``out``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(rank_main, args=(2, port, args, root, out), nprocs=2, start_method="spawn")
+        return dict(out)
+
+
+def print_saves(results: dict[str, tuple[list[float], list[int], list[str]]], baseline: str,
+                width: int = 20) -> None:
+    """Per method (``(seconds, bytes, kinds)`` of each save): the bytes a save adds (mean; full
+    steps and deltas apart) and its seconds (median without the first), with their ratios to
+    ``baseline``'s."""
+    print(f"{'method':<{width}} {'MB/save':>9} {'full MB':>9} {'delta MB':>9} {'s/save':>8}")
+    base_bytes = statistics.mean(results[baseline][1])
+    base_seconds = statistics.median(results[baseline][0][1:])
+    for method, (seconds, sizes, kinds) in results.items():
+        full = [b for b, k in zip(sizes, kinds, strict=True) if k == "full"]
+        delta = [b for b, k in zip(sizes, kinds, strict=True) if k == "delta"]
+        mean, wait = statistics.mean(sizes), statistics.median(seconds[1:])
+        print(f"{method:<{width}} {mean / 1e6:9.2f} {statistics.mean(full) / 1e6:9.2f} "
+              f"{(statistics.mean(delta) / 1e6 if delta else 0):9.2f} {wait:8.3f}"
+              + ("" if method == baseline else
+                 f"   {base_bytes / mean:.1f}x smaller, {wait / base_seconds:.2f}x the time"))

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,8 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from children import dir_bytes
+from children import dir_bytes, print_saves, run_two_ranks
 
 METHODS = ["deepspeed", "deltackpt.deepspeed"]
 
@@ -109,29 +106,13 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=6)
     parser.add_argument("--every", type=int, default=5)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as root, mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank, args=(2, port, args, root, out), nprocs=2, start_method="spawn")
-        results = dict(out)
+    with tempfile.TemporaryDirectory() as root:
+        results = run_two_ranks(_rank, args, root)
         state_mb = results["parameters"] * 12 / 1e6  # fp32 weights and two moments
         converts = _convert_seconds(results["last"], Path(root))
     print(f"TinyGPT {args.size} ({results['parameters'] / 1e6:.1f}M parameters), DeepSpeed ZeRO-2 "
           f"on 2 gloo ranks, {args.saves} saves, {args.every} steps apart")
-    print(f"{'method':<22} {'MB/save':>9} {'full MB':>9} {'delta MB':>9} {'s/save':>8}")
-    base_bytes = statistics.mean(results["deepspeed"][1])
-    base_seconds = statistics.median(results["deepspeed"][0][1:])
-    for method in METHODS:
-        seconds, sizes, kinds = results[method]
-        full = [b for b, k in zip(sizes, kinds, strict=True) if k == "full"]
-        delta = [b for b, k in zip(sizes, kinds, strict=True) if k == "delta"]
-        mean, wait = statistics.mean(sizes), statistics.median(seconds[1:])
-        print(f"{method:<22} {mean / 1e6:9.2f} {statistics.mean(full) / 1e6:9.2f} "
-              f"{(statistics.mean(delta) / 1e6 if delta else 0):9.2f} {wait:8.3f}"
-              + ("" if method == "deepspeed" else
-                 f"   {base_bytes / mean:.1f}x smaller, {wait / base_seconds:.2f}x the time"))
+    print_saves({m: results[m] for m in METHODS}, "deepspeed", width=22)
     print(f"converting DeepSpeed's last checkpoint ({state_mb:.0f} MB of training state):")
     for name, spent in converts.items():
         print(f"{name:<22} {spent:8.2f} s  {state_mb / spent:7.1f} MB/s"

@@ -15,15 +15,13 @@ save adds to disk (mean; for deltackpt the full step and the deltas apart) and t
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from children import dir_bytes
+from children import dir_bytes, print_saves, run_two_ranks
 
 METHODS = ["torch_dist", "deltackpt.megatron"]
 
@@ -102,28 +100,10 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--every", type=int, default=5)
     args = parser.parse_args()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as root, mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank, args=(2, port, args, root, out), nprocs=2, start_method="fork")
-        results = dict(out)
+    with tempfile.TemporaryDirectory() as root:
+        results = run_two_ranks(_rank, args, root)
     print(f"TinyGPT {args.size}, 2 gloo ranks, {args.saves} saves, {args.every} steps apart")
-    print(f"{'method':<20} {'MB/save':>9} {'full MB':>9} {'delta MB':>9} {'s/save':>8}")
-    base_bytes = statistics.mean(results["torch_dist"][1])
-    base_seconds = statistics.median(results["torch_dist"][0][1:])
-    for method in METHODS:
-        seconds, sizes, kinds = results[method]
-        full = [b for b, k in zip(sizes, kinds, strict=True) if k == "full"]
-        delta = [b for b, k in zip(sizes, kinds, strict=True) if k == "delta"]
-        mean, wait = statistics.mean(sizes), statistics.median(seconds[1:])
-        print(f"{method:<20} {mean / 1e6:9.2f} {statistics.mean(full) / 1e6:9.2f} "
-              f"{(statistics.mean(delta) / 1e6 if delta else 0):9.2f} {wait:8.3f}"
-              + ("" if method == "torch_dist" else
-                 f"   {base_bytes / mean:.1f}x smaller, {wait / base_seconds:.2f}x the time"))
+    print_saves({m: results[m] for m in METHODS}, "torch_dist")
 
 
 if __name__ == "__main__":

@@ -404,16 +404,7 @@ class Reader(StorageReader):
                 wanted.setdefault(names[item.storage_index.fqn], []).append(item)
         boxes = {name: spanning([(list(i.storage_offsets), list(i.lengths)) for i in items])
                  for name, items in wanted.items()}
-        step = meta.step
-
-        def restore(reads: ChainReads) -> dict[str, torch.Tensor]:
-            current = reads(step)
-            if current.save_id != meta.save_id:  # replaced since read_metadata: read it again
-                raise IntegrationError(f"step {step} of {manager.path} was replaced while it "
-                                       "was being loaded; load it again")
-            return restore_chain(manager.storage, current, boxes=boxes, read=reads)[0]
-
-        tensors = read_consistently(manager.storage, step, restore)
+        tensors = read_boxes(manager, meta, boxes)
         for name, items in wanted.items():
             origin = boxes[name][0]
             for item in items:
@@ -427,6 +418,21 @@ class Reader(StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def read_boxes(manager: CheckpointManager, meta: StepMetadata,
+               boxes: Mapping[str, Box]) -> dict[str, torch.Tensor]:
+    """Every tensor of step ``meta`` rebuilt through its chain, those in ``boxes`` only over
+    their box; :class:`IntegrationError` if the step was replaced since ``meta`` was read (a
+    load that planned on ``meta`` must plan again)."""
+    def restore(reads: ChainReads) -> dict[str, torch.Tensor]:
+        current = reads(meta.step)
+        if current.save_id != meta.save_id:
+            raise IntegrationError(f"step {meta.step} of {manager.path} was replaced while it was "
+                                   "being loaded; load it again")
+        return restore_chain(manager.storage, current, boxes=dict(boxes), read=reads)[0]
+
+    return read_consistently(manager.storage, meta.step, restore)
 
 
 def saved_section(meta: StepMetadata, key: str, version: int, saved_by: str) -> dict[str, Any]:

@@ -37,16 +37,14 @@ from torch import nn
 
 from deltackpt.encode.policy import CompressionConfig
 from deltackpt.errors import ConfigError, IntegrationError
-from deltackpt.format.metadata import StepMetadata
+from deltackpt.format.metadata import Box, StepMetadata
 from deltackpt.format.state import CapturedState, Placement
 from deltackpt.format.tree import decode_tree
-from deltackpt.integrations.dcp import directory_key, ranks_of, runs, saved_section
+from deltackpt.integrations.dcp import directory_key, ranks_of, read_boxes, runs, saved_section
 from deltackpt.integrations.frameworks import require
 from deltackpt.integrations.runs import check_same_run
 from deltackpt.manager import CheckpointManager
 from deltackpt.ops.retention import RetentionPolicy
-from deltackpt.restore.chain import restore_chain
-from deltackpt.restore.consistent import ChainReads, read_consistently
 from deltackpt.save.capture import capture_values
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle
@@ -66,7 +64,6 @@ LAYOUT_KEYS = ("module", "optimizer", "buffer_names", "param_shapes", "frozen_pa
 ENGINE_KEYS = ("skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
                "random_ltd", "lr_scheduler")
 
-Box = tuple[list[int], list[int]]
 
 
 @dataclass
@@ -493,14 +490,7 @@ def load_engine(engine: Any, manager: CheckpointManager, meta: StepMetadata, *, 
     for name in buffers:
         boxes.pop(by_key[name, None].name, None)
 
-    def restore(reads: ChainReads) -> dict[str, torch.Tensor]:
-        current = reads(meta.step)
-        if current.save_id != meta.save_id:
-            raise IntegrationError(f"step {meta.step} of {manager.path} was replaced while it was "
-                                   "being loaded; load it again")
-        return restore_chain(manager.storage, current, boxes=boxes, read=reads)[0]
-
-    tensors = read_consistently(manager.storage, meta.step, restore)
+    tensors = read_boxes(manager, meta, boxes)
     saved_optimizer = decode_tree(meta.state.get("optimizer"), tensors.__getitem__) or {}
     for slot in slots:
         record = by_key[slot.name, None]

@@ -37,13 +37,14 @@ import torch
 from deltackpt.encode.policy import CompressionConfig
 from deltackpt.errors import ConfigError, IntegrationError
 from deltackpt.format.dtypes import spec_named
-from deltackpt.format.metadata import StepMetadata
+from deltackpt.format.metadata import Box, StepMetadata
 from deltackpt.format.state import CapturedState, Placement
 from deltackpt.format.tree import encode_tree
 from deltackpt.integrations.dcp import (
     capture_dcp,
     directory_key,
     ranks_of,
+    read_boxes,
     runs,
     saved_section,
     serialised,
@@ -53,8 +54,6 @@ from deltackpt.integrations.frameworks import require
 from deltackpt.integrations.runs import check_same_run
 from deltackpt.manager import CheckpointManager
 from deltackpt.ops.retention import RetentionPolicy
-from deltackpt.restore.chain import restore_chain
-from deltackpt.restore.consistent import ChainReads, read_consistently
 from deltackpt.save.info import SaveInfo
 
 require("megatron.core")
@@ -75,7 +74,6 @@ FORMAT = 1  # of extra["megatron"]
 POINTER = "deltackpt.json"  # in Megatron's checkpoint directory: the step it holds
 _ITERATION = re.compile(r"(\d+)$")
 
-Box = tuple[list[int], list[int]]
 
 
 def _box(tensor: ShardedTensor) -> Box:
@@ -281,14 +279,7 @@ class LoadStrategy(LoadShardedStrategy):
                                        f"ShardedObject {value.unique_key!r}")
         boxes = {name: spanning(found) for name, found in wanted.items()}
 
-        def restore(reads: ChainReads) -> dict[str, torch.Tensor]:
-            current = reads(meta.step)
-            if current.save_id != meta.save_id:
-                raise IntegrationError(f"step {meta.step} of {manager.path} was replaced while it "
-                                       "was being loaded; load it again")
-            return restore_chain(manager.storage, current, boxes=boxes, read=reads)[0]
-
-        tensors = read_consistently(manager.storage, meta.step, restore)
+        tensors = read_boxes(manager, meta, boxes)
         runs.touched.add(directory_key(manager.path))
 
         def loaded(value: Any) -> Any:
