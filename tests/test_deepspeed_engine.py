@@ -19,7 +19,12 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from test_deepspeed_convert import Net, batch  # noqa: E402
 
-from deltackpt import CheckpointManager, IntegrationError, NotACheckpointError, OtherRunError  # noqa: E402
+from deltackpt import (  # noqa: E402
+    CheckpointManager,
+    IntegrationError,
+    NotACheckpointError,
+    OtherRunError,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("only_torch_safe_globals")]
 
@@ -195,6 +200,10 @@ def refused(rank: int, world: int, root: str) -> None:
         engine.load_checkpoint(root, tag="global_step1")
     train(engine, torch.Generator().manual_seed(0), 1)
     engine.save_checkpoint(root)
+    with pytest.raises(IntegrationError, match=r"already holds step 1: save_checkpoint saves the "
+                                               r"step engine\.global_steps"):
+        engine.save_checkpoint(root, tag="final")
+    assert (Path(root) / "latest").read_text() == "global_step1"
     with pytest.raises(IntegrationError, match="holds no step saved with the tag 'nope'"):
         engine.load_checkpoint(root, tag="nope")
     fp16 = engine_of(2, "fp16", seed=0)

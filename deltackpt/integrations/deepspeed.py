@@ -271,13 +271,22 @@ class DeltaCheckpointEngine(CheckpointEngine):
         captured = group.together("capture of the DeepSpeed state",
                                   lambda: capture_engine(self.engine, state_dict, info.tag))
         manager = runs.manager(self)
-        group.together("check of the directory", lambda: check_same_run(
-            manager, continue_run=self.continue_run, resumed=self.key in runs.touched))
+        group.together("check of the directory", lambda: self._check_directory(manager, info.tag))
         manager.continue_chain(captured, group)
         self.info = manager.save_captured(self.engine.global_steps, captured,
                                           blocking=self.blocking)
         runs.touched.add(self.key)
         self._commit = info
+
+    def _check_directory(self, manager: CheckpointManager, tag: str) -> None:
+        """Refuse another run's directory, and a step the directory holds already."""
+        check_same_run(manager, continue_run=self.continue_run, resumed=self.key in runs.touched)
+        step = self.engine.global_steps
+        if step in manager.steps():
+            raise IntegrationError(
+                f"{manager.path} already holds step {step}: save_checkpoint saves the step "
+                f"engine.global_steps, and the engine has not stepped since that save (tag "
+                f"{tag!r} would name the same state)")
 
     def load(self, path: str, map_location: Any = None) -> Any:
         raise IntegrationError(f"{path}: deltackpt's DeepSpeed engine loads steps through "
