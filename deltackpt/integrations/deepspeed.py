@@ -212,16 +212,58 @@ def _rows(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, int]:
     return rows * rank // world, rows * (rank + 1) // world
 
 
-def _gathered(holding: _Holding, slot: _Slot, views: list[torch.Tensor]) -> torch.Tensor:
-    """The whole flattened values of ``views`` (this rank's elements of each), stacked: every
-    rank's elements summed as int32 bit patterns, which keeps every bit (the others add 0)."""
-    out = torch.zeros(len(views), math.prod(slot.shape), dtype=views[0].dtype)
-    for i, view in enumerate(views):
-        out[i, slot.start:slot.start + slot.count] = view
-    if slot.partial and holding.ranks[1] > 1:
-        bits = out.view(torch.int32) if out.element_size() == 4 else out.view(torch.int16)
-        dist.all_reduce(bits, group=holding.group)
-    return out
+def _fragments(holding: _Holding, slots: list[_Slot]) -> list[list[tuple[int, int]]]:
+    """Every rank's ``(start, count)`` of each slot, by rank (one collective, where the
+    parameters are partitioned)."""
+    mine = [(slot.start, slot.count) for slot in slots]
+    world = holding.ranks[1]
+    if world == 1 or not any(slot.partial for slot in slots):
+        return [mine] * world
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=holding.group)
+    return everyone
+
+
+def _own_rows(holding: _Holding, slot: _Slot, view: torch.Tensor,
+              fragments: list[tuple[int, int]]) -> torch.Tensor:
+    """This rank's rows (:func:`_rows`) of a value of the parameter, flattened, of which
+    ``view`` holds this rank's elements: received from the ranks holding them (``fragments``:
+    each rank's start and count), while this rank's elements go to the ranks whose rows hold
+    them. Every element moves once, unchanged."""
+    rank, world = holding.ranks
+    row = math.prod(slot.shape[1:]) if slot.shape else 1
+    lo, hi = _rows(slot.shape, rank, world)
+    first, end = lo * row, hi * row
+    if not slot.partial:
+        return view[first:end].clone()
+    block = torch.empty(end - first, dtype=view.dtype, device=view.device)
+    ops, received, covered = [], [], 0
+    for q, (start, count) in enumerate(fragments):
+        peer = dist.get_global_rank(holding.group, q) if holding.group is not None else q
+        x0, x1 = max(first, start), min(end, start + count)  # what rank q holds of these rows
+        if x1 > x0:
+            covered += x1 - x0
+            if q == rank:
+                block[x0 - first:x1 - first] = view[x0 - start:x1 - start]
+            else:
+                buffer = torch.empty(x1 - x0, dtype=view.dtype, device=view.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, holding.group))
+                received.append((x0 - first, buffer))
+        q_lo, q_hi = _rows(slot.shape, q, world)
+        y0, y1 = max(q_lo * row, slot.start), min(q_hi * row, slot.start + slot.count)
+        if q != rank and y1 > y0:  # what this rank holds of rank q's rows
+            ops.append(dist.P2POp(dist.isend, view[y0 - slot.start:y1 - slot.start].contiguous(),
+                                  peer, holding.group))
+    if covered != end - first:
+        raise IntegrationError(f"parameter {slot.name!r}: the ranks' partitions hold {covered} of "
+                               f"the {end - first} elements of rows {lo} to {hi}; is every rank "
+                               "saving?")
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    for at, buffer in received:
+        block[at:at + len(buffer)] = buffer
+    return block
 
 
 class DeltaCheckpointEngine(CheckpointEngine):
@@ -403,25 +445,29 @@ def capture_engine(engine: Any, model_states: Mapping[str, Any], tag: str) -> Ca
     state: dict[str, dict[str, Any]] = {}
     placements: dict[tuple[str, str | None], Placement] = {}
     names: dict[int, str] = {}
-    for slot in holding.slots():
+    slots = list(holding.slots())
+    fragments = _fragments(holding, slots)
+    for index, slot in enumerate(slots):
         names[id(slot.param)] = slot.name
         stepped = holding.state_of(slot)
         keys = _element_keys(stepped, slot.flat) if slot.flat is not None else []
         views = [slot.weights] + [stepped[k].view(-1).narrow(0, slot.offset, slot.count)
                                   for k in keys]
-        full = _gathered(holding, slot, [v.float() if slot.flat is not None else v for v in views])
         lo, hi = _rows(slot.shape, rank, world)
-        block = full.view(len(views), *(slot.shape or (1,)))[:, lo:hi].clone()
+        block = [_own_rows(holding, slot, view, [f[index] for f in fragments]) for view in views]
+        # a scalar: rank 0's; the others capture a value they do not write
+        block = [b.view(hi - lo, *slot.shape[1:]) if slot.shape else
+                 (b if len(b) else torch.zeros(1, dtype=b.dtype, device=b.device)).reshape(())
+                 for b in block]
         placement = Placement(slot.shape, (lo,) + (0,) * (len(slot.shape) - 1), writes=hi > lo) \
             if slot.shape else Placement((), (), writes=rank == 0)
-        model[slot.name] = block[0] if slot.shape else block[0].reshape(())
+        model[slot.name] = block[0]
         placements[slot.name, None] = placement
         if stepped:
             state[slot.name] = {}
             for k, v in stepped.items():
                 if k in keys:
-                    value = block[1 + keys.index(k)]
-                    state[slot.name][k] = value if slot.shape else value.reshape(())
+                    state[slot.name][k] = block[1 + keys.index(k)]
                     placements[slot.name, k] = placement
                 else:
                     state[slot.name][k] = v
