@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import manual_examples, run_ranks
+from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
@@ -274,3 +275,63 @@ def test_docs_example(tmp_path: Path) -> None:
     run_ranks(_example, 2, str(tmp_path))
     manager = CheckpointManager(tmp_path / "runs" / "ds", read_only=True)
     assert manager.steps() == [10, 20, 30] and manager.metadata(30).world_size == 2
+
+
+class Odd(nn.Module):
+    """Parameters a row split between 2 ranks leaves one rank without: single rows, partitioned
+    elsewhere under ZeRO (DeepSpeed broadcasts no 0-dim parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.tensor([0.5]))
+        self.row = nn.Parameter(torch.randn(1, 7))
+        self.proj = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x * self.row) * self.scale
+
+
+def odd_shapes(rank: int, world: int, root: str, stage: int) -> None:
+    rank_env(rank, world)
+    import deepspeed.comm.torch
+
+    from deltackpt.deepspeed import install
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+    def build() -> Any:
+        model = Odd()
+        config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+                  "zero_optimization": {"stage": stage}}
+        return deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())[0]
+
+    engine = build()
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 7, generator=generator)).square().mean())
+        engine.step()
+    install(engine)
+    engine.save_checkpoint(root)
+    saved = full_state(engine)
+    if rank == 0:
+        torch.save(saved, Path(root) / "saved.pt")
+    if world == 1:
+        return
+    resumed = build()
+    install(resumed)
+    resumed.load_checkpoint(root)
+    loaded = full_state(resumed)
+    assert all(torch.equal(loaded[n], v) for n, v in saved.items())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parameters_of_fewer_rows_than_ranks(tmp_path: Path, stage: int) -> None:
+    run_ranks(odd_shapes, 2, str(tmp_path), stage)
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    restored = CheckpointManager(tmp_path, read_only=True).restore(2)
+    for name in ("scale", "row", "proj.weight", "proj.bias"):
+        assert torch.equal(restored.model[name], saved[name]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(restored.optimizer["state"][name][key], saved[f"{name}.{key}"])

@@ -208,8 +208,7 @@ def _element_keys(state: Mapping[str, Any], flat: torch.Tensor) -> list[str]:
 
 def _rows(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, int]:
     """The rows of a tensor of ``shape`` that rank ``rank`` of ``world`` writes."""
-    rows = shape[0] if shape else 1
-    return rows * rank // world, rows * (rank + 1) // world
+    return shape[0] * rank // world, shape[0] * (rank + 1) // world
 
 
 def _fragments(holding: _Holding, slots: list[_Slot]) -> list[list[tuple[int, int]]]:
@@ -231,7 +230,7 @@ def _own_rows(holding: _Holding, slot: _Slot, view: torch.Tensor,
     each rank's start and count), while this rank's elements go to the ranks whose rows hold
     them. Every element moves once, unchanged."""
     rank, world = holding.ranks
-    row = math.prod(slot.shape[1:]) if slot.shape else 1
+    row = math.prod(slot.shape[1:])
     lo, hi = _rows(slot.shape, rank, world)
     first, end = lo * row, hi * row
     if not slot.partial:
@@ -454,13 +453,9 @@ def capture_engine(engine: Any, model_states: Mapping[str, Any], tag: str) -> Ca
         views = [slot.weights] + [stepped[k].view(-1).narrow(0, slot.offset, slot.count)
                                   for k in keys]
         lo, hi = _rows(slot.shape, rank, world)
-        block = [_own_rows(holding, slot, view, [f[index] for f in fragments]) for view in views]
-        # a scalar: rank 0's; the others capture a value they do not write
-        block = [b.view(hi - lo, *slot.shape[1:]) if slot.shape else
-                 (b if len(b) else torch.zeros(1, dtype=b.dtype, device=b.device)).reshape(())
-                 for b in block]
-        placement = Placement(slot.shape, (lo,) + (0,) * (len(slot.shape) - 1), writes=hi > lo) \
-            if slot.shape else Placement((), (), writes=rank == 0)
+        block = [_own_rows(holding, slot, view, [f[index] for f in fragments]).view(
+            hi - lo, *slot.shape[1:]) for view in views]  # DeepSpeed has no 0-dim parameters
+        placement = Placement(slot.shape, (lo,) + (0,) * (len(slot.shape) - 1), writes=hi > lo)
         model[slot.name] = block[0]
         placements[slot.name, None] = placement
         if stepped:
@@ -571,8 +566,6 @@ def load_engine(engine: Any, manager: CheckpointManager, meta: StepMetadata, *, 
 
 def _covering(slot: _Slot) -> Box:
     """The rows of the parameter that hold this rank's elements of it."""
-    if not slot.shape:
-        return [], []
     row = math.prod(slot.shape[1:])
     first, last = (slot.start // row, -(-(slot.start + slot.count) // row)) if row else (0, 0)
     return [first] + [0] * (len(slot.shape) - 1), [last - first, *slot.shape[1:]]
@@ -580,5 +573,5 @@ def _covering(slot: _Slot) -> Box:
 
 def _elements(rows: torch.Tensor, slot: _Slot, box: Box) -> torch.Tensor:
     """This rank's elements of the parameter, from the ``rows`` of ``box``."""
-    first = box[0][0] * math.prod(slot.shape[1:]) if slot.shape else 0
+    first = box[0][0] * math.prod(slot.shape[1:])
     return rows.reshape(-1).narrow(0, slot.start - first, slot.count)
