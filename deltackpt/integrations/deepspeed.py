@@ -24,6 +24,7 @@ and :meth:`CheckpointManager.restore` do.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -63,7 +64,6 @@ LAYOUT_KEYS = ("module", "optimizer", "buffer_names", "param_shapes", "frozen_pa
 # what DeepSpeed's load_checkpoint restores itself rather than returning as client state
 ENGINE_KEYS = ("skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
                "random_ltd", "lr_scheduler")
-
 
 
 @dataclass
@@ -133,19 +133,18 @@ class _Holding:
             flat = master if param.requires_grad else None
             return _Slot(name, param, shape, 0, numel, master.data.view(-1), flat, 0, partial=False)
         mapping = getattr(param, "_hp_mapping", None)
-        flat = self.base.param_groups[self._group_of(param)]["params"][0]
+        flat = self.base.param_groups[self._group_of[id(param)]]["params"][0]
         if mapping is None:  # another rank's partition holds all of it
             return _Slot(name, param, shape, 0, 0, flat.narrow(0, 0, 0), flat, 0)
         address, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
         return _Slot(name, param, shape, address.start, address.numel,
                      flat.data.narrow(0, hp.start, hp.numel), flat, hp.start)
 
-    def _group_of(self, param: nn.Parameter) -> int:
-        """The index of the param group (of the engine's optimizer) that trains ``param``."""
-        for g, params in enumerate(self._groups()):
-            if any(p is param for p in params):
-                return g
-        raise IntegrationError("a trained parameter is in none of the optimizer's param groups")
+    @functools.cached_property
+    def _group_of(self) -> dict[int, int]:
+        """The index of the param group (of the engine's optimizer) training each parameter, by
+        the parameter's ``id``."""
+        return {id(p): g for g, params in enumerate(self._groups()) for p in params}
 
     def _groups(self) -> list[list[nn.Parameter]]:
         if self.zero3:
@@ -309,10 +308,10 @@ class DeltaCheckpointEngine(CheckpointEngine):
         info, self._pending = self._pending, None
         self.path = info.save_dir
         group = ranks_of(None)
-        captured = group.together("capture of the DeepSpeed state",
-                                  lambda: capture_engine(self.engine, state_dict, info.tag))
         manager = runs.manager(self)
         group.together("check of the directory", lambda: self._check_directory(manager, info.tag))
+        captured = group.together("capture of the DeepSpeed state",
+                                  lambda: capture_engine(self.engine, state_dict, info.tag))
         manager.continue_chain(captured, group)
         self.info = manager.save_captured(self.engine.global_steps, captured,
                                           blocking=self.blocking)
