@@ -594,7 +594,7 @@ def read_deepspeed(paths: list[Path], optimizer_class_name: str | None = None,
     if state:
         trained = [n for n in model if n in params]  # the module's order, not the folders'
         state = {n: state[n] for n in trained if n in state}
-        groups = _deepspeed_groups(folder, trained, states.get("param_shapes"), notes)
+        groups = _deepspeed_groups(folder, trained, set(state), states.get("param_shapes"), notes)
         class_name = optimizer_class_name or optimizer_class(groups)
         if class_name is None:
             class_name = "AdamW"
@@ -631,18 +631,21 @@ def _deepspeed_model(params: dict[str, torch.Tensor], module: Mapping[str, Any] 
     return model, {n for n in buffer_names if n in model}
 
 
-def _deepspeed_groups(folder: Path, names: list[str], param_shapes: Any,
+def _deepspeed_groups(folder: Path, names: list[str], stateful: set[str], param_shapes: Any,
                       notes: list[str]) -> list[dict[str, Any]]:
-    """Param groups: membership from the model states' ``param_shapes`` (one dict per group),
-    hyperparameters from ``zero/optimizer_state.pt``; one group of every parameter otherwise."""
+    """Param groups: membership from the model states' ``param_shapes`` (one dict per group;
+    the other parameter folders, frozen parameters and buffers that ``--inject_missing_state``
+    wrote, hold no optimizer state), hyperparameters from ``zero/optimizer_state.pt``; one
+    group of every parameter otherwise."""
     saved = _try_load(inside(folder, folder / "zero" / "optimizer_state.pt"), "optimizer hyperparameters",
                       notes)
     hypers = [{k: v for k, v in g.items() if k != "params"}
               for g in (saved or {}).get("param_groups", []) if isinstance(g, Mapping)]
     layout = [names]
-    if isinstance(param_shapes, list) and all(isinstance(s, Mapping) for s in param_shapes) \
-            and sorted(n for s in param_shapes for n in s) == sorted(names):
-        layout = [list(s) for s in param_shapes]
+    if isinstance(param_shapes, list) and all(isinstance(s, Mapping) for s in param_shapes):
+        listed = [n for s in param_shapes for n in s]
+        if len(set(listed)) == len(listed) and stateful <= set(listed) <= set(names):
+            layout = [list(s) for s in param_shapes]
     if len(hypers) == len(layout):
         return [{**hyper, "params": group} for hyper, group in zip(hypers, layout, strict=True)]
     if hypers:
