@@ -114,8 +114,11 @@ def edit_metadata(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]],
 
 # Ranks fork from a clean single-threaded server, never from pytest's process: a fork taken
 # while another thread holds a lock (an earlier test's writer, a framework's pool) can hang.
+# The server imports the frameworks the ranks import (once, not per rank); not megatron.core,
+# which imports triton, whose TRITON_INTERPRET a rank takes from its test's environment.
 START_METHOD = "forkserver"
-mp.get_context(START_METHOD).set_forkserver_preload(["torch", "deltackpt", "helpers"])
+mp.get_context(START_METHOD).set_forkserver_preload(
+    ["torch", "deltackpt", "helpers", "accelerate", "deepspeed", "torchtitan"])
 
 
 def free_port() -> int:
@@ -125,8 +128,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, scenario, world: int, port: int, args: tuple) -> None:
-    """One gloo rank of :func:`run_ranks`: ``scenario(rank, world, *args)`` in its group."""
+def rank_main(rank: int, scenario, world: int, port: int, args: tuple,
+              env: dict[str, str] | None = None) -> None:
+    """One gloo rank of :func:`run_ranks`: ``scenario(rank, world, *args)`` in its group, with
+    the environment ``env`` (the test's, when it started the ranks: the forkserver's is that of
+    the first test that started any)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -139,8 +148,8 @@ def rank_main(rank: int, scenario, world: int, port: int, args: tuple) -> None:
 def run_ranks(scenario, world: int, *args) -> None:
     """Run ``scenario(rank, world, *args)`` on ``world`` gloo ranks; a rank's exception fails the
     test with its traceback."""
-    mp.start_processes(rank_main, args=(scenario, world, free_port(), args), nprocs=world,
-                       start_method=START_METHOD)
+    mp.start_processes(rank_main, args=(scenario, world, free_port(), args, dict(os.environ)),
+                       nprocs=world, start_method=START_METHOD)
 
 
 def manual_examples(page: str, after: str = "") -> list[str]:

@@ -590,7 +590,8 @@ def _killed_mid_save(rank: int, world: int, path: str, report: str) -> None:
 def test_a_rank_killed_mid_save_leaves_earlier_steps_and_no_partial_step(tmp_path: Path) -> None:
     report = tmp_path / "rank0.txt"
     context = mp.start_processes(rank_main, args=(_killed_mid_save, 2, free_port(), (
-        str(tmp_path / "ckpt"), str(report))), nprocs=2, start_method=START_METHOD, join=False)
+        str(tmp_path / "ckpt"), str(report)), dict(os.environ)), nprocs=2, start_method=START_METHOD,
+        join=False)
     for process in context.processes:
         process.join(timeout=120)
     assert [p.exitcode for p in context.processes] == [0, 3]
