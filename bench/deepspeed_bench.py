@@ -2,21 +2,23 @@
 training run, and ``deltackpt convert`` beside ``ds_to_universal`` on the checkpoint DeepSpeed
 wrote (issue 29, item 6).
 
-``python bench/deepspeed_bench.py`` (CPU; ``--size xl --saves 6 --every 5`` by default: a TinyGPT
-of 50M parameters) runs 2 gloo ranks of DeepSpeed ZeRO-2 (AdamW, fp32) training on real text (the
-demo's corpus), each rank its own batches, and saves every ``--every`` steps: once with
-DeepSpeed's engine (a folder per save), once, on the same run replayed from the same seeds, after
-``deltackpt.deepspeed.install(engine, full_every=10)``. It prints, per method, the bytes each save
-adds to disk (mean; for deltackpt the full step and the deltas apart) and the seconds
-``engine.save_checkpoint`` takes (median, without the first save), with their ratios. Then it
-converts DeepSpeed's last checkpoint folder with ``deltackpt.interop.convert`` and with
-``python -m deepspeed.checkpoint.ds_to_universal`` (2 extract and 2 merge workers: the machine's
-cores), and prints their seconds and throughput in MB of training state per second.
+``python bench/deepspeed_bench.py`` (CPU; ``--size xl --layers 8 --saves 6 --every 5`` by
+default: a TinyGPT of 57.0M parameters) runs 2 gloo ranks of DeepSpeed ZeRO-2 (AdamW, fp32)
+training on real text (the demo's corpus), each rank its own batches, and saves every
+``--every`` steps: once with DeepSpeed's engine (a folder per save), once, on the same run
+replayed from the same seeds, after ``deltackpt.deepspeed.install(engine, full_every=10)``. It
+prints, per method, the bytes each save adds to disk (mean; for deltackpt the full step and the
+deltas apart) and the seconds ``engine.save_checkpoint`` takes (median, without the first save),
+with their ratios. Then it converts DeepSpeed's last checkpoint folder with
+``deltackpt.interop.convert`` and with ``python -m deepspeed.checkpoint.ds_to_universal`` (2
+extract and 2 merge workers: the machine's cores), and prints their seconds and throughput in MB
+of training state per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -48,7 +50,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
     train, _ = split_corpus(load_corpus())
     for method in METHODS:
         torch.manual_seed(0)
-        model = TinyGPT(SIZES[args.size])
+        model = TinyGPT(dataclasses.replace(SIZES[args.size], n_layer=args.layers))
         config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
                   "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
                   "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1,
@@ -103,6 +105,8 @@ def _convert_seconds(folder: str, work: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="xl")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="the model's blocks (8 of xl's width: 57.0M parameters) [%(default)s]")
     parser.add_argument("--saves", type=int, default=6)
     parser.add_argument("--every", type=int, default=5)
     args = parser.parse_args()
@@ -110,7 +114,8 @@ def main() -> None:
         results = run_two_ranks(_rank, args, root)
         state_mb = results["parameters"] * 12 / 1e6  # fp32 weights and two moments
         converts = _convert_seconds(results["last"], Path(root))
-    print(f"TinyGPT {args.size} ({results['parameters'] / 1e6:.1f}M parameters), DeepSpeed ZeRO-2 "
+    print(f"TinyGPT {args.size}, {args.layers} blocks ({results['parameters'] / 1e6:.1f}M parameters), "
+          "DeepSpeed ZeRO-2 "
           f"on 2 gloo ranks, {args.saves} saves, {args.every} steps apart")
     print_saves({m: results[m] for m in METHODS}, "deepspeed", width=22)
     print(f"converting DeepSpeed's last checkpoint ({state_mb:.0f} MB of training state):")
