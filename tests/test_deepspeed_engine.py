@@ -279,7 +279,7 @@ def test_docs_example(tmp_path: Path) -> None:
 
 class Odd(nn.Module):
     """Parameters a row split between 2 ranks leaves one rank without: single rows, partitioned
-    elsewhere under ZeRO (DeepSpeed broadcasts no 0-dim parameter)."""
+    elsewhere under ZeRO (DeepSpeed broadcasts no 0-dim parameter); and a tied weight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -287,9 +287,11 @@ class Odd(nn.Module):
         self.scale = nn.Parameter(torch.tensor([0.5]))
         self.row = nn.Parameter(torch.randn(1, 7))
         self.proj = nn.Linear(7, 3)
+        self.tied = nn.Linear(7, 3, bias=False)
+        self.tied.weight = self.proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x * self.row) * self.scale
+        return self.proj(x * self.row) * self.scale + self.tied(x)
 
 
 def odd_shapes(rank: int, world: int, root: str, stage: int) -> None:
@@ -335,3 +337,7 @@ def test_parameters_of_fewer_rows_than_ranks(tmp_path: Path, stage: int) -> None
         assert torch.equal(restored.model[name], saved[name]), name
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(restored.optimizer["state"][name][key], saved[f"{name}.{key}"])
+    plain = Odd()  # the tied weight under both its names: a plain model loads the step strictly
+    optimizer = torch.optim.AdamW(plain.parameters())
+    CheckpointManager(tmp_path, read_only=True).load(2, plain, optimizer)
+    assert torch.equal(plain.tied.weight, saved["proj.weight"]) and plain.tied.weight is plain.proj.weight

@@ -465,6 +465,11 @@ def capture_engine(engine: Any, model_states: Mapping[str, Any], tag: str) -> Ca
                     placements[slot.name, k] = placement
                 else:
                     state[slot.name][k] = v
+    for alias, param in engine.module.named_parameters(remove_duplicate=False):
+        first = names[id(param)]
+        if alias != first:  # a tied parameter's other name: an alias of its first
+            model[alias] = model[first]
+            placements[alias, None] = placements[first, None]
     buffers = _buffers(engine.module)
     for name, buffer in buffers.items():
         model[name] = buffer.detach()
@@ -514,7 +519,7 @@ def load_engine(engine: Any, manager: CheckpointManager, meta: StepMetadata, *, 
                                                                          "optimizer")}
     slots = list(holding.slots())
     buffers = _buffers(engine.module)
-    wanted = {s.name for s in slots} | set(buffers)
+    wanted = set(dict(engine.module.named_parameters(remove_duplicate=False))) | set(buffers)
     saved = {r.fqn for r in meta.tensors if r.role in ("param", "buffer")}
     missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
     if missing or (strict and unexpected):
@@ -522,8 +527,8 @@ def load_engine(engine: Any, manager: CheckpointManager, meta: StepMetadata, *, 
                                f"missing {missing}, unexpected {unexpected}")
     keys: dict[str, list[str]] = {}
     # every tensor of the step: none of a tensor no rank needs, all of the scalars and extra's
-    boxes: dict[str, Box] = {r.name: ([0] * len(r.shape), [0] * len(r.shape))
-                             for r in meta.tensors if r.shape and r.role != "extra"}
+    boxes: dict[str, Box] = {r.name: ([0] * len(r.shape), [0] * len(r.shape)) for r in meta.tensors
+                             if r.shape and r.role != "extra" and r.alias_of is None}
     for slot in slots:
         record = by_key[slot.name, None]
         if tuple(record.shape) != slot.shape:
