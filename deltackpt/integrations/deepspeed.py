@@ -423,13 +423,10 @@ def _check_supported(engine: Any) -> None:
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's persistent buffers by FQN."""
-    out = {}
-    for prefix, child in module.named_modules():
-        for name, buffer in child.named_buffers(recurse=False):
-            if buffer is not None and name not in child._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buffer
-    return out
+    """The module's persistent buffers by FQN: its state dict's entries that are not
+    parameters."""
+    return {name: value for name, value in module.state_dict(keep_vars=True).items()
+            if not isinstance(value, nn.Parameter)}
 
 
 @torch.no_grad()
