@@ -157,6 +157,7 @@ def test_encode_matches_numba(variant: tuple[bool, bool, bool, bool], dtype: tor
     n, block = (1 << 20) + 3 if BIG else 1500, 64 if dtype == torch.float32 else 1000
     seed = 3 * VARIANTS.index(variant) + DTYPES.index(dtype)
     x = _tensor(_values(n, seed), dtype)
+    x = torch.where(x.isfinite(), x, 0)  # values beyond a 16-bit dtype's range: not its values
     x32 = x.float().cpu().numpy()
     pred = _near(x32, seed) if use_pred else None
     scale = np.abs(_values(n, seed + 3)) if scaled else None
@@ -165,7 +166,8 @@ def test_encode_matches_numba(variant: tuple[bool, bool, bool, bool], dtype: tor
         dither=12345 + seed if dithered else None, first=seed, scale=scale,
         eps=float(np.float32(1e-8)) if scaled else 0.0)
     _assert_same_coding(numba, triton, n, block, ordinal)
-    assert numba[1][:, STAT_NONZERO].sum() > 0
+    coded = numba[1][:, STAT_BAD] == 0  # the other blocks' statistics are undefined
+    assert coded.mean() > 0.5 and numba[1][coded, STAT_NONZERO].sum() > 0
 
 
 @pytest.mark.parametrize("ordinal", [False, True])
