@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,6 +44,7 @@ from deltackpt.save.driver import Saved, SaveSettings, Writer, encode_at_call, s
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle, SaveQueue
 from deltackpt.save.reference import KnownMetadata, Reference, resumed
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY, schedule
 from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
@@ -67,6 +67,9 @@ class CheckpointManager(CheckpointDirectory):
         path: the checkpoint directory (created if missing), a ``file://`` URL, or an fsspec
             URL of a prefix on an object store (``s3://bucket/run1``).
         full_every: a full step every this many saves, deltas in between (1: every save full).
+        depth: the most deltas a restore decodes after its full step: each delta is coded
+            against an earlier save of its group so that none is deeper, the references as
+            close as that allows (:mod:`deltackpt.save.schedule`).
         compression: ``"balanced"`` (default), ``"aggressive"``, ``"lossless"`` or a
             :class:`CompressionConfig`.
         keep: a retention policy (:class:`RetentionPolicy` or its string form,
@@ -93,8 +96,8 @@ class CheckpointManager(CheckpointDirectory):
             reads the step's changed chain again.
     """
 
-    def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
-                 compression: str | CompressionConfig = "balanced",
+    def __init__(self, path: str | os.PathLike[str], full_every: int = DEFAULT_FULL_EVERY, *,
+                 depth: int = DEFAULT_DEPTH, compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
                  read_only: bool = False,
@@ -102,7 +105,7 @@ class CheckpointManager(CheckpointDirectory):
                  cache: str | os.PathLike[str] | None = None, cache_keep: int = 1,
                  blocking: bool = True, max_in_flight: int = 1,
                  reconstruction: str = "device", reader_grace: float = DEFAULT_GRACE) -> None:
-        check_int(full_every, "full_every")
+        schedule(full_every, depth)  # checks both
         check_int(max_in_flight, "max_in_flight")
         check_int(chunk_bytes, "chunk_bytes", least=1024)
         if workers is not None:
@@ -111,7 +114,7 @@ class CheckpointManager(CheckpointDirectory):
         check_bool(read_only, "read_only")
         check_bool(blocking, "blocking")
         check_number(reader_grace, "reader_grace", least=0)
-        self.full_every = full_every
+        self.full_every, self.depth = full_every, depth
         self.compression = as_config(compression)
         self.keep = RetentionPolicy.parse(keep) if keep is not None else None
         self.chunk_bytes = chunk_bytes
@@ -138,7 +141,7 @@ class CheckpointManager(CheckpointDirectory):
         self._read_chain = functools.partial(restore_cached, self.storage, self._cache)
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.path!r}, full_every={self.full_every})"
+        return f"CheckpointManager({self.path!r}, full_every={self.full_every}, depth={self.depth})"
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -176,10 +179,11 @@ class CheckpointManager(CheckpointDirectory):
 
     @property
     def reconstruction_bytes(self) -> dict[str, int]:
-        """Memory of the running reconstruction the next delta codes against, by device kind
-        (``{"cpu": ..., "cuda": ...}``): about the size of the saved state in float32, on the
-        device of the tensors coded there unless ``reconstruction="host"``."""
-        return reconstruction_bytes(self._reference.recon)
+        """Memory of the running reconstructions the next deltas code against, by device kind
+        (``{"cpu": ..., "cuda": ...}``): at most one a level of the schedule (``depth``), each
+        about the size of the saved state in float32, on the device of the tensors coded there
+        unless ``reconstruction="host"``; a delta save takes one more while it codes a copy."""
+        return reconstruction_bytes(*self._reference.levels.values())
 
     def _release(self) -> None:
         if self._queue is not None:
@@ -383,8 +387,8 @@ class CheckpointManager(CheckpointDirectory):
         be) as a delta on the directory's last committed step, read back for the boxes this rank
         writes, as :meth:`load` would have left it; for a run that restarted without loading
         through this manager (the integrations). Returns that step, or None where the next
-        save is full anyway: no step, one of another layout, or a chain as long as
-        ``full_every`` allows. Every rank of ``group`` calls it; each decides alone, and a
+        save is full anyway: no step, one of another layout, or one as deep as ``depth`` allows
+        or whose group ends. Every rank of ``group`` calls it; each decides alone, and a
         save whose ranks disagree is full."""
         if self._reference.recon is not None or not self._settings().keeps_reference:
             return None
@@ -398,20 +402,33 @@ class CheckpointManager(CheckpointDirectory):
 
         def read_back(reads: _MetadataReads) -> Reconstruction | None:
             meta = reads(steps[-1])
-            if layout_of(meta) != captured_layout(captured) \
-                    or len(chain_of(self.storage, meta, reads)) >= self.full_every:
+            chain = chain_of(self.storage, meta, reads)
+            if layout_of(meta) != captured_layout(captured) or len(chain) > self.depth \
+                    or self._position(steps, chain[0].step, meta.step) + 1 >= self.full_every:
                 return None
             _, recon = self._restore_chain(meta, reads, boxes=boxes, workers=pool)
             return resumed(recon, meta, boxes, captured, parts)
 
         recon = read_consistently(self.storage, steps[-1], read_back,
                                   functools.partial(_MetadataReads, self))
-        self._reference.restart(recon)
+        self._resume(recon, steps)
         return None if recon is None else recon.step
+
+    @staticmethod
+    def _position(steps: list[int], full: int, step: int) -> int:
+        """The position of ``step`` in the group of its full step ``full`` (saves since it), as
+        far as the directory's ``steps`` tell."""
+        return sum(1 for s in steps if full < s <= step)
+
+    def _resume(self, recon: Reconstruction | None, steps: list[int] | None = None) -> None:
+        """Code the next deltas against ``recon``, a step just loaded or read back."""
+        position = 0 if recon is None else \
+            self._position(steps or super().steps(), recon.chain[0], recon.step)
+        self._reference.restart(recon, position)
 
     def _settings(self) -> SaveSettings:
         return SaveSettings(self.compression, self.full_every, self.chunk_bytes, self._controller,
-                            self._running)
+                            self._running, self.depth)
 
     def _writer(self) -> Writer:
         """What the save driver reads and advances: this manager's directory, settings and
@@ -488,7 +505,8 @@ class CheckpointManager(CheckpointDirectory):
         those values where that is smaller or there is no such step (see
         :mod:`deltackpt.ops.retention`). When the step this manager codes its
         next save against is replaced, the next save is coded against its
-        new version, and full steps still come every ``full_every`` saves.
+        new version (the others it holds, where the gc left them as they were), and full
+        steps still come every ``full_every`` saves.
         ``dry_run`` only reports what would be removed, replaced and freed.
         On a full disk it deletes what no kept step needs first, and where
         the replacements still do not fit it keeps the steps they need and
@@ -514,18 +532,10 @@ class CheckpointManager(CheckpointDirectory):
                 self._cache.drop(step)  # gone from the remote, or replaced there
         if report.needed_bytes:
             log.warning("%s: gc %s", self.path, report.describe())
-        if recon is not None and replaced is not None:
-            # the saves since the last full one are this manager's count, not the new chain's;
-            # the error against the training state is the old one plus the re-coding's
-            errors = {name: recon.errors.get(name, 0.0) + replaced.errors.get(name, 0.0)
-                      for name in {*recon.errors, *replaced.errors}}
-            self._reference.restart(dataclasses.replace(replaced, deltas=recon.deltas,
-                                                        errors=errors))
-        elif recon is not None and not dry_run and recon.step in report.kept:
-            # its values stay, but steps of its chain may be gone (a full rewrite replaced them)
-            with contextlib.suppress(DeltackptError):
-                chain = chain_of(self.storage, self.metadata(recon.step))
-                self._reference.recon = dataclasses.replace(recon, chain=[m.step for m in chain])
+        if recon is not None and not dry_run:
+            changed = {*report.removed, *report.recoded, *report.rewritten}
+            self._reference.retain(changed, replaced, lambda step: [
+                m.step for m in chain_of(self.storage, self.metadata(step))])
         return report
 
     # -- restore -----------------------------------------------------------------------
@@ -590,8 +600,7 @@ class CheckpointManager(CheckpointDirectory):
         if not report.ok:
             warnings.warn(f"step {ckpt.step} loaded partially:\n{report.describe()}", stacklevel=2)
         if not self.read_only:  # the loaded tensors went to the optimizer: keep our own copies
-            self._reference.restart(_resumed(recon, meta, boxes, group, model, optimizer,
-                                             report.extra))
+            self._resume(_resumed(recon, meta, boxes, group, model, optimizer, report.extra))
         return report.extra
 
     def _restore_shards(self, meta: StepMetadata, targets: dict[str, torch.Tensor],

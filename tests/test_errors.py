@@ -294,16 +294,16 @@ def test_load_without_saved_optimizer_is_reported(mgr: CheckpointManager) -> Non
 # -- versions and foreign directories ---------------------------------------------------------------
 
 def test_newer_major_metadata_is_refused(mgr: CheckpointManager, ckpt_dir: Path) -> None:
-    """A step whose metadata says format_version 2.0 is refused, naming both versions and the file."""
+    """A step whose metadata says format_version 3.0 is refused, naming both versions and the file."""
     mgr.save(1, extra={"a": 1}, rng=False)
     mgr.save(2, extra={"a": 2}, rng=False)
-    path = _edit_metadata(ckpt_dir, 1, lambda m: m.update(format_version="2.0"))
+    path = _edit_metadata(ckpt_dir, 1, lambda m: m.update(format_version="3.0"))
     reader = CheckpointManager(ckpt_dir, read_only=True)
     for manager in (mgr, reader):
         with pytest.raises(FormatError) as info:
             manager.restore(1)
         message = str(info.value)
-        assert "2.0" in message and FORMAT_VERSION in message and str(path) in message
+        assert "3.0" in message and FORMAT_VERSION in message and str(path) in message
         assert manager.restore(2).extra == {"a": 2}
 
 

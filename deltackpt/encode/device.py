@@ -95,10 +95,12 @@ def device_coded(captured: CapturedState) -> dict[str, torch.device]:
     return out
 
 
-def reconstruction_bytes(recon: Reconstruction | None) -> dict[str, int]:
-    """Memory of a reconstruction's running values by device kind (``"cpu"``, ``"cuda"``)."""
+def reconstruction_bytes(*recons: Reconstruction) -> dict[str, int]:
+    """Memory of reconstructions' running values by device kind (``"cpu"``, ``"cuda"``), each
+    array once."""
     out: dict[str, int] = {}
-    for values in recon.values.values() if recon is not None else ():
+    arrays = {id(v): v for recon in recons for v in recon.values.values()}
+    for values in arrays.values():
         kind = "cpu" if isinstance(values, np.ndarray) else values.device.type
         out[kind] = out.get(kind, 0) + values.nbytes
     return out

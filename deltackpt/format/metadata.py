@@ -27,7 +27,7 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "1.8"
+FORMAT_VERSION = "2.0"
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
@@ -243,14 +243,16 @@ def load_json(data: bytes, where: str) -> Any:
 
 
 def check_format_version(version: Any, where: str) -> tuple[int, int]:
-    """``(major, minor)`` of a ``format_version``; refuses a missing, malformed or newer-major one."""
+    """``(major, minor)`` of a ``format_version``; refuses a missing, malformed or unknown-major
+    one (this deltackpt reads majors 1 and 2, FORMAT.md 4)."""
     ours = int(FORMAT_VERSION.split(".")[0])
     match = re.fullmatch(r"(\d{1,9})\.(\d{1,9})", version) if isinstance(version, str) else None
     if match is None:
         raise FormatError(f"{where}: format_version {version!r} is not 'MAJOR.MINOR'")
-    if int(match.group(1)) != ours:
+    if not 1 <= int(match.group(1)) <= ours:
         raise FormatError(f"{where}: written in format {version}, this deltackpt reads major "
-                          f"version {ours} (format {FORMAT_VERSION}); upgrade deltackpt to read it")
+                          f"versions 1 to {ours} (format {FORMAT_VERSION}); upgrade deltackpt to "
+                          "read it")
     return int(match.group(1)), int(match.group(2))
 
 

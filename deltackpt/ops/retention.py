@@ -15,8 +15,8 @@ gc whose tensors are all float32 (or not floating point), since its
 running values are then the values it restored to, stored exactly; or a
 delta whose base is stable. The base must also have the step's layout,
 have been saved by one process (a delta keeps its base's fragments), and
-be at most ``full_every - 2`` deltas above its full step (so the re-coded
-step is at most ``full_every - 1``). The re-coded step codes the values it
+be less than ``depth`` deltas above its full step (so the re-coded step is
+at most ``depth`` deltas deep, the bound its writer keeps). The re-coded step codes the values it
 restored to before, so it restores to them within the error the config
 allows (its stats record that error, and the old base and error under
 ``compression["recoded"]``): against the training state it carries the
@@ -73,15 +73,16 @@ replacements need, so that a gc with that much free space completes.
 names (a framework that rotates its checkpoints itself, as Lightning's
 ``ModelCheckpoint`` does) and replaces none: every step a kept step's chain
 needs is held, so a step the caller drops is deleted once no kept step needs
-it. The directory may then hold up to ``full_every - 1`` more steps for each
-kept delta, and a kept step keeps the values it had.
+it. The directory may then hold up to ``depth`` more steps for each kept
+delta (those of its chain), and a kept step keeps the values it had.
 
-**full_every.** The manager that runs the gc (``keep=`` after every save)
-codes its next save against the reconstruction of its last one. When that
-step is replaced, the manager continues from the new reconstruction, with
-its own count of saves since its last full save: the next full step comes
-where ``full_every`` puts it, as without the gc. A re-coded step's chain
-may then grow to about twice ``full_every`` until that full step.
+**The writer's references.** The manager that runs the gc (``keep=`` after
+every save) codes its next saves against the steps its schedule holds
+(:mod:`deltackpt.save.schedule`). When the latest of them is replaced, it
+continues from the new reconstruction, with those below it that the gc
+left as they were; a save whose scheduled reference is gone is coded
+against the latest one held instead, within ``depth``, and the next full
+step comes where ``full_every`` puts it, as without the gc.
 """
 
 from __future__ import annotations
@@ -418,7 +419,7 @@ def _held(plan: _Plan) -> _Plan:
     return replace(plan, kept=sorted(kept), removed=sorted(set(plan.steps) - kept))
 
 
-def _replacements(plan: _Plan, bases_allowed: bool, full_every: int,
+def _replacements(plan: _Plan, bases_allowed: bool, depth: int,
                   decide: Callable[[int, int | None], int | None]) -> dict[int, int | None]:
     """The kept steps to replace, each with the base it is re-coded against (None: full).
 
@@ -443,7 +444,7 @@ def _replacements(plan: _Plan, bases_allowed: bool, full_every: int,
         else:
             layout = layout_of(meta)
             bases = [k for k, deltas in stable.items()
-                     if bases_allowed and deltas + 1 < full_every
+                     if bases_allowed and deltas < depth
                      and plan.metas[k].world_size == 1 and layout_of(plan.metas[k]) == layout]
             replaced[s] = decide(s, max(bases, default=None))
             if replaced[s] is not None:
@@ -643,7 +644,7 @@ def collect_garbage(directory: Steps, policy: RetentionPolicy | KeepSteps, *,
         return _Replacer(storage, settings, restore, workers, plan, follow)
 
     def replace_kept(decide: Callable[[int, int | None], int | None]) -> dict[int, int | None]:
-        return _replacements(plan, settings.config.deltas, settings.full_every, decide)
+        return _replacements(plan, settings.config.deltas, settings.depth, decide)
 
     replacer = new_replacer()
     followed, deleted, needed = None, [], 0

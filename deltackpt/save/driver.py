@@ -13,8 +13,9 @@ calls nothing above this package:
 1. **plan** (:func:`plan_save`). The input is the rank's layout, the boxes
    of each tensor it writes (:func:`~deltackpt.dist.shards.shard_parts`; a
    single process writes every tensor whole). Against it each rank chooses
-   its base, the reference's reconstruction of the last committed step, if a
-   delta may be coded against it (:func:`delta_base`); the ranks must agree
+   its base, the reference's reconstruction of the committed step its
+   schedule names (:mod:`deltackpt.save.schedule`), if a delta may be coded
+   against it (:func:`delta_base`); the ranks must agree
    on one base, else the step is full. Rank 0 takes the writer lock, checks
    that the step may be written (:meth:`~deltackpt.save.target.SaveTarget.prepare`),
    creates its directory and names the save (``save_id``): every rank writes
@@ -22,8 +23,9 @@ calls nothing above this package:
    anything is written.
 2. **encode and write**. Each rank codes its boxes with a
    :class:`~deltackpt.encode.encoder.StepEncoder` (full: lossless; delta:
-   quantized against the base, whose values it updates in place to what a
-   reader decodes) and writes them into data files of its own, on the
+   quantized against the base, whose values, or a copy of them where a later
+   save codes against them too, it updates in place to what a reader
+   decodes) and writes them into data files of its own, on the
    writer's threads (:func:`~deltackpt.io.writer.write_data`). A failure on
    any rank is raised on every rank. A delta of tensors the Triton kernels
    code (CUDA tensors) is encoded on their device first
@@ -36,11 +38,11 @@ calls nothing above this package:
    deletes what it wrote, unless its step was committed after all, and
    leaves the committed steps as they were.
 4. **the reference advances**. Once the step is committed, the encoder's
-   reconstruction becomes the reference the next delta is coded against. A
-   delta changes its base's values from the start of its encoding, which
-   marks them stale until its commit: after a delta that failed, the
-   reference stays the last committed step's, and the next delta reads them
-   again from that step (what a reader decodes) first.
+   reconstruction is held where the schedule codes a later save against it.
+   A delta on its base's last use changes the base's values from the start
+   of its encoding, which marks them stale until its commit: after such a
+   delta failed, the next delta reads them again from their step (what a
+   reader decodes) first.
 
 What follows the commit (an upload from a cache, retention) is the
 manager's, once the driver has returned.
@@ -82,6 +84,7 @@ from deltackpt.io.writer import (
 )
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.reference import Reference
+from deltackpt.save.schedule import DEFAULT_DEPTH, Schedule, schedule
 from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
@@ -94,19 +97,26 @@ does from a storage (``boxes=``, ``workers=``, ...): a step's tensors and its re
 @dataclass(frozen=True)
 class SaveSettings:
     """How a writer codes its saves: the compression config, a full step every ``full_every``
-    saves, at most ``chunk_bytes`` raw bytes a chunk, the ``target_ratio`` controller (which
-    learns from each save) and where the running values of device-coded tensors are kept."""
+    saves, restored through at most ``depth`` deltas, at most ``chunk_bytes`` raw bytes a chunk,
+    the ``target_ratio`` controller (which learns from each save) and where the running values
+    of device-coded tensors are kept."""
 
     config: CompressionConfig
     full_every: int
     chunk_bytes: int
     controller: ScaleController | None = None
     running: RunningValues = field(default_factory=RunningValues)
+    depth: int = DEFAULT_DEPTH
 
     @property
     def keeps_reference(self) -> bool:
         """Whether a save keeps its reconstruction for a next delta to be coded against."""
         return self.config.deltas and self.full_every > 1
+
+    @property
+    def schedule(self) -> Schedule:
+        """Which step each save between two full steps is coded against."""
+        return schedule(self.full_every, self.depth)
 
 
 @dataclass(frozen=True)
@@ -194,7 +204,8 @@ def save_step(writer: Writer, step: int, captured: CapturedState, group: Group,
         raise
     encoder.learn()
     recon = writer.settings.running.placed(encoder.reconstruction(step, plan.save_id), devices)
-    writer.reference.advance(recon, plan.base, writer.target.storage, meta)
+    writer.reference.advance(recon, encoding.base, writer.settings.schedule,
+                             writer.target.storage, meta)
     return Saved(info, meta)
 
 
@@ -217,13 +228,16 @@ def encode_at_call(writer: Writer, step: int, captured: CapturedState, group: Gr
 
 def begin(writer: Writer, captured: CapturedState, base: Reconstruction | None,
           parts: dict[str, list[Part]], devices: Mapping[str, torch.device]) -> Encoding:
-    """:func:`~deltackpt.encode.device.begin_encoding` with ``writer``'s settings. A delta
-    changes its base's values in place from here on: until its step commits, they count as
-    stale, so that a save that fails at any stage leaves them to be read again from the last
-    committed step by the next delta."""
-    if base is not None:
-        writer.reference.stale = True
+    """:func:`~deltackpt.encode.device.begin_encoding` with ``writer``'s settings. A delta codes
+    a copy of its base's values where a later save is coded against them too; on their last
+    use it changes them in place from here on: until its step commits, they count as stale, so
+    that a save that fails at any stage leaves them to be read again from their committed step
+    by the next delta."""
     settings = writer.settings
+    if base is not None and writer.reference.needed_after(base, settings.schedule):
+        base = base.copy()
+    elif base is not None:
+        writer.reference.stale = base.step
     return begin_encoding(captured, base, parts, devices, config=settings.config,
                           controller=settings.controller, keep=settings.keeps_reference,
                           chunk_bytes=settings.chunk_bytes, running=settings.running)
@@ -277,12 +291,13 @@ def agreed_base(base: Reconstruction | None, group: Group) -> Reconstruction | N
 def delta_base(writer: Writer, step: int, captured: CapturedState,
                parts: dict[str, list[Part]], pool: WorkerPool) -> Reconstruction | None:
     """The reconstruction this rank codes ``step`` against, or None when it must be a full step:
-    the reference's, while deltas are due, ``step`` comes after it, the rank's layout
-    (``parts``) is the one it was kept in, and its step is still the one it came from, with its
-    chain below. Values that a failed delta changed are read again from its step first."""
-    recon, settings = writer.reference.recon, writer.settings
-    if (recon is None or not settings.config.deltas
-            or recon.deltas + 1 >= settings.full_every or step <= recon.step
+    the one the reference's schedule names (:meth:`Reference.base`), while deltas are due,
+    ``step`` comes after the last one saved, the rank's layout (``parts``) is the one it was
+    kept in, and its step is still the one it came from, with its chain below. Values that a
+    failed delta changed are read again from its step first."""
+    reference, settings = writer.reference, writer.settings
+    recon = reference.base(settings.schedule) if settings.keeps_reference else None
+    if (recon is None or step <= reference.last
             or recon.layout != captured_layout(captured, local_parts(parts))):
         return None
     storage = writer.target.storage
@@ -291,7 +306,8 @@ def delta_base(writer: Writer, step: int, captured: CapturedState,
     if save_id != recon.save_id or not all(
             storage.exists(metadata_file(s)) for s in recon.chain[:-1]):
         return None
-    return _committed_values(writer, recon, parts, pool) if writer.reference.stale else recon
+    return _committed_values(writer, recon, parts, pool) if reference.stale == recon.step \
+        else recon
 
 
 def _committed_values(writer: Writer, recon: Reconstruction, parts: dict[str, list[Part]],
@@ -315,7 +331,7 @@ def _committed_values(writer: Writer, recon: Reconstruction, parts: dict[str, li
         return None
     refreshed = dataclasses.replace(recon, values={
         name: decoded.values[name].reshape(-1) for name in recon.values})
-    writer.reference.restart(refreshed)
+    writer.reference.refresh(refreshed)
     return refreshed
 
 

@@ -1,16 +1,19 @@
-"""What a writer's saves advance: the step its next delta is coded against."""
+"""What a writer's saves advance: the steps its next deltas are coded against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from deltackpt.dist.shards import Part
 from deltackpt.encode.encoder import captured_layout
 from deltackpt.encode.reconstruction import Reconstruction
+from deltackpt.errors import DeltackptError
 from deltackpt.format.metadata import Box, StepMetadata, box_index, layout_of, metadata_file
 from deltackpt.format.state import CapturedState
 from deltackpt.io.reader import read_metadata
 from deltackpt.io.storage import Storage
+from deltackpt.save.schedule import Schedule
 
 # A step's metadata with the identity its file had when written or read (Storage.identity).
 KnownMetadata = dict[int, tuple[tuple[int, ...], StepMetadata]]
@@ -18,18 +21,29 @@ KnownMetadata = dict[int, tuple[tuple[int, ...], StepMetadata]]
 
 @dataclass
 class Reference:
-    """The last step a writer committed or loaded, which its next delta is coded against.
+    """The committed steps a writer's next deltas may be coded against.
 
-    ``recon`` is that step's running reconstruction (None: the next save is full). A delta
-    changes its base's values in place from the start of its encoding, so they are ``stale``
-    until its step commits: after a failed delta the next one reads them again from the
-    committed step (what a reader decodes) before coding against them. ``known`` keeps the
-    metadata of the chain last saved or restored, parsed once while its files stay the same.
+    ``levels`` holds, by depth, the running reconstruction of the latest step at that depth
+    that a later save of its group is coded against (:mod:`deltackpt.save.schedule` says
+    which): at most one a level. ``position`` counts the saves since the group's full step,
+    ``last`` is the step last committed or loaded: the next save must come after it. A delta
+    coded on its base's last use changes the base's values in place from the start of its
+    encoding (an earlier use codes a copy), so they are stale (``stale``: that step) until
+    it commits: after such a delta failed the next one reads them again from the committed
+    step (what a reader decodes) before coding against them. ``known`` keeps the metadata of
+    the chain last saved or restored, parsed once while its files stay the same.
     """
 
-    recon: Reconstruction | None = None
-    stale: bool = False
+    levels: dict[int, Reconstruction] = field(default_factory=dict)
+    position: int = 0
+    last: int | None = None
+    stale: int | None = None
     known: KnownMetadata = field(default_factory=dict)
+
+    @property
+    def recon(self) -> Reconstruction | None:
+        """The latest step held (None: the next save is full)."""
+        return max(self.levels.values(), key=lambda r: r.step, default=None)
 
     def kept_metadata(self, storage: Storage, step: int) -> StepMetadata | None:
         """The metadata of ``step`` kept from the last chain, while its file is the one written
@@ -44,16 +58,82 @@ class Reference:
         known = self.kept_metadata(storage, step)
         return known if known is not None else read_metadata(storage, step)
 
-    def restart(self, recon: Reconstruction | None) -> None:
-        """Code the next delta against ``recon``, whose values are what a reader decodes (a step
-        just loaded, re-coded by a gc, or read again after a failed delta)."""
-        self.recon, self.stale = recon, False
+    def base(self, schedule: Schedule) -> Reconstruction | None:
+        """The held step the next save is coded against (None: it is full): the one its
+        schedule names (the level above the save's), else the latest held one above it, else
+        the latest one a delta on which stays within the schedule's depth (after a load, or a
+        gc that replaced the named one)."""
+        position = self.position + 1
+        if position >= schedule.full_every:
+            return None
+        want = schedule.depths[position] - 1
+        usable = [r for d, r in self.levels.items() if d < schedule.depth]
+        above = [r for r in usable if r.deltas <= want]
+        return self.levels.get(want) or max(above or usable, key=lambda r: r.step, default=None)
+
+    def needed_after(self, base: Reconstruction, schedule: Schedule) -> bool:
+        """Whether a save after the next one is coded against ``base`` too (its schedule's
+        next save one level below it comes before the next at its level or above)."""
+        for depth in schedule.depths[self.position + 2:]:
+            if depth - 1 == base.deltas:
+                return True
+            if depth <= base.deltas:
+                return False
+        return False
+
+    def restart(self, recon: Reconstruction | None, position: int = 0) -> None:
+        """Code the next deltas against ``recon`` alone, the save at ``position`` of its group,
+        whose values are what a reader decodes (a step just loaded, or re-coded by a gc)."""
+        self.levels = {} if recon is None else {recon.deltas: recon}
+        self.position, self.stale = position, None
+        self.last = None if recon is None else recon.step
+
+    def refresh(self, recon: Reconstruction) -> None:
+        """Hold ``recon``, read again from its committed step, in place of its stale values."""
+        self.levels[recon.deltas], self.stale = recon, None
+
+    def retain(self, changed: set[int], replaced: Reconstruction | None,
+               chain: Callable[[int], list[int]]) -> None:
+        """After a gc that followed the latest step held and removed or replaced the steps
+        ``changed``: hold that step's new version (``replaced``; None where the gc left it as
+        it was), and the steps held below it that the gc left as they were and are still in
+        its chain (``chain(step)`` reads a step's chain, which a full rewrite may have cut).
+        The error against the training state of a re-coded step is the old one plus the
+        re-coding's."""
+        latest = self.recon
+        if replaced is not None and latest is not None:
+            errors = {name: latest.errors.get(name, 0.0) + replaced.errors.get(name, 0.0)
+                      for name in {*latest.errors, *replaced.errors}}
+            latest = replace(replaced, errors=errors)
+        elif latest is not None and latest.step in changed:
+            latest = None
+        held, self.levels, self.stale = self.levels, {}, None
+        if latest is None:
+            return
+        try:
+            steps = chain(latest.step)
+        except DeltackptError:  # unreadable now: the next save is full
+            return
+        for recon in [*(r for r in held.values() if r.step not in changed), latest]:
+            if recon.step in steps:
+                depth = steps.index(recon.step)
+                self.levels[depth] = replace(recon, deltas=depth, chain=steps[:depth + 1])
 
     def advance(self, recon: Reconstruction | None, base: Reconstruction | None,
-                storage: Storage, meta: StepMetadata | None) -> None:
-        """After a save's commit: code the next delta against its ``recon``; keep the metadata
-        it committed (``meta``, on the rank that committed it) and that of its ``base``'s chain."""
-        self.restart(recon)
+                schedule: Schedule, storage: Storage, meta: StepMetadata | None) -> None:
+        """After a save's commit: hold its ``recon`` where a later save of its group is coded
+        against it (``schedule``), and no deeper step; drop its ``base`` where the delta was
+        coded on its values in place; keep the metadata it committed (``meta``, on the rank
+        that committed it) and that of its ``base``'s chain."""
+        if recon is None or base is None:
+            self.restart(recon)
+        else:
+            self.levels = {d: r for d, r in self.levels.items()
+                           if d < recon.deltas and r.values is not base.values}
+            self.position += 1
+            if schedule.is_base[self.position] and recon.deltas < schedule.depth:
+                self.levels[recon.deltas] = recon
+            self.last, self.stale = recon.step, None
         if meta is None:
             return
         chain = {s: self.known[s] for s in base.chain if s in self.known} if base else {}
