@@ -138,7 +138,9 @@ def _reconstruct(p, q, ORDINAL: tl.constexpr, st, step_k, u):
     as ``kernels.quant._reconstruct``."""
     if ORDINAL:
         key = _key_of(p).to(tl.float64) + q.to(tl.float64) * step_k + _key_offset(u, step_k)
-        key = tl.minimum(tl.maximum(key, -2139095039.0), 2139095039.0)  # +-MAX_KEY
+        # clamped to +-MAX_KEY in integers: a float literal is float32 in a compiled kernel,
+        # where MAX_KEY rounds up to the key of infinity
+        key = tl.minimum(tl.maximum(key.to(tl.int64), -2139095039), 2139095039)
         return _float_of_key(key.to(tl.int32))
     return p + (q.to(tl.float32) - u) * st
 
