@@ -109,12 +109,12 @@ def reconstruction_bytes(*recons: Reconstruction) -> dict[str, int]:
 class RunningValues:
     """Keeps the running values of device-coded tensors where ``place`` says: ``"device"``,
     float32 tensors on the device of the tensor; ``"host"``, in pinned host memory (host
-    memory on a CPU). Other tensors' are numpy arrays. Each tensor's buffer is allocated once
-    and reused (a full step's values are copied into it), while its size and device stay."""
+    memory on a CPU). Other tensors' are numpy arrays. Values already where they belong stay
+    as they are; others are copied into buffers of their own: a writer holds several steps'
+    values at once (one a level of its schedule), so none may share a buffer."""
 
     def __init__(self, place: str = "device") -> None:
         self.place = check_choice(place, "reconstruction", RECONSTRUCTION_PLACES)
-        self._buffers: dict[str, torch.Tensor] = {}
 
     def placed(self, recon: Reconstruction | None,
                devices: Mapping[str, torch.device]) -> Reconstruction | None:
@@ -126,11 +126,10 @@ class RunningValues:
         for name, current in recon.values.items():
             device = devices.get(name)
             if device is None:
-                self._buffers.pop(name, None)
                 values[name] = host_array(current)
             else:
                 with _stream_of(device, _placing_streams):  # not the training's stream
-                    values[name] = self._put(name, current, device)
+                    values[name] = self._put(current, device)
         for device in {v.device for v in values.values() if isinstance(v, torch.Tensor)}:
             # copies into them (here, or on this thread's stream by a step's exact chunks)
             # complete before the side stream of the next delta reads them
@@ -139,21 +138,18 @@ class RunningValues:
                 torch.cuda.current_stream(device).synchronize()
         return replace(recon, values=values)
 
-    def _put(self, name: str, current: np.ndarray | torch.Tensor,
-             device: torch.device) -> torch.Tensor:
-        buffer = self._buffers.get(name)
-        if current is buffer:
-            return buffer
-        source = torch.from_numpy(current) if isinstance(current, np.ndarray) else current
+    def _put(self, current: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
         pinned = self.place == "host" and device.type == "cuda"
         target = torch.device("cpu") if self.place == "host" else device
+        if isinstance(current, torch.Tensor) and current.device == target \
+                and (current.is_pinned() or not pinned):
+            return current
+        source = torch.from_numpy(current) if isinstance(current, np.ndarray) else current
         if target.type == "cpu" and not pinned:  # the host's memory is the device's
             return source.cpu()
-        if buffer is None or buffer.numel() != source.numel() or buffer.device != target:
-            buffer = self._buffers[name] = torch.empty(source.numel(), dtype=torch.float32,
-                                                       device=target, pin_memory=pinned)
-        buffer.copy_(source)
-        return buffer
+        buffer = torch.empty(source.numel(), dtype=torch.float32, device=target,
+                             pin_memory=pinned)
+        return buffer.copy_(source)
 
 
 @dataclass

@@ -129,7 +129,7 @@ class Reference:
             self.restart(recon)
         else:
             self.levels = {d: r for d, r in self.levels.items()
-                           if d < recon.deltas and r.values is not base.values}
+                           if d < recon.deltas and r.step != self.stale}  # not coded in place
             self.position += 1
             if schedule.is_base[self.position] and recon.deltas < schedule.depth:
                 self.levels[recon.deltas] = recon
