@@ -246,13 +246,14 @@ def _save(mgr: CheckpointManager, step: int, state: tuple[dict, dict],
 def test_after_a_failed_delta_the_next_codes_against_the_last_committed_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool) -> None:
     """A delta that fails while written commits nothing; the next save is a delta on the last
-    committed step, coded as it would have been had the failed save never happened."""
+    committed step, coded as it would have been had the failed save never happened (a chain
+    of single steps: ``depth=9``)."""
     states = _states(4)
-    with CheckpointManager(tmp_path / "ref", full_every=10) as ref:
+    with CheckpointManager(tmp_path / "ref", full_every=10, depth=9) as ref:
         for step in (0, 1, 3):
             _save(ref, step, states[step], True)
         expected = ref.restore(3).tensors
-    with CheckpointManager(tmp_path / "ckpt", full_every=10, blocking=blocking) as mgr:
+    with CheckpointManager(tmp_path / "ckpt", full_every=10, blocking=blocking, depth=9) as mgr:
         for step in (0, 1):
             _save(mgr, step, states[step], blocking)
         with monkeypatch.context() as patch:

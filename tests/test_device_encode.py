@@ -220,14 +220,14 @@ def test_after_a_failed_delta_the_next_codes_against_the_last_committed_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing) -> None:
     """A device delta whose plan (on the save thread) or write fails commits nothing (its
     running values changed at the call); the next delta codes against the last committed
-    step, as had the failed save never happened."""
+    step, as had the failed save never happened (a chain of single steps: ``depth=9``)."""
     states = _states(torch.float32, 4)
     _device(monkeypatch, True)
-    with CheckpointManager(tmp_path / "ref", full_every=10, workers=1) as ref:
+    with CheckpointManager(tmp_path / "ref", full_every=10, workers=1, depth=9) as ref:
         for step in (0, 1, 3):
             _save(ref, step, states[step], torch.float32).wait()
         expected = ref.restore(3).tensors
-    with CheckpointManager(tmp_path / "ckpt", full_every=10, workers=1) as mgr:
+    with CheckpointManager(tmp_path / "ckpt", full_every=10, workers=1, depth=9) as mgr:
         for step in (0, 1):
             _save(mgr, step, states[step], torch.float32).wait()
         with monkeypatch.context() as patch:

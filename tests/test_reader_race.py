@@ -23,6 +23,7 @@ from deltackpt.app.cli import main
 from deltackpt.errors import ChainChangedError
 from deltackpt.format.metadata import step_dir_name
 from deltackpt.io import retired as retired_module
+from deltackpt.io.storage import open_storage
 from deltackpt.ops import verify as verify_module
 from deltackpt.restore import consistent
 from deltackpt.restore.chain import restore_chain
@@ -264,3 +265,23 @@ def test_cli_gc_frees_the_space_now_unless_given_a_grace(tmp_path: Path,
     assert not step_dir(tmp_path, 1).exists() and not step_dir(tmp_path, 2).exists()
     assert CheckpointManager(tmp_path, read_only=True).verify() == {3: [], 4: [], 5: []}
     capsys.readouterr()
+
+
+def test_a_file_retired_twice_keeps_its_first_record(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version replaced again before its grace ended (a step re-coded by two gcs) is not
+    recorded twice: the purge of its first record deletes it, and no record names a file gone."""
+    (tmp_path / "step-000000000003").mkdir()
+    names = [f"step-000000000003/d-{k:016x}-r00000-000.bin" for k in (1, 2)]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    retired = retired_module.RetiredFiles(open_storage(str(tmp_path)), grace=60)
+    retired.retire(names[:1])
+    now = time.time()
+    monkeypatch.setattr(retired_module.time, "time", lambda: now + 30)
+    retired.retire(names)
+    assert [r.files for r in retired.records] == [(names[0],), (names[1],)]
+    monkeypatch.setattr(retired_module.time, "time", lambda: now + 61)
+    retired.purge()
+    assert not (tmp_path / names[0]).exists() and (tmp_path / names[1]).exists()
+    assert all((tmp_path / f).exists() for f in retired.protected())

@@ -432,7 +432,8 @@ def test_replacing_would_grow_the_directory(templates, tmp_path: Path,
         huge = 10 << 20  # what every replacement would take
         monkeypatch.setattr(retention_module, "metadata_bytes", lambda meta: bytes(huge))
         monkeypatch.setattr(retention_module, "_full_estimate", lambda plan, step: huge)
-        monkeypatch.setattr(retention_module, "_delta_estimate", lambda plan, step, base: huge)
+        monkeypatch.setattr(retention_module, "_delta_estimate",
+                            lambda plan, step, base, slopes: huge)
         dry = mgr.gc("every=3", dry_run=True)
         report = mgr.gc("every=3")
         monkeypatch.undo()

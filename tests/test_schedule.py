@@ -198,7 +198,11 @@ def test_gc_on_the_hierarchy_recodes_only_what_loses_its_reference(tmp_path: Pat
         metas = {s: mgr.metadata(s) for s in mgr.steps()}
         run.slack = {s: m.stats.classes["weights"]["max_abs_error"] for s, m in metas.items()
                      if m.kind == "delta"}
+        dry = mgr.gc("every=8", dry_run=True)
         report = mgr.gc("every=8")
+        assert (dry.removed, dry.recoded, dry.rewritten) == \
+            (report.removed, report.recoded, report.rewritten)
+        assert abs(dry.bytes_after - report.bytes_after) <= 0.1 * report.bytes_after
         assert not report.held
         kept = set(range(0, 40, 8)) | {39}
         assert set(report.kept) == kept and set(report.removed) == set(range(40)) - kept

@@ -107,8 +107,9 @@ class RetiredFiles:
 
     def retire(self, files: Iterable[str]) -> None:
         """Keep ``files`` (data files of step directories, no longer referenced) for ``grace``
-        seconds: record them durably, or delete them now when ``grace`` is 0."""
-        files = tuple(sorted(files))
+        seconds: record them durably, or delete them now when ``grace`` is 0. A file retired
+        already (a version replaced twice) keeps its record, whose purge deletes it."""
+        files = tuple(sorted(set(files) - self.protected()))
         if not files:
             return
         if self.grace <= 0:

@@ -89,11 +89,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
+
+import numpy as np
 
 from deltackpt.codecs.bnb8 import NAME as BNB8
 from deltackpt.codecs.bnb8 import self_contained
@@ -260,9 +263,10 @@ class GCReport:
     versions they replace are deleted); ``bytes_before`` and
     ``bytes_after``: bytes of all step directories before and after. For a
     dry run ``added_bytes`` and ``bytes_after`` are estimates: a re-coded
-    delta as the bytes of the deltas between its new base and it (coding
-    their sum costs fewer bits than coding each), at most a full step; a
-    full step as the nearest full step of its layout, else
+    delta as its own bytes, each class it codes against its base grown by
+    the bits an element the directory's deltas take more per doubling of
+    the distance to their base (fitted over them, at most one), at most a
+    full step; a full step as the nearest full step of its layout, else
     ``raw_bytes / 1.2``. ``needed_bytes``: when the disk had no space for
     the replacements even after deleting the steps no kept step needs, the
     bytes they would take (estimated as for a dry run), for which their
@@ -467,20 +471,39 @@ def _full_estimate(plan: _Plan, step: int) -> int:
     return plan.sizes[min(fulls, key=lambda s: (abs(s - step), s))]
 
 
-def _lossy_bytes(meta: StepMetadata) -> int:
-    """Bytes of the lossily coded tensors of a delta step (0 for a full step)."""
-    classes = (meta.stats.classes or {}) if meta.kind == "delta" else {}
-    return sum(c.get("stored_bytes", 0) for name, c in classes.items() if name != "exact")
+def _delta_estimate(plan: _Plan, step: int, base: int, slopes: dict[str, float]) -> int:
+    """Bytes of ``step`` re-coded against ``base``, for a dry run: its own, each class it codes
+    against its base (all but first moments, coded from zero) grown by ``slopes[class]`` bits
+    an element per doubling of the distance to the base, in training steps."""
+    meta = plan.metas[step]
+    doublings = math.log2((step - base) / (step - meta.base_step))
+    grown = sum(c["elements"] * slopes.get(name, 1.0) * doublings / 8
+                for name, c in (meta.stats.classes or {}).items()
+                if name not in ("exact", "first_moment") and c.get("elements"))
+    return plan.sizes[step] + max(0, int(grown))
 
 
-def _delta_estimate(plan: _Plan, step: int, base: int) -> int:
-    """Bytes of ``step`` re-coded against ``base``, for a dry run: its own metadata and exactly
-    stored tensors, and the lossily coded tensors of every step between ``base`` and it (those
-    of a full step among them counted as the average delta's)."""
-    lossy = {s: _lossy_bytes(m) for s, m in plan.metas.items() if m.kind == "delta"}
-    average = sum(lossy.values()) // max(1, len(lossy))
-    return plan.sizes[step] - lossy.get(step, 0) + sum(
-        lossy.get(s, average) for s in plan.metas if base < s <= step)
+def _distance_slopes(plan: _Plan) -> dict[str, float]:
+    """Per class, how many more bits an element its deltas take per doubling of the distance
+    to their base: the least-squares slope over the directory's deltas of bits an element
+    against log2 of that distance, within [0, 1] (a coded residual's spread grows at most in
+    proportion to the distance, so its entropy by at most a bit a doubling); 1 where the
+    distances hardly vary (a chain of single steps)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for s, meta in plan.metas.items():
+        if meta.kind != "delta" or meta.base_step is None or meta.base_step >= s:
+            continue
+        for name, c in (meta.stats.classes or {}).items():
+            if c.get("elements"):
+                points.setdefault(name, []).append(
+                    (math.log2(s - meta.base_step), 8 * c.get("stored_bytes", 0) / c["elements"]))
+    slopes = {}
+    for name, xy in points.items():
+        x, y = np.array(xy).T
+        spread = float(np.var(x))
+        slopes[name] = 1.0 if spread < 0.25 else \
+            min(1.0, max(0.0, float(np.mean((x - x.mean()) * (y - y.mean()))) / spread))
+    return slopes
 
 
 @dataclass
@@ -503,11 +526,14 @@ class _Replacer:
         self.written: dict[int, _Written] = {}
         self.estimates: dict[int, int] = {}
         self._base: tuple[int, Reconstruction] | None = None  # the last base restored
+        self._slopes: dict[str, float] | None = None  # of the dry run's estimates
 
     def estimate(self, step: int, base: int | None) -> int | None:
         """Dry run: the base that ``write`` would probably choose; records the bytes."""
         full = _full_estimate(self.plan, step)
-        delta = _delta_estimate(self.plan, step, base) if base is not None else full
+        if self._slopes is None:
+            self._slopes = _distance_slopes(self.plan)
+        delta = _delta_estimate(self.plan, step, base, self._slopes) if base is not None else full
         self.estimates[step] = min(delta, full)
         return base if delta < full else None
 
