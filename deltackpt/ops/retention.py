@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import math
 import re
 import time
@@ -264,10 +265,10 @@ class GCReport:
     ``bytes_after``: bytes of all step directories before and after. For a
     dry run ``added_bytes`` and ``bytes_after`` are estimates: a re-coded
     delta as its own bytes, each class it codes against its base grown by
-    the bits an element the directory's deltas take more per doubling of
-    the distance to their base (fitted over them, at most one), at most a
-    full step; a full step as the nearest full step of its layout, else
-    ``raw_bytes / 1.2``. ``needed_bytes``: when the disk had no space for
+    the bits an element the directory's deltas of that class take more at
+    the new distance to their base than at the old, at most a full step; a
+    full step as the nearest full step of its layout, else ``raw_bytes /
+    1.2``. ``needed_bytes``: when the disk had no space for
     the replacements even after deleting the steps no kept step needs, the
     bytes they would take (estimated as for a dry run), for which their
     chains are ``held`` instead; else 0. ``chains_kept``: the policy
@@ -471,39 +472,44 @@ def _full_estimate(plan: _Plan, step: int) -> int:
     return plan.sizes[min(fulls, key=lambda s: (abs(s - step), s))]
 
 
-def _delta_estimate(plan: _Plan, step: int, base: int, slopes: dict[str, float]) -> int:
+def _delta_estimate(plan: _Plan, step: int, base: int,
+                    bits: dict[str, Callable[[float], float]]) -> int:
     """Bytes of ``step`` re-coded against ``base``, for a dry run: its own, each class it codes
-    against its base (all but first moments, coded from zero) grown by ``slopes[class]`` bits
-    an element per doubling of the distance to the base, in training steps."""
+    against its base (all but first moments, coded from zero) grown by what the directory's
+    deltas of that class take more, in bits an element, at the new distance to the base than
+    at its old one (``bits[class]``, of log2 of the distance in training steps)."""
     meta = plan.metas[step]
-    doublings = math.log2((step - base) / (step - meta.base_step))
-    grown = sum(c["elements"] * slopes.get(name, 1.0) * doublings / 8
+    old, new = math.log2(step - meta.base_step), math.log2(step - base)
+    grown = sum(c["elements"] * (bits[name](new) - bits[name](old)) / 8
                 for name, c in (meta.stats.classes or {}).items()
-                if name not in ("exact", "first_moment") and c.get("elements"))
+                if name not in ("exact", "first_moment") and c.get("elements") and name in bits)
     return plan.sizes[step] + max(0, int(grown))
 
 
-def _distance_slopes(plan: _Plan) -> dict[str, float]:
-    """Per class, how many more bits an element its deltas take per doubling of the distance
-    to their base: the least-squares slope over the directory's deltas of bits an element
-    against log2 of that distance, within [0, 1] (a coded residual's spread grows at most in
-    proportion to the distance, so its entropy by at most a bit a doubling); 1 where the
-    distances hardly vary (a chain of single steps)."""
-    points: dict[str, list[tuple[float, float]]] = {}
+def _bits_by_distance(plan: _Plan) -> dict[str, Callable[[float], float]]:
+    """Per class, the bits an element the directory's deltas take by log2 of the distance to
+    their base (in training steps): their mean at each whole log2, non-decreasing, linear in
+    between and growing a bit a doubling beyond the largest (a coded residual's spread grows at
+    most in proportion to the distance, its entropy by at most a bit a doubling)."""
+    points: dict[str, dict[int, list[float]]] = {}
     for s, meta in plan.metas.items():
         if meta.kind != "delta" or meta.base_step is None or meta.base_step >= s:
             continue
+        at = round(math.log2(s - meta.base_step))
         for name, c in (meta.stats.classes or {}).items():
             if c.get("elements"):
-                points.setdefault(name, []).append(
-                    (math.log2(s - meta.base_step), 8 * c.get("stored_bytes", 0) / c["elements"]))
-    slopes = {}
-    for name, xy in points.items():
-        x, y = np.array(xy).T
-        spread = float(np.var(x))
-        slopes[name] = 1.0 if spread < 0.25 else \
-            min(1.0, max(0.0, float(np.mean((x - x.mean()) * (y - y.mean()))) / spread))
-    return slopes
+                points.setdefault(name, {}).setdefault(at, []).append(
+                    8 * c.get("stored_bytes", 0) / c["elements"])
+    curves = {}
+    for name, by_log in points.items():
+        xs = np.array(sorted(by_log), np.float64)
+        ys = np.maximum.accumulate([float(np.mean(by_log[x])) for x in sorted(by_log)])
+        curves[name] = functools.partial(_bits_at, xs, ys)
+    return curves
+
+
+def _bits_at(xs: np.ndarray, ys: np.ndarray, x: float) -> float:
+    return float(np.interp(x, xs, ys)) + max(0.0, x - float(xs[-1]))
 
 
 @dataclass
@@ -526,14 +532,14 @@ class _Replacer:
         self.written: dict[int, _Written] = {}
         self.estimates: dict[int, int] = {}
         self._base: tuple[int, Reconstruction] | None = None  # the last base restored
-        self._slopes: dict[str, float] | None = None  # of the dry run's estimates
+        self._bits: dict[str, Callable[[float], float]] | None = None  # of a dry run's estimates
 
     def estimate(self, step: int, base: int | None) -> int | None:
         """Dry run: the base that ``write`` would probably choose; records the bytes."""
         full = _full_estimate(self.plan, step)
-        if self._slopes is None:
-            self._slopes = _distance_slopes(self.plan)
-        delta = _delta_estimate(self.plan, step, base, self._slopes) if base is not None else full
+        if self._bits is None:
+            self._bits = _bits_by_distance(self.plan)
+        delta = _delta_estimate(self.plan, step, base, self._bits) if base is not None else full
         self.estimates[step] = min(delta, full)
         return base if delta < full else None
 
