@@ -70,6 +70,7 @@ from deltackpt.restore.chain import restore_chain
 from deltackpt.restore.consistent import ChainReads, read_consistently
 from deltackpt.save.capture import capture_values
 from deltackpt.save.info import SaveInfo
+from deltackpt.save.schedule import DEFAULT_FULL_EVERY
 
 FORMAT = 1  # of extra["dcp"]
 _INDEXED_GROUP = re.compile(r"(?:.*\.)?param_groups\.(?P<index>\d+)\.(?P<name>[^.]+)")
@@ -132,7 +133,7 @@ class Writer(StorageWriter):
     it. ``info`` is what the last save wrote (:class:`SaveInfo`).
     """
 
-    def __init__(self, path: str | os.PathLike[str], step: int, *, full_every: int = 10,
+    def __init__(self, path: str | os.PathLike[str], step: int, *, full_every: int = DEFAULT_FULL_EVERY,
                  compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None, continue_run: bool = False,
                  overwrite: bool = False, process_group: Any = None,

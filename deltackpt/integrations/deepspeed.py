@@ -1,7 +1,7 @@
 """A DeepSpeed checkpoint engine that keeps ``engine.save_checkpoint``'s state as deltackpt steps:
 
     engine, *_ = deepspeed.initialize(...)
-    deltackpt.deepspeed.install(engine, full_every=10)
+    deltackpt.deepspeed.install(engine)  # full_every=128, compression=, keep=
     engine.save_checkpoint("runs/ckpt")        # full or delta steps
     engine.load_checkpoint("runs/ckpt")        # any data-parallel degree
 
@@ -49,6 +49,7 @@ from deltackpt.ops.retention import RetentionPolicy
 from deltackpt.save.capture import capture_values
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle
+from deltackpt.save.schedule import DEFAULT_FULL_EVERY
 
 require("deepspeed")
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # noqa: E402
@@ -382,7 +383,8 @@ class DeltaCheckpointEngine(CheckpointEngine):
         return os.path.join(load_dir, str(tag)), client
 
 
-def install(engine: Any, *, full_every: int = 10, compression: str | CompressionConfig = "balanced",
+def install(engine: Any, *, full_every: int = DEFAULT_FULL_EVERY,
+            compression: str | CompressionConfig = "balanced",
             keep: str | RetentionPolicy | None = None, blocking: bool = True,
             continue_run: bool = False) -> DeltaCheckpointEngine:
     """Make ``engine.save_checkpoint(save_dir, tag)`` save deltackpt steps into ``save_dir``

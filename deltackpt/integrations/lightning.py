@@ -73,6 +73,7 @@ from deltackpt.manager import CheckpointManager
 from deltackpt.ops.retention import KeepSteps
 from deltackpt.restore.universal import UniversalCheckpoint
 from deltackpt.save.capture import capture_values
+from deltackpt.save.schedule import DEFAULT_FULL_EVERY
 
 lightning = require("lightning")
 from lightning.fabric.plugins.io import CheckpointIO as _LightningCheckpointIO  # noqa: E402
@@ -115,7 +116,7 @@ class CheckpointIO(_LightningCheckpointIO):
     :class:`~deltackpt.OtherRunError`; nothing is written then.
     """
 
-    def __init__(self, path: str | os.PathLike[str], full_every: int = 10, *,
+    def __init__(self, path: str | os.PathLike[str], full_every: int = DEFAULT_FULL_EVERY, *,
                  compression: str | CompressionConfig = "balanced", continue_run: bool = False,
                  workers: int | None = None, storage_options: Mapping[str, Any] | None = None,
                  reader_grace: float | None = None) -> None:

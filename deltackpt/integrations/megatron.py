@@ -55,6 +55,7 @@ from deltackpt.integrations.runs import check_same_run
 from deltackpt.manager import CheckpointManager
 from deltackpt.ops.retention import RetentionPolicy
 from deltackpt.save.info import SaveInfo
+from deltackpt.save.schedule import DEFAULT_FULL_EVERY
 
 require("megatron.core")
 from megatron.core.dist_checkpointing.dict_utils import (  # noqa: E402
@@ -104,7 +105,7 @@ class SaveStrategy(SaveShardedStrategy):
     """
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
-                 full_every: int = 10, compression: str | CompressionConfig = "balanced",
+                 full_every: int = DEFAULT_FULL_EVERY, compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None, continue_run: bool = False,
                  overwrite: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(BACKEND, VERSION)

@@ -23,6 +23,7 @@ from deltackpt.format.metadata import METADATA_FILE, step_dir_name
 from deltackpt.integrations.dcp import Reader, Writer
 from deltackpt.integrations.frameworks import require
 from deltackpt.manager import CheckpointManager as DeltackptManager
+from deltackpt.save.schedule import DEFAULT_FULL_EVERY
 
 require("torchtitan")
 
@@ -42,7 +43,7 @@ class CheckpointManager(TitanManager):
     class Config(TitanManager.Config):
         """torchtitan's checkpoint options, and deltackpt's."""
 
-        full_every: int = 10
+        full_every: int = DEFAULT_FULL_EVERY
         """A full (lossless) step every this many saves, deltas in between."""
 
         compression: str = "balanced"
