@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -430,16 +431,19 @@ def test_xxh3_queued_on_the_current_stream() -> None:
     assert digest.hexdigest() == xxhash.xxh3_64_hexdigest(bytes([7]) * (3 << 20))
 
 
-@pytest.mark.parametrize(("data", "error", "match"), [
-    (b"bytes", TypeError, "must be a torch.Tensor, got bytes"),
-    (torch.zeros(300, dtype=torch.int32), ValueError, "torch.uint8 tensor, got torch.int32"),
-    (torch.zeros((20, 20), dtype=torch.uint8), ValueError, r"of shape \(20, 20\)"),
-    (torch.zeros(600, dtype=torch.uint8)[::2], ValueError, r"strides \(2,\)"),
-    (torch.zeros((), dtype=torch.uint8), ValueError, r"of shape \(\)"),
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda: b"bytes", TypeError, "must be a torch.Tensor, got bytes"),
+    (lambda: torch.zeros(300, dtype=torch.int32, device=DEVICE), ValueError,
+     "torch.uint8 tensor, got torch.int32"),
+    (lambda: torch.zeros((20, 20), dtype=torch.uint8, device=DEVICE), ValueError,
+     r"of shape \(20, 20\)"),
+    # a view made on the device: moving a view there copies it contiguous
+    (lambda: torch.zeros(600, dtype=torch.uint8, device=DEVICE)[::2], ValueError,
+     r"strides \(2,\)"),
+    (lambda: torch.zeros((), dtype=torch.uint8, device=DEVICE), ValueError, r"of shape \(\)"),
 ])
-def test_xxh3_rejects_bad_data(data: object, error: type, match: str) -> None:
-    if isinstance(data, torch.Tensor):
-        data = data.to(DEVICE)
+def test_xxh3_rejects_bad_data(make: Callable[[], object], error: type, match: str) -> None:
+    data = make()
     with pytest.raises(error, match=match):
         gpu_xxh3.xxh3_64_on_device(data)
 
