@@ -1,7 +1,7 @@
 """A DeepSpeed checkpoint engine that keeps ``engine.save_checkpoint``'s state as deltackpt steps:
 
     engine, *_ = deepspeed.initialize(...)
-    deltackpt.deepspeed.install(engine)  # full_every=128, compression=, keep=
+    deltackpt.deepspeed.install(engine)  # full_every=256, compression=, keep=
     engine.save_checkpoint("runs/ckpt")        # full or delta steps
     engine.load_checkpoint("runs/ckpt")        # any data-parallel degree
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from deltackpt.format.checks import check_int
 
-DEFAULT_FULL_EVERY = 128
+DEFAULT_FULL_EVERY = 256
 DEFAULT_DEPTH = 8
 # Groups up to this many saves get the least-cost tree (cubic in the length: 0.3 s at 256);
 # a longer group is cut into runs of this many saves, each on a level-1 delta of the full step.
