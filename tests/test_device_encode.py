@@ -306,23 +306,25 @@ def test_the_reconstruction_kept_on_the_host_gives_the_same_steps(
 def test_running_values_stay_in_their_buffers(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The running values of device-coded tensors are float32 tensors (where the option says)
-    that a delta updates in place; on a GPU, a full step copies its values into the same
-    buffers (no allocation of the state's size once running)."""
+    that a delta on their last use updates in place (``full_every=3``: a chain of two deltas,
+    the second on its base's last use; the first's base, the full step, is used once too)."""
     states = _states(torch.float32, 3)
     _device(monkeypatch, True)
     for place in ("device", "host"):
-        with CheckpointManager(tmp_path / place, full_every=2, workers=1,
+        with CheckpointManager(tmp_path / place, full_every=3, workers=1,
                                reconstruction=place) as mgr:
             buffers = []
-            for step, state in enumerate(states):
+            for step, state in enumerate(states[:2]):
                 info = _save(mgr, step, state, torch.float32).wait()
-                assert info.kind == ("full" if step % 2 == 0 else "delta")
-                assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32
-                           for v in mgr._reference.recon.values.values())
-                buffers.append({n: v.data_ptr() for n, v in mgr._reference.recon.values.items()})
+                assert info.kind == ("full" if step == 0 else "delta")
+                recon = mgr._reference.recon
+                assert recon.step == step and all(
+                    isinstance(v, torch.Tensor) and v.dtype == torch.float32
+                    for v in recon.values.values())
+                buffers.append({n: v.data_ptr() for n, v in recon.values.items()})
             assert buffers[1] == buffers[0]
-            if DEVICE == "cuda":
-                assert buffers[2] == buffers[0]
+            assert list(mgr._reference.levels) == [1]  # the full step's values became step 1's
+            assert _save(mgr, 2, states[2], torch.float32).wait().base_step == 1
 
 
 def test_bitsandbytes_code_maps_and_absmax_are_coded_on_the_host(
