@@ -44,7 +44,7 @@ from deltackpt.save.driver import Saved, SaveSettings, Writer, encode_at_call, s
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle, SaveQueue
 from deltackpt.save.reference import KnownMetadata, Reference, resumed
-from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY, schedule
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY
 from deltackpt.save.target import SaveTarget
 
 log = logging.getLogger("deltackpt")
@@ -105,7 +105,8 @@ class CheckpointManager(CheckpointDirectory):
                  cache: str | os.PathLike[str] | None = None, cache_keep: int = 1,
                  blocking: bool = True, max_in_flight: int = 1,
                  reconstruction: str = "device", reader_grace: float = DEFAULT_GRACE) -> None:
-        schedule(full_every, depth)  # checks both
+        check_int(full_every, "full_every")
+        check_int(depth, "depth")  # its schedule is computed at the first delta that needs it
         check_int(max_in_flight, "max_in_flight")
         check_int(chunk_bytes, "chunk_bytes", least=1024)
         if workers is not None:
@@ -402,8 +403,10 @@ class CheckpointManager(CheckpointDirectory):
 
         def read_back(reads: _MetadataReads) -> Reconstruction | None:
             meta = reads(steps[-1])
+            if layout_of(meta) != captured_layout(captured):
+                return None
             chain = chain_of(self.storage, meta, reads)
-            if layout_of(meta) != captured_layout(captured) or len(chain) > self.depth \
+            if len(chain) > self.depth \
                     or self._position(steps, chain[0].step, meta.step) + 1 >= self.full_every:
                 return None
             _, recon = self._restore_chain(meta, reads, boxes=boxes, workers=pool)

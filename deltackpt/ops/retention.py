@@ -16,9 +16,10 @@ running values are then the values it restored to, stored exactly; or a
 delta whose base is stable. The base must also have the step's layout,
 have been saved by one process (a delta keeps its base's fragments), and
 be less than ``depth`` deltas above its full step (so the re-coded step is
-at most ``depth`` deltas deep, the bound its writer keeps). The re-coded step codes the values it
-restored to before, so it restores to them within the error the config
-allows (its stats record that error, and the old base and error under
+at most ``depth`` deltas deep, the bound its writer keeps). The re-coded
+step codes the values it restored to before, so it restores to them within
+the error the config allows (its stats record that error, and the old base
+and error under
 ``compression["recoded"]``): against the training state it carries the
 error of two deltas, the original and the re-coding. It becomes a full
 (lossless) step holding exactly the values it restored to instead when
