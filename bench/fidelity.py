@@ -15,7 +15,8 @@ state, RNG included, so both see the same data order.
 Models (:data:`TASKS`):
 
 * ``gpt-tiny``, ``gpt-small``: :class:`deltackpt.app.training.TinyGPT`, next-byte
-  language model on the sources;
+  language model on the sources (``gpt-large``, 25M parameters, is not in the matrix:
+  ``restore_depth.py`` times restores on it);
 * ``mlp``: next byte from the 8 bytes before it (one-hot, two hidden layers);
 * ``cnn-bn``: the sources laid out as a page (one line a row, 64 columns);
   a CNN with BatchNorm fills in the masked centre byte of a 16x16 patch
@@ -216,6 +217,8 @@ TASKS = {t.name: t for t in (
     Task("gpt-tiny", lambda: TinyGPT(SIZES["tiny"]), _text, _text_windows(SIZES["tiny"].context), 16),
     Task("gpt-small", lambda: TinyGPT(SIZES["small"]), _text, _text_windows(SIZES["small"].context),
          16),
+    Task("gpt-large", lambda: TinyGPT(SIZES["large"]), _text, _text_windows(SIZES["large"].context),
+         8),
     Task("mlp", ByteMLP, _text, _next_byte, 64),
     Task("cnn-bn", PatchCNN, _pages, _patches, 32),
 )}

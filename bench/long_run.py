@@ -76,23 +76,23 @@ def depth_of(mgr: CheckpointManager) -> dict[int, int]:
 
 def restore_times(path: Path, repeats: int) -> dict[int, dict]:
     """Median seconds to restore steps of each depth (two per depth: the first and the last)
-    in a fresh read-only manager, by depth."""
+    in a fresh read-only manager, by depth. Each round restores every step once, so a change
+    in the machine's speed (they are noisy) weighs on all depths alike."""
     by_depth: dict[int, list[int]] = {}
     for step, depth in depth_of(CheckpointManager(path, read_only=True)).items():
         by_depth.setdefault(depth, []).append(step)
     CheckpointManager(path, read_only=True).restore(by_depth[max(by_depth)][-1])  # warm
-    out = {}
-    for depth, steps in sorted(by_depth.items()):
-        picked = sorted({steps[0], steps[-1]})
-        seconds = []
-        for step in picked:
-            for _ in range(repeats):
+    picked = {depth: sorted({steps[0], steps[-1]}) for depth, steps in sorted(by_depth.items())}
+    seconds: dict[int, list[float]] = {depth: [] for depth in picked}
+    for _ in range(repeats):
+        for depth, steps in picked.items():
+            for step in steps:
                 mgr = CheckpointManager(path, read_only=True)
                 started = time.perf_counter()
                 mgr.restore(step)
-                seconds.append(time.perf_counter() - started)
-        out[depth] = {"steps": picked, "seconds": statistics.median(seconds)}
-    return out
+                seconds[depth].append(time.perf_counter() - started)
+    return {depth: {"steps": picked[depth], "seconds": statistics.median(seconds[depth])}
+            for depth in picked}
 
 
 def long_run(name: str, saves: int, interval: int, repeats: int, root: Path) -> dict:
