@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import zstandard
 
+from deltackpt import CheckpointManager
 from deltackpt.format.dtypes import BY_NAME
 from deltackpt.format.metadata import CHECKSUM_KEY, ZSTD_MAGIC, seal_json
 
@@ -71,6 +72,19 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
 def data_files(root: str | os.PathLike[str], step: int) -> list[Path]:
     """The data files present in the directory of ``step``, sorted."""
     return sorted(step_dir(root, step).glob("*.bin"))
+
+
+def chain_depths(root: str | os.PathLike[str]) -> dict[int, int]:
+    """Each committed step of the checkpoint at ``root``: how many deltas restoring it decodes
+    (its ``base_step`` links back to its full step)."""
+    mgr = CheckpointManager(root, read_only=True)
+    depths = {}
+    for step in mgr.steps():
+        meta, deltas = mgr.metadata(step), 0
+        while meta.kind == "delta":
+            meta, deltas = mgr.metadata(meta.base_step), deltas + 1
+        depths[step] = deltas
+    return depths
 
 
 def assert_same_value(actual: object, expected: object, path: str = "value") -> None:

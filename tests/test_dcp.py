@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import free_port, manual_examples, run_ranks
+from helpers import chain_depths, free_port, manual_examples, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -74,15 +74,15 @@ def _blank(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             "train": {"step": None, "losses": None, "blob": None, "tokens": torch.tensor(-1)}}
 
 
-def _saved_run(path: Path, saves: int = 4, full_every: int = 3) -> list:
-    """``saves`` steps saved through dcp.save; returns the Writer's info and a copy of the
-    model and optimizer state of each."""
+def _saved_run(path: Path, saves: int = 4, full_every: int = 3, **options) -> list:
+    """``saves`` steps saved through dcp.save (the Writer's ``options``); returns the Writer's
+    info and a copy of the model and optimizer state of each."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     out = []
     for step in range(saves):
         _train(model, optimizer, 3, seed=step)
-        writer = deltackpt.dcp.Writer(path, step=step, full_every=full_every)
+        writer = deltackpt.dcp.Writer(path, step=step, full_every=full_every, **options)
         dcp.save(_state(model, optimizer, step), storage_writer=writer)
         msd, osd = get_state_dict(model, optimizer)
         out.append((writer.info, {k: v.clone() for k, v in msd.items()},
@@ -137,6 +137,23 @@ def test_saves_are_full_or_delta_steps_that_load_back(tmp_path: Path) -> None:
             expected = (reference.optimizer["state"][fqn][key] - moment).abs().max()
             assert error <= 1.25 * expected + 1e-7, (fqn, key)
     assert train["step"] == 2
+
+
+def test_depth_bounds_every_chain_and_a_writer_of_another_depth_has_its_own_manager(
+        tmp_path: Path) -> None:
+    saved = _saved_run(tmp_path / "ckpt", saves=3, full_every=4, depth=1)
+    assert [info.kind for info, _, _ in saved][:2] == ["full", "delta"]
+    assert max(chain_depths(tmp_path / "ckpt").values()) == 1  # depth 8: step 2 on step 1
+    path = tmp_path / "switched"
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step, depth in enumerate((8, 8, 1)):
+        _train(model, optimizer, 1, seed=step)
+        writer = deltackpt.dcp.Writer(path, step=step, full_every=4, depth=depth)
+        dcp.save(_state(model, optimizer, step), storage_writer=writer)
+    # not the depth-8 writers' manager: step 1 is as deep as depth 1 allows
+    assert writer.info.kind == "full"
+    assert chain_depths(path) == {0: 0, 1: 1, 2: 0}
 
 
 def test_a_dcp_step_is_an_ordinary_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import manual_examples, run_ranks
+from helpers import chain_depths, manual_examples, run_ranks
 from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -224,9 +224,14 @@ def another_run(rank: int, world: int, root: str) -> None:
     with pytest.raises(OtherRunError, match="already holds step 1 of another run"):
         other.save_checkpoint(root)
     assert CheckpointManager(root, read_only=True).steps() == [1]
-    install(other, continue_run=True).engine.global_steps = 4
+    data = torch.Generator().manual_seed(0)
+    train(other, data, 1)
+    install(other, continue_run=True, depth=1).engine.global_steps = 4
+    other.save_checkpoint(root)  # a delta on step 1
+    train(other, data, 1)
     other.save_checkpoint(root)
-    assert CheckpointManager(root, read_only=True).steps() == [1, 4]
+    assert CheckpointManager(root, read_only=True).steps() == [1, 4, 5]
+    assert chain_depths(root)[4] == 1 and max(chain_depths(root).values()) == 1  # depth 8: 5 on 4
 
 
 def test_bad_input_is_refused_by_name_and_no_latest_is_a_fresh_start(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from helpers import assert_same_value, manual_examples  # noqa: E402
+from helpers import assert_same_value, chain_depths, manual_examples  # noqa: E402
 from lightning_ddp import Regression, data  # noqa: E402
 
 import deltackpt.lightning  # noqa: E402
@@ -259,11 +259,13 @@ def test_saves_of_one_global_step_share_its_step(tmp_path: Path, caplog: pytest.
 
 
 def test_validating_from_a_checkpoint_changes_nothing(tmp_path: Path) -> None:
-    """A load by validate (not fit) is no resume: later saves drop no step another file names."""
+    """A load by validate (not fit) is no resume: later saves drop no step another file names.
+    Each delta is coded on the full step (``depth=1``)."""
     ckpt, kept = tmp_path / "ckpt", tmp_path / "files"
-    plugin = CheckpointIO(ckpt, full_every=2, reader_grace=0)
+    plugin = CheckpointIO(ckpt, full_every=4, depth=1, reader_grace=0)
     module = seeded(Regression)
     t = fit(module, plugin, 12, saver(kept, save_last=True))
+    assert chain_depths(ckpt) == {4: 0, 8: 1, 12: 1}  # depth 8: step 12 on step 8
     t.validate(module, data(), ckpt_path=str(kept / "epoch=0-step=4.ckpt"), verbose=False)
     t.save_checkpoint(kept / "after.ckpt")
     assert CheckpointManager(ckpt, read_only=True).steps() == [4, 8, 12]
@@ -377,6 +379,9 @@ def test_other_files_and_devices(tmp_path: Path) -> None:
         plugin.load_checkpoint(tmp_path / "x.ckpt", map_location=lambda storage, loc: storage)
     with pytest.raises(ConfigError, match="full_every"):
         CheckpointIO(tmp_path / "other", full_every=0)
+    for bad in (0, True):
+        with pytest.raises(ConfigError, match="depth"):
+            CheckpointIO(tmp_path / "other", depth=bad)
     assert not (tmp_path / "other").exists()
     with pytest.raises(TypeError, match="storage_options"):
         plugin.save_checkpoint(_index_keyed(named=True), tmp_path / "y.ckpt", storage_options={})

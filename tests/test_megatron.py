@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import manual_examples, run_ranks
+from helpers import chain_depths, manual_examples, run_ranks
 
 from deltackpt import CheckpointManager, IntegrationError
 from deltackpt.dist.group import Group
 from deltackpt.format.state import Placement
 from deltackpt.integrations.frameworks import require
 from deltackpt.save.capture import capture_values
+from deltackpt.save.schedule import DEFAULT_DEPTH
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")]
@@ -59,17 +60,17 @@ def _state(rank: int, world: int, scale: float, dim: int = 0) -> dict:
                                    replica_id=rank)}
 
 
-def _save_three(rank: int, world: int, root: str) -> None:
+def _save_three(rank: int, world: int, root: str, full_every: int = 2,
+                depth: int = DEFAULT_DEPTH) -> None:
     _on_cpu()
     megatron.register()
     for iteration in (1, 2, 3):
         directory = Path(root, "megatron", f"iter_{iteration:07d}")
         directory.mkdir(parents=True, exist_ok=True)
-        strategy = megatron.SaveStrategy(Path(root, "run"), full_every=2)
+        strategy = megatron.SaveStrategy(Path(root, "run"), full_every=full_every, depth=depth)
         dist_checkpointing.save(_state(rank, world, float(iteration)), str(directory),
                                 sharded_strategy=strategy)
         assert strategy.info.step == iteration
-        assert strategy.info.kind == ("delta" if iteration == 2 else "full")
 
 
 def _load_across(rank: int, world: int, root: str) -> None:
@@ -92,6 +93,7 @@ def test_save_two_ranks_load_at_other_layouts(tmp_path: Path) -> None:
     run_ranks(_save_three, 2, str(tmp_path))
     manager = CheckpointManager(tmp_path / "run", read_only=True)
     assert manager.steps() == [1, 2, 3]
+    assert [manager.info(step).kind for step in (1, 2, 3)] == ["full", "delta", "full"]
     records = {r.name: r for r in manager.metadata(3).tensors}
     assert records["model/layer.weight"].shape == [8, 6]
     assert [f.offsets for f in records["model/layer.weight"].fragments] == [[0, 0], [4, 0]]
@@ -151,7 +153,9 @@ def _load_bad(rank: int, world: int, root: str) -> None:
 
 
 def test_bad_input(tmp_path: Path) -> None:
-    run_ranks(_save_three, 1, str(tmp_path))
+    run_ranks(_save_three, 1, str(tmp_path), 4, 1)  # full_every=4, depth=1
+    depths = chain_depths(tmp_path / "run")
+    assert depths[2] == 1 and max(depths.values()) == 1  # depth 8: step 3 on step 2
     run_ranks(_load_bad, 1, str(tmp_path))
 
 

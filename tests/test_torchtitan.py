@@ -13,7 +13,7 @@ from torch import nn
 
 pytest.importorskip("torchtitan")
 
-from helpers import run_ranks
+from helpers import chain_depths, run_ranks
 
 from deltackpt import CheckpointManager, ConfigError
 from deltackpt.app.cli import main
@@ -113,6 +113,21 @@ def test_torchtitan_saves_deltas_keeps_their_chain_and_resumes(tmp_path: Path,
     assert main(["verify", folder]) == 0
 
 
+def _three_saves(rank: int, world: int, folder: str, depth: int) -> None:
+    model, optimizers, schedulers, counter, checkpointer = _job(folder, depth=depth)
+    for _ in range(3):
+        _train_step(model, optimizers, schedulers, counter, rank)
+        checkpointer.save(counter.step)
+    checkpointer.close()
+
+
+def test_depth_bounds_every_steps_chain(tmp_path: Path) -> None:
+    folder = str(tmp_path / "checkpoint")
+    run_ranks(_three_saves, 2, folder, 1)
+    assert CheckpointManager(folder, read_only=True).info(2).kind == "delta"
+    assert max(chain_depths(folder).values()) == 1  # depth 8: step 3 on step 2
+
+
 def test_options_deltackpt_cannot_serve_are_refused() -> None:
     import deltackpt.torchtitan
 
@@ -123,6 +138,9 @@ def test_options_deltackpt_cannot_serve_are_refused() -> None:
         config(enable=True, async_mode="async_with_pinned_mem")
     with pytest.raises(ConfigError, match="full_every"):
         config(enable=True, full_every=0)
+    for bad in (0, True):
+        with pytest.raises(ConfigError, match="depth"):
+            config(enable=True, depth=bad)
 
 
 class _Opaque:

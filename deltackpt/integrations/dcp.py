@@ -70,7 +70,7 @@ from deltackpt.restore.chain import restore_chain
 from deltackpt.restore.consistent import ChainReads, read_consistently
 from deltackpt.save.capture import capture_values
 from deltackpt.save.info import SaveInfo
-from deltackpt.save.schedule import DEFAULT_FULL_EVERY
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY
 
 FORMAT = 1  # of extra["dcp"]
 _INDEXED_GROUP = re.compile(r"(?:.*\.)?param_groups\.(?P<index>\d+)\.(?P<name>[^.]+)")
@@ -88,11 +88,12 @@ class _Runs:
         self.touched: set[str] = set()
 
     def manager(self, writer: Writer) -> CheckpointManager:
-        settings = (writer.full_every, writer.compression, writer.keep)
+        settings = (writer.full_every, writer.depth, writer.compression, writer.keep)
         with self.lock:
             manager = self.managers.get(writer.key)
-            if manager is None or (manager.full_every, manager.compression, manager.keep) != settings:
-                manager = CheckpointManager(writer.path, writer.full_every,
+            if manager is None or (manager.full_every, manager.depth, manager.compression,
+                                   manager.keep) != settings:
+                manager = CheckpointManager(writer.path, writer.full_every, depth=writer.depth,
                                             compression=writer.compression, keep=writer.keep,
                                             storage_options=writer.storage_options)
                 self.managers[writer.key] = manager
@@ -123,24 +124,25 @@ class Writer(StorageWriter):
     """Saves ``dcp.save``'s (or ``dcp.async_save``'s) state dict as step ``step`` of the
     deltackpt checkpoint at ``path`` (a directory, ``file://`` or fsspec URL).
 
-    ``full_every``, ``compression`` and ``keep`` are :class:`CheckpointManager`'s. A new
-    Writer for the same directory continues its chain: from the step this process last
-    committed there, kept in memory, or else read back from the last committed step. The
-    first save into a directory holding steps this process neither read (:class:`Reader`) nor
-    wrote refuses (:class:`~deltackpt.errors.OtherRunError`) unless ``continue_run``.
-    ``overwrite`` replaces an existing step. ``process_group``: the one given to
-    ``dcp.save``/``dcp.async_save`` (default: the default group); the save's collectives run on
-    it. ``info`` is what the last save wrote (:class:`SaveInfo`).
+    ``full_every``, ``depth`` (restore through at most this many deltas), ``compression`` and
+    ``keep`` are :class:`CheckpointManager`'s. A new Writer for the same directory continues its
+    chain: from the step this process last committed there, kept in memory, or else read back
+    from the last committed step. The first save into a directory holding steps this process
+    neither read (:class:`Reader`) nor wrote refuses (:class:`~deltackpt.errors.OtherRunError`)
+    unless ``continue_run``. ``overwrite`` replaces an existing step. ``process_group``: the one
+    given to ``dcp.save``/``dcp.async_save`` (default: the default group); the save's
+    collectives run on it. ``info`` is what the last save wrote (:class:`SaveInfo`).
     """
 
     def __init__(self, path: str | os.PathLike[str], step: int, *, full_every: int = DEFAULT_FULL_EVERY,
-                 compression: str | CompressionConfig = "balanced",
+                 depth: int = DEFAULT_DEPTH, compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None, continue_run: bool = False,
                  overwrite: bool = False, process_group: Any = None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.path, self.step = path, step
-        self.full_every, self.compression, self.keep = full_every, compression, keep
+        self.full_every, self.depth = full_every, depth
+        self.compression, self.keep = compression, keep
         self.continue_run, self.overwrite = continue_run, overwrite
         self.process_group, self.storage_options = process_group, storage_options
         self.info: SaveInfo | None = None

@@ -1,7 +1,7 @@
 """A DeepSpeed checkpoint engine that keeps ``engine.save_checkpoint``'s state as deltackpt steps:
 
     engine, *_ = deepspeed.initialize(...)
-    deltackpt.deepspeed.install(engine)  # full_every=256, compression=, keep=
+    deltackpt.deepspeed.install(engine)  # full_every=256, depth=8, compression=, keep=
     engine.save_checkpoint("runs/ckpt")        # full or delta steps
     engine.load_checkpoint("runs/ckpt")        # any data-parallel degree
 
@@ -49,7 +49,7 @@ from deltackpt.ops.retention import RetentionPolicy
 from deltackpt.save.capture import capture_values
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.queue import SaveHandle
-from deltackpt.save.schedule import DEFAULT_FULL_EVERY
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY
 
 require("deepspeed")
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (  # noqa: E402
@@ -269,12 +269,14 @@ class DeltaCheckpointEngine(CheckpointEngine):
     """The checkpoint engine :func:`install` sets on a DeepSpeed engine. ``info`` is what the
     last save wrote (a :class:`SaveInfo`, or its handle while an asynchronous save runs)."""
 
-    def __init__(self, engine: Any, *, full_every: int, compression: str | CompressionConfig,
-                 keep: str | RetentionPolicy | None, blocking: bool, continue_run: bool) -> None:
+    def __init__(self, engine: Any, *, full_every: int, depth: int = DEFAULT_DEPTH,
+                 compression: str | CompressionConfig, keep: str | RetentionPolicy | None,
+                 blocking: bool, continue_run: bool) -> None:
         super().__init__()
         self.name = "deltackpt"
         self.engine = engine
-        self.full_every, self.compression, self.keep = full_every, compression, keep
+        self.full_every, self.depth = full_every, depth
+        self.compression, self.keep = compression, keep
         self.blocking, self.continue_run = blocking, continue_run
         self.storage_options = None
         self.path: str | None = None
@@ -383,18 +385,20 @@ class DeltaCheckpointEngine(CheckpointEngine):
         return os.path.join(load_dir, str(tag)), client
 
 
-def install(engine: Any, *, full_every: int = DEFAULT_FULL_EVERY,
+def install(engine: Any, *, full_every: int = DEFAULT_FULL_EVERY, depth: int = DEFAULT_DEPTH,
             compression: str | CompressionConfig = "balanced",
             keep: str | RetentionPolicy | None = None, blocking: bool = True,
             continue_run: bool = False) -> DeltaCheckpointEngine:
     """Make ``engine.save_checkpoint(save_dir, tag)`` save deltackpt steps into ``save_dir``
-    (full every ``full_every`` saves, deltas at ``compression`` between, retention ``keep``)
-    and ``engine.load_checkpoint`` load them. ``blocking=False`` saves in the background: the
-    next ``engine.step()`` waits for it before DeepSpeed names it in ``latest``. The first
-    save into a directory holding another run's steps refuses unless ``continue_run``."""
+    (full every ``full_every`` saves, deltas at ``compression`` between, restoring through at
+    most ``depth`` deltas, retention ``keep``) and ``engine.load_checkpoint`` load them.
+    ``blocking=False`` saves in the background: the next ``engine.step()`` waits for it before
+    DeepSpeed names it in ``latest``. The first save into a directory holding another run's
+    steps refuses unless ``continue_run``."""
     _check_supported(engine)
-    ckpt = DeltaCheckpointEngine(engine, full_every=full_every, compression=compression, keep=keep,
-                                 blocking=blocking, continue_run=continue_run)
+    ckpt = DeltaCheckpointEngine(engine, full_every=full_every, depth=depth,
+                                 compression=compression, keep=keep, blocking=blocking,
+                                 continue_run=continue_run)
     engine.checkpoint_engine = ckpt
     engine.save_non_zero_checkpoint = True  # every rank hands its model states to the engine
     engine.save_zero_checkpoint = False  # the partitions are read from the engine itself

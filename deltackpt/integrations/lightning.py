@@ -73,7 +73,7 @@ from deltackpt.manager import CheckpointManager
 from deltackpt.ops.retention import KeepSteps
 from deltackpt.restore.universal import UniversalCheckpoint
 from deltackpt.save.capture import capture_values
-from deltackpt.save.schedule import DEFAULT_FULL_EVERY
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY
 
 lightning = require("lightning")
 from lightning.fabric.plugins.io import CheckpointIO as _LightningCheckpointIO  # noqa: E402
@@ -103,6 +103,7 @@ class CheckpointIO(_LightningCheckpointIO):
     Args:
         path: the checkpoint directory, or an fsspec URL (``s3://bucket/run1``).
         full_every: a full step every this many saves, deltas in between.
+        depth: restore through at most this many deltas.
         compression: ``"balanced"`` (default), ``"aggressive"``, ``"lossless"`` or a
             :class:`~deltackpt.CompressionConfig`.
         continue_run: let the first save go into a directory that holds steps of a run this
@@ -117,11 +118,12 @@ class CheckpointIO(_LightningCheckpointIO):
     """
 
     def __init__(self, path: str | os.PathLike[str], full_every: int = DEFAULT_FULL_EVERY, *,
-                 compression: str | CompressionConfig = "balanced", continue_run: bool = False,
-                 workers: int | None = None, storage_options: Mapping[str, Any] | None = None,
-                 reader_grace: float | None = None) -> None:
+                 depth: int = DEFAULT_DEPTH, compression: str | CompressionConfig = "balanced",
+                 continue_run: bool = False, workers: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None, reader_grace: float | None = None) -> None:
         check_bool(continue_run, "continue_run")
         check_int(full_every, "full_every")
+        check_int(depth, "depth")
         if workers is not None:
             check_int(workers, "workers")
         if reader_grace is not None:
@@ -130,8 +132,8 @@ class CheckpointIO(_LightningCheckpointIO):
         self.path = os.fspath(path)
         self.continue_run = continue_run
         grace = {} if reader_grace is None else {"reader_grace": reader_grace}
-        self._options = dict(full_every=full_every, compression=compression, workers=workers,
-                             storage_options=storage_options, **grace)
+        self._options = dict(full_every=full_every, depth=depth, compression=compression,
+                             workers=workers, storage_options=storage_options, **grace)
         self._manager: CheckpointManager | None = None  # the writer, made at the first save
         self._readers: dict[str, CheckpointManager] = {}
         self._files: dict[str, int] = {}  # the files naming steps of the directory -> their step

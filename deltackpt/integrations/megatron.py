@@ -55,7 +55,7 @@ from deltackpt.integrations.runs import check_same_run
 from deltackpt.manager import CheckpointManager
 from deltackpt.ops.retention import RetentionPolicy
 from deltackpt.save.info import SaveInfo
-from deltackpt.save.schedule import DEFAULT_FULL_EVERY
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY
 
 require("megatron.core")
 from megatron.core.dist_checkpointing.dict_utils import (  # noqa: E402
@@ -97,20 +97,23 @@ class SaveStrategy(SaveShardedStrategy):
     ``sharded_strategy=``.
 
     ``step``: the step number (default: the trailing digits of Megatron's checkpoint directory
-    name, ``iter_0000100`` -> 100). ``full_every``, ``compression`` and ``keep`` are
-    :class:`CheckpointManager`'s; a strategy saving into a directory this process wrote to or
-    loaded from continues its chain, and the first save into a directory holding another run's
-    steps refuses (:class:`~deltackpt.errors.OtherRunError`) unless ``continue_run``.
-    ``overwrite`` replaces an existing step. ``info`` is what the last save wrote.
+    name, ``iter_0000100`` -> 100). ``full_every``, ``depth`` (restore through at most this many
+    deltas), ``compression`` and ``keep`` are :class:`CheckpointManager`'s; a strategy saving
+    into a directory this process wrote to or loaded from continues its chain, and the first
+    save into a directory holding another run's steps refuses
+    (:class:`~deltackpt.errors.OtherRunError`) unless ``continue_run``. ``overwrite`` replaces
+    an existing step. ``info`` is what the last save wrote.
     """
 
     def __init__(self, path: str | os.PathLike[str], step: int | None = None, *,
-                 full_every: int = DEFAULT_FULL_EVERY, compression: str | CompressionConfig = "balanced",
+                 full_every: int = DEFAULT_FULL_EVERY, depth: int = DEFAULT_DEPTH,
+                 compression: str | CompressionConfig = "balanced",
                  keep: str | RetentionPolicy | None = None, continue_run: bool = False,
                  overwrite: bool = False, storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(BACKEND, VERSION)
         self.path, self.step = path, step
-        self.full_every, self.compression, self.keep = full_every, compression, keep
+        self.full_every, self.depth = full_every, depth
+        self.compression, self.keep = compression, keep
         self.continue_run, self.overwrite = continue_run, overwrite
         self.storage_options = storage_options
         self.info: SaveInfo | None = None

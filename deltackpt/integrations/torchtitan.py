@@ -2,11 +2,11 @@
 ``dcp.save``/``dcp.async_save``/``dcp.load`` go through :mod:`deltackpt.dcp`.
 
 Its ``checkpoint.folder`` becomes one deltackpt checkpoint directory: each save is a step of it,
-full or delta by ``full_every`` and ``compression``, and ``keep_latest_k`` is its retention
-(``keep="last=k"``), which never deletes a step a kept delta needs. Loading (the latest step, or
-``load_step``) reads it back at any world size; an ``initial_load_path`` that is not a deltackpt
-step, or a Hugging Face load, is torchtitan's own. The last step in Hugging Face format is
-refused: ``deltackpt export`` writes it from any step.
+full or delta by ``full_every``, ``depth`` and ``compression``, and ``keep_latest_k`` is its
+retention (``keep="last=k"``), which never deletes a step a kept delta needs. Loading (the latest
+step, or ``load_step``) reads it back at any world size; an ``initial_load_path`` that is not a
+deltackpt step, or a Hugging Face load, is torchtitan's own. The last step in Hugging Face format
+is refused: ``deltackpt export`` writes it from any step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from deltackpt.format.metadata import METADATA_FILE, step_dir_name
 from deltackpt.integrations.dcp import Reader, Writer
 from deltackpt.integrations.frameworks import require
 from deltackpt.manager import CheckpointManager as DeltackptManager
-from deltackpt.save.schedule import DEFAULT_FULL_EVERY
+from deltackpt.save.schedule import DEFAULT_DEPTH, DEFAULT_FULL_EVERY
 
 require("torchtitan")
 
@@ -46,6 +46,9 @@ class CheckpointManager(TitanManager):
         full_every: int = DEFAULT_FULL_EVERY
         """A full (lossless) step every this many saves, deltas in between."""
 
+        depth: int = DEFAULT_DEPTH
+        """Restore through at most this many deltas."""
+
         compression: str = "balanced"
         """deltackpt's preset: balanced, aggressive or lossless."""
 
@@ -55,6 +58,7 @@ class CheckpointManager(TitanManager):
         def __post_init__(self) -> None:
             TitanManager.Config.__post_init__(self)
             check_int(self.full_every, "full_every")
+            check_int(self.depth, "depth")
             check_bool(self.continue_run, "continue_run")
             if self.last_save_in_hf:
                 raise ConfigError("deltackpt's torchtitan CheckpointManager does not write the "
@@ -74,7 +78,8 @@ class CheckpointManager(TitanManager):
         thread (``async``, on torchtitan's gloo group)."""
         config = self.deltackpt_config
         writer = Writer(self.folder, _step_of(checkpoint_id), full_every=config.full_every,
-                        compression=config.compression, continue_run=config.continue_run,
+                        depth=config.depth, compression=config.compression,
+                        continue_run=config.continue_run,
                         keep=f"last={self.keep_latest_k}" if self.keep_latest_k > 0 else None,
                         process_group=self.pg)
         if async_mode == AsyncMode.DISABLED:
