@@ -142,8 +142,9 @@ def test_saves_are_full_or_delta_steps_that_load_back(tmp_path: Path) -> None:
 def test_depth_bounds_every_chain_and_a_writer_of_another_depth_has_its_own_manager(
         tmp_path: Path) -> None:
     saved = _saved_run(tmp_path / "ckpt", saves=3, full_every=4, depth=1)
-    assert [info.kind for info, _, _ in saved][:2] == ["full", "delta"]
-    assert max(chain_depths(tmp_path / "ckpt").values()) == 1  # depth 8: step 2 on step 1
+    # step 2 on step 0, which the manager kept: a read back of step 1 would make it full
+    assert [info.base_step for info, _, _ in saved] == [None, 0, 0]  # depth 8: [None, 0, 1]
+    assert chain_depths(tmp_path / "ckpt") == {0: 0, 1: 1, 2: 1}
     path = tmp_path / "switched"
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -57,7 +57,7 @@ from torch.futures import Future
 
 from deltackpt.dist.group import Group
 from deltackpt.dist.shards import is_dtensor
-from deltackpt.encode.policy import CompressionConfig
+from deltackpt.encode.policy import CompressionConfig, as_config
 from deltackpt.errors import ConfigError, IntegrationError
 from deltackpt.format.dtypes import spec_named
 from deltackpt.format.metadata import Box, StepMetadata, tensor_name
@@ -88,11 +88,10 @@ class _Runs:
         self.touched: set[str] = set()
 
     def manager(self, writer: Writer) -> CheckpointManager:
-        settings = (writer.full_every, writer.depth, writer.compression, writer.keep)
         with self.lock:
             manager = self.managers.get(writer.key)
             if manager is None or (manager.full_every, manager.depth, manager.compression,
-                                   manager.keep) != settings:
+                                   manager.keep) != _settings(writer):
                 manager = CheckpointManager(writer.path, writer.full_every, depth=writer.depth,
                                             compression=writer.compression, keep=writer.keep,
                                             storage_options=writer.storage_options)
@@ -101,6 +100,13 @@ class _Runs:
 
 
 runs = _Runs()
+
+
+def _settings(writer: Writer) -> tuple[Any, ...]:
+    """The writer's ``full_every``, ``depth``, ``compression`` and ``keep`` as a manager made
+    with them holds them (a preset's config, a parsed policy)."""
+    keep = None if writer.keep is None else RetentionPolicy.parse(writer.keep)
+    return writer.full_every, writer.depth, as_config(writer.compression), keep
 
 
 def directory_key(path: str | os.PathLike[str]) -> str:
