@@ -1,7 +1,8 @@
 """deltackpt as a torch.distributed.checkpoint storage layer (deltackpt.dcp.Writer/Reader), driven
 by the real dcp.save, dcp.async_save and dcp.load: full and delta steps by the manager's policy,
 moments named by meaning, values stored exactly, a chain continued by a new Writer or a new
-process, FSDP2 saves on 2 gloo ranks loaded in 1 process and on 3 ranks, and bad input."""
+process, FSDP2 saves on 2 gloo ranks loaded in 1 process and on 3 ranks, and on 1 rank, and bad
+input."""
 
 from __future__ import annotations
 
@@ -292,11 +293,12 @@ def _fsdp_save(rank: int, world: int, path: str, expected: str) -> None:
         torch.save(full, expected)
 
 
-def _fsdp_load(rank: int, world: int, path: str, expected: str) -> None:
+def _fsdp_load(rank: int, world: int, path: str, expected: str, saved_ranks: int = 2) -> None:
     model, optimizer = _fsdp_model()
     _train(model, optimizer, 1, seed=7)
     state = _blank(model, optimizer)
-    state["rank"] = {"loader_1": None}
+    last = saved_ranks - 1
+    state["rank"] = {f"loader_{last}": None}
     dcp.load(state, storage_reader=deltackpt.dcp.Reader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
@@ -308,7 +310,7 @@ def _fsdp_load(rank: int, world: int, path: str, expected: str) -> None:
                           strict=True):
         assert torch.equal(optimizer.state[param]["exp_avg"].full_tensor(),
                            moments[fqn]["exp_avg"]), fqn
-    assert state["train"]["step"] == 3 and state["rank"] == {"loader_1": [1, 3]}
+    assert state["train"]["step"] == 3 and state["rank"] == {f"loader_{last}": [last, 3]}
     saved = torch.load(expected, weights_only=True)
     for fqn, value in saved.items():  # a full step
         assert torch.equal(model.state_dict()[fqn].full_tensor(), value), fqn
@@ -327,6 +329,19 @@ def test_fsdp_saves_on_2_ranks_load_in_1_process_and_on_3_ranks(tmp_path: Path) 
     saved = torch.load(expected, weights_only=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     run_ranks(_fsdp_load, 3, path, expected)
+
+
+def test_fsdp_saves_on_1_rank_load_in_1_process_and_on_1_rank(tmp_path: Path) -> None:
+    """FSDP2 on a single rank (one GPU): its DTensors, on a mesh of one rank, hold whole
+    tensors, saved and loaded as a single process's."""
+    path, expected = str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")
+    run_ranks(_fsdp_save, 1, path, expected)
+    for step in (2, 3):  # a delta, a full step
+        model, _, train = _loaded(Path(path), step)
+        restored = CheckpointManager(path).restore(step)
+        assert restored.metadata.world_size == 1 and train["step"] == step
+        assert all(torch.equal(model.state_dict()[k], restored.model[k]) for k in restored.model)
+    run_ranks(_fsdp_load, 1, path, expected, 1)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """torchtitan's own CheckpointManager, configured as deltackpt.torchtitan.CheckpointManager, driven
 on 2 gloo ranks with an FSDP2 model and torchtitan's optimizer and LR scheduler containers:
 saves (blocking and async) become full and delta steps, keep_latest_k is retention that keeps
-what deltas need, and a restarted job loads the latest step and continues its chain."""
+what deltas need, and a restarted job loads the latest step and continues its chain; and the
+same on a single rank, whose FSDP2 DTensors hold whole tensors."""
 
 from __future__ import annotations
 
@@ -110,6 +111,36 @@ def test_torchtitan_saves_deltas_keeps_their_chain_and_resumes(tmp_path: Path,
     run_ranks(_restarted, 2, folder, async_mode)
     info = CheckpointManager(folder).info(6)
     assert (info.kind, info.base_step) == ("delta", 5)  # the restarted job continued the chain
+    assert main(["verify", folder]) == 0
+
+
+def _restarted_on_one_rank(rank: int, world: int, folder: str) -> None:
+    model, optimizers, schedulers, counter, checkpointer = _job(folder)
+    for step, asked in ((4, 4), (5, -1)):  # a full step, then the latest: a delta on it
+        assert checkpointer.load(asked) and counter.step == step
+        restored = CheckpointManager(folder).restore(step)
+        for fqn, value in model.state_dict().items():
+            assert torch.equal(value.full_tensor(), restored.model[fqn]), (step, fqn)
+        moments = optimizers.state_dict()  # flattened: state.<fqn>.<key>
+        for fqn, state in restored.optimizer["state"].items():
+            assert torch.equal(moments[f"state.{fqn}.exp_avg"].full_tensor(), state["exp_avg"]), \
+                (step, fqn)
+    _train_step(model, optimizers, schedulers, counter, rank)
+    checkpointer.save(counter.step)
+    checkpointer.close()
+
+
+def test_fsdp2_on_one_rank_saves_deltas_and_resumes(tmp_path: Path) -> None:
+    """torchtitan on one GPU: FSDP2's DTensors on a mesh of one rank hold whole tensors."""
+    folder = str(tmp_path / "checkpoint")
+    run_ranks(_first_run, 1, folder, "disabled")
+    manager = CheckpointManager(folder)
+    assert manager.steps() == [3, 4, 5]
+    assert [manager.info(s).kind for s in (3, 4, 5)] == ["full", "full", "delta"]
+    assert manager.metadata(5).world_size == 1
+    run_ranks(_restarted_on_one_rank, 1, folder)
+    info = CheckpointManager(folder).info(6)
+    assert (info.kind, info.base_step) == ("delta", 5)
     assert main(["verify", folder]) == 0
 
 

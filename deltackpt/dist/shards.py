@@ -97,16 +97,18 @@ def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | No
                    placement: Placement | None = None) -> list[Part]:
     """The boxes of ``tensor`` (global shape ``tensor.shape``) that this rank writes.
 
-    Without a group, or with one rank: the whole tensor. With a ``placement``: ``tensor`` is
-    the box at its offsets, written where the placement says so, whatever the group. Raises
-    ``ValueError`` naming the tensor for a DTensor with ``Partial`` placements (reduce it
-    first), or for a placed box that does not lie within its global shape.
+    Without a group, or with one rank: the whole tensor (a DTensor's local tensor, which on
+    a mesh of one rank is all of it). With a ``placement``: ``tensor`` is the box at its
+    offsets, written where the placement says so, whatever the group. Raises ``ValueError``
+    naming the tensor for a DTensor with ``Partial`` placements (reduce it first), for one
+    saved by one rank whose mesh shards it over more, or for a placed box that does not lie
+    within its global shape.
     """
     if placement is not None:
         return _placed_part(name, tensor, placement)
     shape = list(tensor.shape)
     if group is None or group.world_size == 1:
-        return [Part([0] * len(shape), shape, tensor)]
+        return [Part([0] * len(shape), shape, _whole_values(name, tensor))]
     if role in RANK0_ROLES:
         return [Part([0] * len(shape), shape, tensor)] if group.rank == 0 else []
     if is_dtensor(tensor):
@@ -123,6 +125,19 @@ def parts_to_write(name: str, role: str, tensor: torch.Tensor, group: Group | No
     if hi == lo:
         return []
     return [Part([offsets[0] + lo, *offsets[1:]], [hi - lo, *sizes[1:]], values[lo:hi])]
+
+
+def _whole_values(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The elements of the whole of ``tensor``, saved by one rank: a DTensor's local tensor
+    (a plain tensor, as the coding and writing of its bytes need), which must hold all of it."""
+    if not is_dtensor(tensor):
+        return tensor
+    local = tensor.to_local()
+    if local.shape != tensor.shape:
+        raise ValueError(f"tensor {name!r} is a DTensor sharded over the {tensor.device_mesh.size()} "
+                         "ranks of its mesh, saved by one rank: save it from every rank of "
+                         "its mesh, in one process group")
+    return local
 
 
 def _placed_part(name: str, tensor: torch.Tensor, placement: Placement) -> list[Part]:
