@@ -74,9 +74,9 @@ def _train_step(model, optimizers, schedulers, counter, rank: int) -> None:
     counter.step += 1
 
 
-def _first_run(rank: int, world: int, folder: str, async_mode: str) -> None:
-    model, optimizers, schedulers, counter, checkpointer = _job(folder, async_mode=async_mode)
-    for _ in range(5):
+def _first_run(rank: int, world: int, folder: str, saves: int, options: dict) -> None:
+    model, optimizers, schedulers, counter, checkpointer = _job(folder, **options)
+    for _ in range(saves):
         _train_step(model, optimizers, schedulers, counter, rank)
         checkpointer.save(counter.step)
     checkpointer.maybe_wait_for_saving()
@@ -101,7 +101,7 @@ def _restarted(rank: int, world: int, folder: str, async_mode: str) -> None:
 def test_torchtitan_saves_deltas_keeps_their_chain_and_resumes(tmp_path: Path,
                                                                async_mode: str) -> None:
     folder = str(tmp_path / "checkpoint")
-    run_ranks(_first_run, 2, folder, async_mode)
+    run_ranks(_first_run, 2, folder, 5, {"async_mode": async_mode})
     # Saves 1 to 5: full, delta, delta, full, delta. keep_latest_k=3 keeps steps 3 to 5; the
     # retention re-codes step 3 as a full step when it deletes step 2, its base.
     manager = CheckpointManager(folder)
@@ -133,7 +133,7 @@ def _restarted_on_one_rank(rank: int, world: int, folder: str) -> None:
 def test_fsdp2_on_one_rank_saves_deltas_and_resumes(tmp_path: Path) -> None:
     """torchtitan on one GPU: FSDP2's DTensors on a mesh of one rank hold whole tensors."""
     folder = str(tmp_path / "checkpoint")
-    run_ranks(_first_run, 1, folder, "disabled")
+    run_ranks(_first_run, 1, folder, 5, {})
     manager = CheckpointManager(folder)
     assert manager.steps() == [3, 4, 5]
     assert [manager.info(s).kind for s in (3, 4, 5)] == ["full", "full", "delta"]
@@ -144,17 +144,9 @@ def test_fsdp2_on_one_rank_saves_deltas_and_resumes(tmp_path: Path) -> None:
     assert main(["verify", folder]) == 0
 
 
-def _three_saves(rank: int, world: int, folder: str, depth: int) -> None:
-    model, optimizers, schedulers, counter, checkpointer = _job(folder, depth=depth)
-    for _ in range(3):
-        _train_step(model, optimizers, schedulers, counter, rank)
-        checkpointer.save(counter.step)
-    checkpointer.close()
-
-
 def test_depth_bounds_every_steps_chain(tmp_path: Path) -> None:
     folder = str(tmp_path / "checkpoint")
-    run_ranks(_three_saves, 2, folder, 1)
+    run_ranks(_first_run, 2, folder, 3, {"depth": 1})
     assert chain_depths(folder) == {1: 0, 2: 1, 3: 1}  # depth 8: step 3 on step 2
 
 
