@@ -269,7 +269,7 @@ class DeltaCheckpointEngine(CheckpointEngine):
     """The checkpoint engine :func:`install` sets on a DeepSpeed engine. ``info`` is what the
     last save wrote (a :class:`SaveInfo`, or its handle while an asynchronous save runs)."""
 
-    def __init__(self, engine: Any, *, full_every: int, depth: int = DEFAULT_DEPTH,
+    def __init__(self, engine: Any, *, full_every: int, depth: int,
                  compression: str | CompressionConfig, keep: str | RetentionPolicy | None,
                  blocking: bool, continue_run: bool) -> None:
         super().__init__()
