@@ -4,6 +4,8 @@ computes and fsyncs once, and no more; the metadata a restore of its chain reads
 from __future__ import annotations
 
 import functools
+import gc
+import json
 import os
 
 import pytest
@@ -17,7 +19,8 @@ import deltackpt.io.reader
 import deltackpt.io.storage
 import deltackpt.manager
 import deltackpt.save.driver
-from deltackpt import CheckpointManager, DeltackptError
+from deltackpt import CheckpointManager, DeltackptError, FormatError
+from deltackpt.format.metadata import parse_step_metadata, seal_json
 from deltackpt.save.capture import capture
 
 
@@ -159,3 +162,47 @@ def test_a_save_fsyncs_each_file_once_and_its_new_directory_with_them(tmp_path, 
     assert len(paths) == len(data) + 3
     written = next(names for path, names in synced if path == str(root))
     assert written == {f.name for f in meta.files}  # the data are written by then
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_parsing_metadata_runs_no_collection_and_leaves_the_collector_as_it_was(
+        tmp_path, enabled: bool) -> None:
+    """A step's parsed objects all live on: the garbage collections their allocation would
+    trigger (four for these 200 tensors) free nothing and walk the whole heap, so the parse
+    pauses the collector, and leaves it as it found it, also when the metadata is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(100)])
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(0, model, rng=False)
+    text = (tmp_path / "ckpt" / "step-000000000000" / "metadata.json").read_bytes()
+    damaged = json.loads(text)
+    del damaged["xxh3"]
+    damaged["kind"] = 3
+    damaged = seal_json(json.dumps(damaged, separators=(",", ":")))
+    collections = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def parse(data: bytes | str):
+        gc.collect()  # nothing pending: a collection during the parse is one it triggered
+        gc.callbacks.append(count)
+        try:
+            return parse_step_metadata(data, "metadata.json")
+        finally:
+            gc.callbacks.remove(count)
+
+    was = gc.isenabled()
+    try:
+        if not enabled:
+            gc.disable()
+        assert len(parse(text).tensors) == 200
+        assert gc.isenabled() == enabled
+        with pytest.raises(FormatError):
+            parse(damaged)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+    # At most the one young collection the allocations trigger once the collector resumes.
+    assert collections == ([0, 0] if enabled else [])
