@@ -195,13 +195,21 @@ def _error_text(value: Any) -> str:
 
 
 def _weights_error(classes: dict[str, dict[str, Any]] | None) -> str:
-    """The compact error column of ``ls``: the weights' relative RMS and largest absolute error,
-    or ``-`` when no weight was quantized (full steps)."""
+    """The compact error column of ``ls``: the weights' RMS error relative to their RMS and
+    their largest absolute error, each with its unit, or ``-`` when no weight was quantized
+    (full steps)."""
     weights = (classes or {}).get("weights")
     if weights is None or not _quantized(weights):
         return "-"
-    return (f"rms {_error_text(weights.get('rms_rel_error'))} "
-            f"max {_error_text(weights.get('max_abs_error'))}")
+    return (f"rms {_error_text(weights.get('rms_rel_error'))} rel, "
+            f"max {_error_text(weights.get('max_abs_error'))} abs")
+
+
+# Under ``info``'s class table: what its error columns measure (FORMAT.md 2.4's ClassStats).
+ERROR_UNITS = ("errors of the restored values against the saved ones: MAX ABS in the tensors' "
+               "own units; MAX REL per element, for classes coded in the ordinal domain (second "
+               "moments by default); RMS REL the root of the summed squared errors over the "
+               "summed squared values")
 
 
 # -- ls --------------------------------------------------------------------------------------
@@ -328,7 +336,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     lines.append("")
     if document["classes"]:
         lines += _class_table(document["classes"])
-        lines.append("")
+        lines += [ERROR_UNITS, ""]
     rows = [[t["name"], t["role"], t["dtype"], str(t["shape"]),
              f"alias of {t['alias_of']}" if t["alias_of"] else ",".join(t["codecs"]) or "-",
              human_bytes(t["raw_bytes"]), "-" if t["alias_of"] else human_bytes(t["stored_bytes"]),
