@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,27 @@ def test_target_ratio_is_worded_the_same_for_a_string_and_a_number() -> None:
         messages.append(str(info.value))
     assert messages == ["target_ratio must be a number above 1, got '8'",
                         "target_ratio must be a number above 1, got 0.5"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"deltas": False, "target_ratio": 50}, "target_ratio applies to delta steps, and this config "
+     "has none (deltas=False, as the 'lossless' preset)"),
+    ({"deltas": False, "max_error": 40}, "max_error applies to delta steps"),
+    ({"max_error": 40}, "max_error (40) caps how far target_ratio scales the errors; without a "
+     "target_ratio it does nothing"),
+    ({"target_ratio": 50, "max_error": 40, "weights": EXACT}, "max_error (40) is in steps' worth "
+     "of a weight's movement, the unit of weights.move_step, and these weights have none"),
+    ({"target_ratio": 50, "max_error": 40, "weights": Quantizer(step=1.0)}, "these weights have none"),
+])
+def test_a_target_that_cannot_act_is_refused(kwargs: dict[str, Any], message: str) -> None:
+    """``target_ratio`` and ``max_error`` that would be silently ignored: on a config without
+    deltas (the lossless preset), ``max_error`` with nothing to cap or without its unit; also
+    when a preset is adjusted, as the manual does it, before any manager sees the config."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        CompressionConfig(**kwargs)
+    preset = CompressionConfig.preset("lossless" if kwargs.get("deltas") is False else "balanced")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        replace(preset, **{k: v for k, v in kwargs.items() if k != "deltas"})
 
 
 def test_retention_policy_strings_and_types() -> None:

@@ -208,6 +208,27 @@ class CompressionConfig:
                 raise config_error("an overrides pattern", "a string", pattern)
             if not isinstance(quantizer, Quantizer):
                 raise config_error(f"overrides[{pattern!r}]", "a Quantizer", quantizer)
+        self._check_target()
+
+    def _check_target(self) -> None:
+        """Raise :class:`ConfigError` for a ``target_ratio`` or ``max_error`` that cannot act: on
+        a config without deltas, ``max_error`` without a target to cap, or ``max_error`` when the
+        weights have no ``move_step``, its unit."""
+        if not self.deltas and (self.target_ratio, self.max_error) != (None, None):
+            raise ConfigError(f"{'target_ratio' if self.target_ratio is not None else 'max_error'}"
+                              " applies to delta steps, and this config has none (deltas=False, "
+                              "as the 'lossless' preset)")
+        if self.max_error is None:
+            return
+        if self.target_ratio is None:
+            raise ConfigError(f"max_error ({self.max_error}) caps how far target_ratio scales the "
+                              "errors; without a target_ratio it does nothing: set one, or leave "
+                              "max_error out")
+        if self.weights.exact or not self.weights.move_step:
+            raise ConfigError(f"max_error ({self.max_error}) is in steps' worth of a weight's "
+                              "movement, the unit of weights.move_step, and these weights have "
+                              "none (exact, or no move_step): leave max_error out (target_ratio "
+                              f"then scales the errors up to {DEFAULT_MAX_SCALE:g} times)")
 
     @classmethod
     def preset(cls, name: str) -> CompressionConfig:
@@ -217,10 +238,9 @@ class CompressionConfig:
     @property
     def max_scale(self) -> float:
         """The largest factor ``target_ratio`` may scale the steps by (see ``max_error``)."""
-        move_step = self.weights.move_step if not self.weights.exact else None
-        if self.max_error is None or not move_step:
+        if self.max_error is None:
             return DEFAULT_MAX_SCALE
-        return self.max_error / (move_step / 2)
+        return self.max_error / (self.weights.move_step / 2)  # a move_step: _check_target
 
     def quantizer_for(self, name: str, fqn: str | None, cls: str | None) -> Quantizer:
         """The quantizer of one tensor: an override that matches it, else its class's."""
