@@ -79,8 +79,53 @@ def test_report_structure(report: dict) -> None:
             for m in r["moments"].values():
                 assert m["elements"] > 0 and m["q05"] <= m["median"] <= m["q95"]
                 assert math.isfinite(m["slope"])
+        floor = c["floor"]
+        assert len(floor["seeds"]) == fidelity.FLOOR_SEEDS
+        assert floor["loss_dev"] <= floor["loss_dev_max"] == max(abs(f["loss_rel"])
+                                                                for f in floor["seeds"])
+        for r in c["presets"].values():
+            assert r["loss_dev"] == abs(r["loss_rel"])
+            assert r["within_floor"] == (r["loss_dev"] <= floor["loss_dev_max"])
+            assert r["excess_dev"] == pytest.approx(r["loss_dev"] - floor["loss_dev"])
+            assert math.isnan(r["steps_lost"]) or r["excess_steps"] == pytest.approx(
+                r["steps_lost"] - floor["steps_lost"])
     table = fidelity.table(report)
     assert len(table.splitlines()) == 1 + 3 * len(report["cells"])
+
+
+def test_steps_lost_are_the_exact_runs_steps() -> None:
+    """A resumed run whose loss is 0.05 above an exact run falling 0.01 a step lost 5 steps;
+    one below gained them; where the exact loss does not fall, steps say nothing."""
+    exact = [3.0 - 0.01 * t for t in range(100)]
+    assert fidelity.steps_lost([x + 0.05 for x in exact], exact) == pytest.approx(5.0)
+    assert fidelity.steps_lost([x - 0.05 for x in exact], exact) == pytest.approx(-5.0)
+    assert math.isnan(fidelity.steps_lost(exact, [2.0] * 100))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-0.95", "adamw-pure-bf16", "adamw-bf16"])
+def test_the_noise_floor_perturbs_every_weight_by_its_scale(optimizer: str) -> None:
+    """float32 weights (and float32 masters of bfloat16 ones) move by FLOOR_SCALE of their value;
+    bfloat16 weights round stochastically: a few move by one ulp, the others stay."""
+    run = fidelity.Run.fresh(fidelity.TASKS["mlp"], fidelity.OPTIMIZERS[optimizer])
+    run.train(1)  # the optimizer state exists
+    masters = [s["master_param"] for s in run.optimizer.state.values() if "master_param" in s]
+    before = [t.clone() for t in (*run.model.parameters(), *masters)]
+    run.perturb(0)
+    after = list((*run.model.parameters(), *masters))
+    assert len(masters) == (2 * 3 if optimizer == "adamw-bf16" else 0)
+    moved = []  # of the bfloat16 weights, pooled: a small tensor may have none
+    for old, new in zip(before, after, strict=True):
+        old, new = old.detach(), new.detach()
+        if new.dtype == torch.float32:
+            nonzero = old != 0
+            rel = (new[nonzero] / old[nonzero] - 1).double()
+            assert float(rel.std()) == pytest.approx(fidelity.FLOOR_SCALE, rel=0.2)
+        else:
+            moved.append(new != old)
+            assert ((new.float() - old.float()).abs() <= old.float().abs() * 2.0**-7).all()
+    if moved:
+        fraction = float(torch.cat([m.reshape(-1) for m in moved]).double().mean())
+        assert 0.003 < fraction < 0.05, fraction
 
 
 def test_near_lossless_reference_deviates_little(report: dict) -> None:
