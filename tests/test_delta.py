@@ -583,23 +583,6 @@ def test_unknown_optimizer_state_is_exact(ckpt: Path, capsys: pytest.CaptureFixt
     assert "stored exactly (meaning unknown): acc_delta" in capsys.readouterr().out
 
 
-def test_ls_and_info_give_each_error_its_unit(ckpt: Path, capsys: pytest.CaptureFixture[str]
-                                              ) -> None:
-    """``ls``'s weights error says which figure is relative and which absolute (the relative
-    RMS can exceed the absolute maximum), and ``info`` says what each error column measures."""
-    mgr, *_ = _chain(ckpt, [1, 2])
-    mgr.close()
-    weights = classes(mgr, 2)["weights"]
-    capsys.readouterr()
-    assert main(["ls", str(ckpt)]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("2 "))
-    assert f"rms {weights['rms_rel_error']:.1e} rel, max {weights['max_abs_error']:.1e} abs" in row
-    assert main(["info", str(ckpt), "--step", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "MAX ABS ERR" in out and "MAX ABS in the tensors' own units" in out
-    assert "RMS REL the root of the summed squared errors over the summed squared values" in out
-
-
 def test_exact_state_buffers_rng_and_extra(ckpt: Path) -> None:
     """Buffers (BatchNorm running statistics included), Adam's ``step``, RNG states and
     ``extra`` (tensors included) are exact in delta steps."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig, ConfigError, CorruptionError, Quantizer
-from deltackpt.app.cli import main
+from deltackpt.app.cli import ERROR_UNITS, main
 from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, split_corpus, train_step
 from deltackpt.encode.policy import tensor_class
 from deltackpt.format.dtypes import spec_named
@@ -778,7 +778,8 @@ def test_cli_ls_and_info_show_errors(templates, tmp_path: Path, capsys: pytest.C
             assert cells[6] == "-"
         else:
             weights = meta.stats.classes["weights"]
-            assert cells[6] == f"rms {weights['rms_rel_error']:.1e} max {weights['max_abs_error']:.1e}"
+            assert cells[6] == (f"rms {weights['rms_rel_error']:.1e} rel, "  # each with its unit
+                                f"max {weights['max_abs_error']:.1e} abs")
     assert lines[11].strip().startswith("total (10)")
 
     code, out, err = cli(capsys, "ls", path, "--json")
@@ -813,6 +814,7 @@ def test_cli_ls_and_info_show_errors(templates, tmp_path: Path, capsys: pytest.C
     assert cells[-4:] == [f"{100 * weights['nonzero'] / quantized:.1f}%",
                           f"{weights['max_abs_error']:.1e}", "-",  # relative: ordinal only
                           f"{weights['rms_rel_error']:.1e}"]
+    assert lines[header + len(classes) + 1] == ERROR_UNITS  # what the error columns measure
     assert "TENSOR" in out and "AdamW" in out  # the rest of info is still there
 
     code, out, err = cli(capsys, "info", path, "--step", "2", "--json")
