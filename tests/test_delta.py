@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise_equal, data_files, raw_bytes_of, step_dir
+from helpers import assert_bitwise_equal, data_files, edit_metadata, raw_bytes_of, step_dir
 from torch import nn
 
 from deltackpt import (
@@ -760,6 +760,49 @@ def test_bf16_model_and_chain_continues_after_load(ckpt: Path) -> None:
 
     _continue_bf16_chain(ckpt, lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2),
                          saved, check)
+
+
+def test_bf16_adam_first_moments_are_coded_in_update_units(ckpt: Path) -> None:
+    """A model entirely in bfloat16 with AdamW: each ``exp_avg`` is coded in units of the
+    update it drives, its steps scaled by its own ``exp_avg_sq`` (format 2.1), so the embedding
+    rows of rare tokens, whose second moments are tiny, restore updates within a learning rate
+    of the saved ones (coded to the tensor's root mean square, they drove updates thousands of
+    learning rates off). A step that says format 2.0 cannot hold such chunks: refused, naming
+    the tensor, as a 2.0 reader refuses it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 16), nn.Flatten(), nn.Linear(64, 256))
+    model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    frequency = 1 / torch.arange(1, 257).double() ** 1.5  # most tokens are rare
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(3):
+            for _ in range(10):
+                x = torch.multinomial(frequency, 32 * 4, replacement=True).view(32, 4)
+                loss = nn.functional.cross_entropy(model(x).float(), x[:, 0])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            mgr.save(step, model, optimizer, rng=False)
+        saved, restored = snapshot(model, optimizer), mgr.restore(2).tensors
+        meta = mgr.metadata(2)
+    for fqn in ("0.weight", "2.weight"):
+        name = f"optimizer/state/{fqn}/exp_avg"
+        assert all(c.params.get("scale") == f"optimizer/state/{fqn}/exp_avg_sq"
+                   for c in meta.tensor(name).fragments[0].chunks), name
+        (m, v), (m2, v2) = ([t[f"{name}{key}"].double() for key in ("", "_sq")]
+                            for t in (saved, restored))
+        assert restored[name].dtype == torch.bfloat16
+        c1, c2 = 1 - 0.9**30, math.sqrt(1 - 0.999**30)  # AdamW's bias corrections at step 30
+        error = ((m2 / c1) / (v2.sqrt() / c2 + 1e-8) - (m / c1) / (v.sqrt() / c2 + 1e-8)).abs()
+        # balanced: 0.7 learning rates from the first moment, a factor sqrt(2) from the second
+        assert error.max() < 1.5, (fqn, error.max().item())
+
+    edit_metadata(step_dir(ckpt, 2) / "metadata.json",
+                  lambda obj: obj.update(format_version="2.0"))
+    with pytest.raises(CorruptionError, match=r"tensor 'optimizer/state/0\.weight/exp_avg': "
+                       r"scaled quant chunks belong to float32 tensors of delta steps "
+                       r"\(format 2\.0\)"):
+        CheckpointManager(ckpt, read_only=True).restore(2)
 
 
 class MasterAdamW(torch.optim.Optimizer):

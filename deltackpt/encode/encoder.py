@@ -51,6 +51,7 @@ from deltackpt.encode.optimizers import (
     unknown_state_keys,
 )
 from deltackpt.encode.policy import (
+    LOSSY_DTYPES,
     CompressionConfig,
     Quantizer,
     Sample,
@@ -71,6 +72,8 @@ from deltackpt.format.state import CapturedState, CapturedTensor
 
 if TYPE_CHECKING:
     from deltackpt.io.writer import PendingDigest
+
+RUNNING_DTYPES = tuple(getattr(torch, name) for name in LOSSY_DTYPES)  # float32 running values
 
 
 def captured_layout(captured: CapturedState,
@@ -382,8 +385,11 @@ class StepEncoder:
                 states: dict[str, dict[str, torch.Tensor]]) -> dict[str, tuple[str, float, float]]:
         """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
         moment can be coded relative to the second (``Quantizer.update_step``): both of one
-        shape with float32 running values (float32, or bitsandbytes 8-bit moments, ``bnb``),
-        the second coded lossily (so its reconstruction is kept).
+        shape and dtype with float32 running values (float32, bfloat16 or float16, or
+        bitsandbytes 8-bit moments, ``bnb``), the second coded lossily (so its reconstruction
+        is kept). Coded to the tensor's root mean square instead, the first moment of an
+        element whose second is small (a rare token's embedding row) would drive an update
+        thousands of learning rates off.
 
         Adam's update is ``(m / c1) / (sqrt(v) / c2 + eps)`` with its bias
         corrections ``c1``, ``c2`` (:func:`adam_bias_corrections`), so an
@@ -398,7 +404,7 @@ class StepEncoder:
                   if meanings.get(t.name) == "exp_avg_sq" and t.name in local}
 
         def float32_running(name: str) -> bool:
-            return local[name].dtype == torch.float32 or name in bnb
+            return local[name].dtype in RUNNING_DTYPES or name in bnb
 
         scales = {}
         for item in captured.tensors:
@@ -407,6 +413,7 @@ class StepEncoder:
             if meanings.get(item.name) != "exp_avg" or item.name not in local or v is None \
                     or eps <= 0 or not (float32_running(item.name) and float32_running(v.name)) \
                     or (item.name in bnb) != (v.name in bnb) \
+                    or local[item.name].dtype != local[v.name].dtype \
                     or local[item.name].shape != local[v.name].shape:
                 continue
             v_cls = tensor_class(v.role, "exp_avg_sq", spec_named("float32"),

@@ -29,7 +29,8 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "2.0"
+FORMAT_VERSION = "2.1"
+SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 tensors (FORMAT.md 3.2)
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")

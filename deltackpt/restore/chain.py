@@ -52,12 +52,14 @@ from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import CorruptionError, DeltackptError
 from deltackpt.format.dtypes import dtype_bytes, float32_values, spec_named
 from deltackpt.format.metadata import (
+    SCALED_16_BIT,
     Box,
     Chunk,
     StepMetadata,
     TensorRecord,
     box_index,
     box_intersection,
+    check_format_version,
     layout_of,
 )
 from deltackpt.io.pool import Workers
@@ -587,9 +589,10 @@ def _decode_derived(source: ChunkSource, plan: _ChainPlan, tensors: dict[str, to
             for c in frag.chunks:
                 first = c.raw_offset // spec.itemsize
                 lo, hi = first - piece.skip, first - piece.skip + c.raw_length // spec.itemsize
-                derived.append(_DerivedTask(record, c, piece.raw[lo * spec.itemsize :
-                                                                 hi * spec.itemsize],
-                                            origin_piece.state[lo:hi], first))
+                derived.append(_DerivedTask(
+                    record, c, piece.raw[lo * spec.itemsize : hi * spec.itemsize],
+                    None if piece.state is None else piece.state[lo:hi],
+                    origin_piece.state[lo:hi], first))
     run_chunk_tasks(derived, lambda t: _restore_derived(source, t), workers,
                     f"decode casts and scaled moments of step {plan.chain[-1].step}", progress)
 
@@ -635,17 +638,23 @@ def _checked_cast(meta: StepMetadata, record: TensorRecord,
 
 def _checked_scale(meta: StepMetadata, record: TensorRecord,
                    final: dict[str, TensorRecord]) -> str:
-    """The tensor whose values scale a delta step's tensor, checked against FORMAT.md 3.2."""
+    """The tensor whose values scale a delta step's tensor, checked against FORMAT.md 3.2: a
+    float32 tensor scaled by a float32 one, or since format 2.1 a 16-bit one by one of its
+    dtype."""
     source = _scale_of(record)
     scale = final.get(source)
     where = f"step {meta.step}, tensor {record.name!r}"
-    if meta.kind != "delta" or record.dtype != "float32":
-        raise CorruptionError(f"{where}: scaled quant chunks belong to float32 tensors of delta "
-                              f"steps, not to a {record.dtype} tensor of a {meta.kind} step")
-    if scale is None or scale.dtype != "float32" or scale.shape != record.shape \
+    dtypes = LOSSY_DTYPES if check_format_version(meta.format_version, where) >= SCALED_16_BIT \
+        else ("float32",)
+    if meta.kind != "delta" or record.dtype not in dtypes:
+        raise CorruptionError(f"{where}: scaled quant chunks belong to {' or '.join(dtypes)} "
+                              f"tensors of delta steps (format {meta.format_version}), not to a "
+                              f"{record.dtype} tensor of a {meta.kind} step")
+    if scale is None or scale.dtype != record.dtype or scale.shape != record.shape \
             or (_cast_of(scale) or _scale_of(scale)) is not None:
-        raise CorruptionError(f"{where}: is scaled by {source!r}, which is not a float32 tensor "
-                              f"of the step with shape {record.shape} and no cast or scaled chunks")
+        raise CorruptionError(f"{where}: is scaled by {source!r}, which is not a {record.dtype} "
+                              f"tensor of the step with shape {record.shape} and no cast or "
+                              "scaled chunks")
     _same_boxes(meta, record, scale, f"its scale {source!r}")
     return source
 
@@ -659,6 +668,7 @@ class _DerivedTask:
     record: TensorRecord
     chunk: Chunk
     out: np.ndarray  # the chunk's raw bytes in its tensor
+    values: np.ndarray | None  # its running values (float32; a view of out for float32 tensors)
     source: np.ndarray  # the source tensor's running values over the chunk's elements
     first: int  # index of the chunk's first element in the tensor
 
@@ -671,10 +681,11 @@ def _restore_derived(step: ChunkSource, task: _DerivedTask) -> None:
     elif chunk.codec == QUANT:
         stored = step.stored(record, chunk)  # its errors name step, tensor and file already
         try:
-            decode_quant(stored, chunk.params, None,
-                         task.out.view(np.float32), task.first, task.source)
+            decode_quant(stored, chunk.params, None, task.values, task.first, task.source)
         except DeltackptError as exc:
             raise type(exc)(f"{step.where(record, chunk)}: {exc}") from None
+        if record.dtype != "float32":  # a 16-bit tensor holds its running values rounded
+            task.out[:] = dtype_bytes(task.values, record.dtype)
     else:
         step.decode(record, chunk, task.out)  # checked there
         return
