@@ -46,5 +46,5 @@ def test_old_format_restores_bit_for_bit(fixture: Path, tmp_path: Path) -> None:
 
 def test_fixtures_exist() -> None:
     """The old-format fixtures are in the tree (a missing directory would skip every check)."""
-    assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0"} \
+    assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1"} \
         <= {p.name for p in FIXTURES}
