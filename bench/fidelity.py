@@ -40,7 +40,8 @@ steps), ``warmup`` (the first delta after warm-up), ``mid`` (step 400 of the
 and ``5x``: five interruptions two saves apart from ``mid``, each resumed from
 the latest delta step, the loss compared with the uninterrupted exact run.
 
-The full matrix (:data:`MATRIX`, about 30 minutes on 2 cores) runs every
+The full matrix (:data:`MATRIX`: about 30 minutes on 2 cores before each cell
+had the noise floor's three more resumes) runs every
 restore point and every interval (5, 20, 100 steps) on AdamW and on SGD
 momentum with the tiny GPT; every optimizer on the tiny GPT at ``mid``;
 AdamW (0.9, 0.999), Adam-cosine and bf16 master weights also early; the
@@ -48,7 +49,7 @@ small GPT (the project's original run) at 5, 20 and 100 steps; the MLP with
 AdamW, SGD, Adagrad and RMSprop; the BatchNorm CNN with SGD momentum and
 AdamW, early, mid and 5x; the GRU with RMSprop, plain and centered with
 momentum, early at 10 steps; the bfloat16 GPT early and mid. :data:`QUICK`
-(``--quick``, about 3 minutes) keeps the axes that matter most: AdamW early
+(``--quick``, 82 s on 2 cores) keeps the axes that matter most: AdamW early
 and mid, SGD momentum, the BatchNorm CNN.
 
 Training is chaotic and amplifies any perturbation, so every cell has its
@@ -623,7 +624,7 @@ def _floor(seeds: list[dict]) -> dict:
 
 
 def run_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None = None,
-             seed: int = 0, floor_seeds: int = FLOOR_SEEDS) -> dict:
+             seed: int = 0) -> dict:
     """Train, checkpoint, restore and resume one cell under every preset; see the module doc."""
     presets = PRESETS if presets is None else presets
     task, spec = TASKS[c.task], OPTIMIZERS[c.optimizer]
@@ -688,8 +689,7 @@ def run_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None = None,
             return {"loss_rel": loss / exact_loss - 1,
                     "steps_lost": steps_lost(run.losses[-c.resume:], exact.losses[-c.resume:])}
 
-        floor = _floor([deviation(trajectory(None, k)[0]) for k in range(floor_seeds)]) \
-            if floor_seeds else None
+        floor = _floor([deviation(trajectory(None, k)[0]) for k in range(FLOOR_SEEDS)])
         results = {}
         for name in presets:
             run, moments, kinds = trajectory(name)
@@ -704,10 +704,9 @@ def run_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None = None,
             results[name] = {
                 "ratio": raw / (sum(disk) / len(disk)) if disk else math.nan,
                 "loss_dev": abs(dev["loss_rel"]), **dev,
-                **({} if floor is None else {
-                    "excess_dev": abs(dev["loss_rel"]) - floor["loss_dev"],
-                    "excess_steps": dev["steps_lost"] - floor["steps_lost"],
-                    "within_floor": abs(dev["loss_rel"]) <= floor["loss_dev_max"]}),
+                "excess_dev": abs(dev["loss_rel"]) - floor["loss_dev"],
+                "excess_steps": dev["steps_lost"] - floor["steps_lost"],
+                "within_floor": abs(dev["loss_rel"]) <= floor["loss_dev_max"],
                 "eval_dev": abs(ev / exact_eval - 1),
                 "logit_diff": float((logits - exact_logits).abs().max()),
                 "max_err": max(errors.values(), default=math.nan), "max_err_by_class": errors,
@@ -817,11 +816,10 @@ def check(report: dict, targets: dict[str, Targets] | None = None) -> list[str]:
                 if c["family"] == family and interval in (None, c["interval"]) \
                         and not r["ratio"] >= ratio:
                     misses.append(f"{where} ratio {r['ratio']:.1f}x < {ratio:g}x")
-            lost = r.get("steps_lost", math.nan)
-            if want.max_steps_lost is not None and lost > want.max_steps_lost:
-                misses.append(f"{where} {lost:.1f} steps of progress lost > "
+            if want.max_steps_lost is not None and r["steps_lost"] > want.max_steps_lost:
+                misses.append(f"{where} {r['steps_lost']:.1f} steps of progress lost > "
                               f"{want.max_steps_lost:g}")
-            if want.within_floor and r.get("within_floor") is False:
+            if want.within_floor and not r["within_floor"]:
                 floor = c["floor"]
                 misses.append(f"{where} loss_dev {100 * r['loss_dev']:.3f}% above the noise floor "
                               f"({100 * floor['loss_dev']:.3f}% +- "
@@ -852,13 +850,12 @@ def table(report: dict, header: bool = True) -> str:
     for c in report["cells"]:
         ref = c["presets"].get(REFERENCE, {}).get("loss_dev", math.nan)
         restores = ",".join(map(str, c["restores"]))
-        floor = c.get("floor") or {}
-        floor_dev = (f"{100 * floor['loss_dev']:.3f}+-{100 * floor['loss_dev_spread']:.3f}%"
-                     if floor else "-")
-        floor_steps = f"{floor['steps_lost']:.1f}+-{floor['steps_lost_spread']:.1f}" if floor else "-"
+        floor = c["floor"]
+        floor_dev = f"{100 * floor['loss_dev']:.3f}+-{100 * floor['loss_dev_spread']:.3f}%"
+        floor_steps = f"{floor['steps_lost']:.1f}+-{floor['steps_lost_spread']:.1f}"
         for name, r in c["presets"].items():
             lines.append(f"{c['name']:<36} {restores:<19} {name:<13} {r['ratio']:>6.1f}x "
-                         f"{100 * r['loss_dev']:>7.3f}% {r.get('steps_lost', math.nan):>6.1f} "
+                         f"{100 * r['loss_dev']:>7.3f}% {r['steps_lost']:>6.1f} "
                          f"{floor_dev:>15} {floor_steps:>11} {100 * ref:>6.3f}% "
                          f"{100 * r['eval_dev']:>7.3f}% {r['logit_diff']:>7.3f} {r['max_err']:>8.4f}  "
                          f"{_moments_text(r['moments'])}")
@@ -867,7 +864,7 @@ def table(report: dict, header: bool = True) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the quick subset (about 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="the quick subset (82 s on 2 cores)")
     parser.add_argument("--cells", help="comma-separated cell names (see MATRIX) to run instead")
     parser.add_argument("--json", help="also write the full report to this file")
     parser.add_argument("--threads", type=int, default=1,

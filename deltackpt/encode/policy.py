@@ -240,7 +240,7 @@ class CompressionConfig:
         """The largest factor ``target_ratio`` may scale the steps by (see ``max_error``)."""
         if self.max_error is None:
             return DEFAULT_MAX_SCALE
-        return self.max_error / (self.weights.move_step / 2)  # a move_step: _check_target
+        return self.max_error / (self.weights.move_step / 2)  # set with max_error: _check_target
 
     def quantizer_for(self, name: str, fqn: str | None, cls: str | None) -> Quantizer:
         """The quantizer of one tensor: an override that matches it, else its class's."""
