@@ -583,11 +583,24 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> No
         optimizer.step()
 
 
+class _HalfHead(nn.Module):
+    """A float32 layer and a bfloat16 head, whose Adam moments are bfloat16 too (coded in scaled
+    chunks since format 2.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = nn.Linear(32, 8).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).bfloat16()).float()
+
+
 def _save_run(path: Path) -> tuple[list[dict[str, torch.Tensor]], list[str]]:
     """A full step and two deltas of a small model trained with Adam (the same run every call);
     returns each step's restore and the kinds of the steps."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    model = _HalfHead()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     with CheckpointManager(path, full_every=10, workers=1) as mgr:
         for step in range(3):
@@ -620,6 +633,9 @@ def test_step_coded_by_triton_restores_through_numba(tmp_path: Path,
     monkeypatch.delenv(quant_codec.KERNELS_ENV)
     with CheckpointManager(tmp_path / "triton", read_only=True) as mgr:
         restored = [mgr.restore(s).tensors for s in range(3)]
+        head = mgr.metadata(2).tensor("optimizer/state/head.weight/exp_avg")
+        assert head.dtype == "bfloat16" and head.fragments[0].chunks[0].params["scale"] == \
+            "optimizer/state/head.weight/exp_avg_sq"
     for step in range(3):
         assert [f.read_bytes() for f in data_files(tmp_path / "triton", step)] == \
             [f.read_bytes() for f in data_files(tmp_path / "numba", step)]
