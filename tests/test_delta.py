@@ -560,6 +560,119 @@ def test_second_moments_of_other_optimizers(
     assert abs(torch.cat(ratios).log2().median().item()) < 0.1
 
 
+def _centered_rmsprop(params: list[nn.Parameter], alpha: float = 0.99,
+                      lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.RMSprop(params, lr=lr, alpha=alpha, momentum=0.9, centered=True)
+
+
+def _variances(state: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(square_avg, grad_avg)`` of the parameter whose ``grad_avg`` is ``name``, as float32."""
+    return (state[name.removesuffix("grad_avg") + "square_avg"].float().reshape(-1),
+            state[name].float().reshape(-1))
+
+
+def _check_centred_variances(mgr: CheckpointManager, step: int,
+                             saved: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every element of a restored centered RMSprop keeps a positive variance ``square_avg -
+    grad_avg**2`` (in float32, as torch computes it), at least the second moment's lower edge
+    (half, balanced) of the variance with the saved ``grad_avg``; returns the restored over the
+    saved variances of each ``grad_avg`` (elements with a variance)."""
+    restored = mgr.restore(step).tensors
+    floor = 2.0 ** -(BALANCED.second_moment.step / 2)
+    ratios = []
+    for name in saved:
+        if not name.endswith("/grad_avg"):
+            continue
+        v_hat, g_hat = _variances(restored, name)
+        v, g = _variances(saved, name)
+        c_hat, c_with_true = v_hat - g_hat * g_hat, v_hat - g * g
+        assert (c_hat >= floor * c_with_true).all() and (c_hat >= 0).all(), (name, step)
+        c = v - g * g
+        ratios.append(c_hat[c > 0] / c[c > 0])
+    return ratios
+
+
+def test_centered_rmsprop_grad_avg_is_coded_within_its_variance(ckpt: Path) -> None:
+    """Centered RMSprop's ``grad_avg`` is a first moment coded from zero, dithered, with steps
+    scaled by ``sqrt(square_avg)`` (it was stored exactly, a third of the state): the variance
+    the update divides by stays positive and within the second moment's band, unbiased."""
+    model = mlp()
+    optimizer = _centered_rmsprop(list(model.parameters()))
+    ratios, coded, raw = [], 0, 0
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(5):
+            train(model, optimizer, steps=3)
+            mgr.save(step, model, optimizer)
+            saved = snapshot(model, optimizer)
+            if not step:
+                continue
+            ratios += _check_centred_variances(mgr, step, saved)
+            assert "first_moment" in classes(mgr, step)
+            for name in saved:
+                if name.endswith("/grad_avg") and saved[name].numel() >= 16:
+                    chunks = mgr.metadata(step).tensor(name).fragments[0].chunks
+                    for c in chunks:
+                        assert c.codec == "quant" and c.params["pred"] == "zero", name
+                        assert "dither" in c.params and 0 < c.params["step"] < 1
+                        assert c.params["scale"] == name.removesuffix("grad_avg") + "square_avg"
+                    coded += sum(c.length for c in chunks)
+                    raw += saved[name].numel() * 4
+    assert coded < raw / 8, (coded, raw)
+    assert abs(torch.cat(ratios).log2().median().item()) < 0.1
+
+
+def test_centered_rmsprop_with_steady_gradients_stays_finite(ckpt: Path) -> None:
+    """Gradients that hardly vary (one fixed batch) bring ``grad_avg**2`` near ``square_avg``,
+    where a second moment restored within its band could fall below it: the writer then
+    stores ``square_avg`` (and ``grad_avg``) exactly, and the restored run trains on, finite."""
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = _centered_rmsprop(list(model.parameters()), alpha=0.9, lr=1e-5)
+    x = torch.randn(64, 32)
+    y = x[:, :1].sin()
+
+    def fit(m: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            loss = (m(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(4):
+            fit(model, optimizer, 20)
+            mgr.save(step, model, optimizer)
+            saved = snapshot(model, optimizer)
+            if step:
+                _check_centred_variances(mgr, step, saved)
+        exact = {c.codec for n in saved if n.endswith("/square_avg") and saved[n].numel() >= 16
+                 for c in mgr.metadata(3).tensor(n).fragments[0].chunks}
+        assert exact != {"quant"}, exact  # the guard acted
+        resumed = mlp(seed=1)
+        resumed_opt = _centered_rmsprop(list(resumed.parameters()), alpha=0.9, lr=1e-5)
+        mgr.load(3, resumed, resumed_opt)
+    fit(resumed, resumed_opt, 5)
+    assert all(torch.isfinite(p).all() for p in resumed.parameters())
+
+
+def test_centered_rmsprop_outliers_keep_their_variance(ckpt: Path) -> None:
+    """Elements whose ``grad_avg**2`` is near ``square_avg`` but that the step's sample does not
+    see (every odd element here) still keep their variance: chunks that would shrink one too
+    far are stored exactly."""
+    model = mlp(dims=(32, 512, 16))
+    optimizer = _centered_rmsprop(list(model.parameters()))
+    with CheckpointManager(ckpt, full_every=100) as mgr:
+        for step in range(3):
+            train(model, optimizer, steps=3)
+            with torch.no_grad():
+                for state in optimizer.state.values():
+                    g, v = state["grad_avg"].view(-1), state["square_avg"].view(-1)
+                    g[1::2] = (0.45 * v[1::2]).sqrt()
+            mgr.save(step, model, optimizer)
+            if step:
+                _check_centred_variances(mgr, step, snapshot(model, optimizer))
+
+
 def test_unknown_optimizer_state_is_exact(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """State keys of unknown meaning (Adadelta's ``acc_delta``) are stored exactly in deltas and
     listed in the step's compression stats; the known ones are still coded."""

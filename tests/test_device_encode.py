@@ -68,10 +68,13 @@ def _device(monkeypatch: pytest.MonkeyPatch, on_device: bool) -> str:
     return DEVICE if on_device else "cpu"
 
 
-def _model(dtype: torch.dtype, device: str = DEVICE) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model(dtype: torch.dtype, device: str = DEVICE, centered: bool = False,
+           ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small model with AdamW (or centered RMSprop with momentum)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8)).to(device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True) \
+        if centered else torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optimizer
 
 
@@ -84,9 +87,9 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> No
         optimizer.step()
 
 
-def _states(dtype: torch.dtype, count: int) -> list[tuple[dict, dict]]:
+def _states(dtype: torch.dtype, count: int, centered: bool = False) -> list[tuple[dict, dict]]:
     """``count`` successive training states (model, optimizer state dicts)."""
-    model, optimizer = _model(dtype)
+    model, optimizer = _model(dtype, centered=centered)
     states = []
     for _ in range(count):
         _train(model, optimizer, 2)
@@ -98,7 +101,7 @@ def _save(mgr: CheckpointManager, step: int, state: tuple[dict, dict], dtype: to
           blocking: bool = False, device: str = DEVICE):
     """Save ``state`` as ``step`` of a model on ``device``; training changes every tensor right
     after the call. Returns the save's handle (or its info, blocking)."""
-    model, optimizer = _model(dtype, device)
+    model, optimizer = _model(dtype, device, "grad_avg" in state[1]["state"][0])
     model.load_state_dict(state[0])
     optimizer.load_state_dict(copy.deepcopy(state[1]))
     out = mgr.save(step, model, optimizer, rng=False, blocking=blocking)
@@ -172,6 +175,25 @@ def test_a_delta_encoded_on_the_device_is_the_host_paths_step(
     errors = [(restored.model[name].float() - value.cpu().float()).abs().max()
               for name, value in states[2][0].items()]
     assert 0 < max(errors) <= weights["max_abs_error"]
+
+
+def test_centered_rmsprop_on_the_device_is_the_host_paths_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Centered RMSprop's ``grad_avg`` (steps scaled by ``square_avg``), where every other
+    element's ``grad_avg**2`` is near ``square_avg``: the device path writes the host path's
+    steps, the chunks that would shrink a variance too far stored exactly on both."""
+    states = _states(torch.float32, 3, centered=True)
+    for _, optimizer_state in states[1:]:
+        for state in optimizer_state["state"].values():
+            g, v = state["grad_avg"].view(-1), state["square_avg"].view(-1)
+            g[1::2] = (0.45 * v[1::2]).sqrt()
+    _run(tmp_path / "host", states, torch.float32, False, monkeypatch).close()
+    _run(tmp_path / "device", states, torch.float32, True, monkeypatch).close()
+    _assert_same_steps(tmp_path / "host", tmp_path / "device", 3)
+    with CheckpointManager(tmp_path / "device", read_only=True) as reader:
+        codecs = {c.codec for r in reader.metadata(2).tensors if r.name.endswith("/grad_avg")
+                  for f in r.fragments for c in f.chunks}
+    assert codecs > {"quant"}, codecs  # some coded, some stored exactly
 
 
 def test_a_chunk_the_kernels_cannot_code_is_the_state_at_the_call(

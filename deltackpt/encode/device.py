@@ -61,7 +61,7 @@ from deltackpt.codecs.quant import (
     quant_chunk,
 )
 from deltackpt.dist.shards import Part, local_parts, local_values, with_local
-from deltackpt.encode.encoder import StepEncoder, host_array
+from deltackpt.encode.encoder import StepEncoder, host_array, shrunk_variances
 from deltackpt.encode.optimizers import captured_bnb_states
 from deltackpt.encode.policy import LOSSY_DTYPES, CompressionConfig, ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
@@ -200,6 +200,7 @@ class _Chunk:
     rounded: torch.Tensor | None = None  # a 16-bit tensor's statistics of its rounded values
     exact: np.ndarray | None = None  # the raw bytes at the call of a chunk stored exactly
     digest: PendingDigest | None = None  # of the decoded bytes, where they stay on the device
+    shrunk: Any = 0  # grad_avg: elements whose variance shrank too far (a device count)
     host: list[torch.Tensor] = field(default_factory=list)  # stream, statistics (, rounded)
 
 
@@ -298,6 +299,9 @@ class DeviceDelta:
             step=coding.step, block=coding.block, dither=coding.dither, first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1])
         chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded)
+        check = self.encoder.variance_check(name)
+        if check is not None:
+            chunk.shrunk = shrunk_variances(recon, x[lo:hi], values[check[0]][lo:hi], check[1])
         if spec.itemsize < 4:
             chunk.rounded = _rounded_stats(x[lo:hi], recon, coded.stats[:, STAT_NONZERO].sum())
         return chunk
@@ -314,8 +318,8 @@ class DeviceDelta:
         from deltackpt.kernels.gpu_xxh3 import xxh3_64_on_device  # a device kernel
 
         flags, lengths = torch.stack([
-            torch.stack([c.coded.stats[:, STAT_BAD].sum() + c.coded.stats[:, STAT_CLIPPED].sum(),
-                         c.coded.length.double()]) for c in chunks]).cpu().T.tolist()
+            torch.stack([c.coded.stats[:, STAT_BAD].sum() + c.coded.stats[:, STAT_CLIPPED].sum()
+                         + c.shrunk, c.coded.length.double()]) for c in chunks]).cpu().T.tolist()
         values = self.encoder.running_values
         pinned = device.type == "cuda"
         for chunk, flag, length in zip(chunks, flags, lengths, strict=True):

@@ -57,9 +57,11 @@ from deltackpt.encode.policy import (
     Sample,
     ScaleController,
     base_step,
+    centred_step,
     finalize_step,
     needs_residuals,
     needs_sample,
+    ordinal_floor,
     sample_stride,
     sample_values,
     tensor_class,
@@ -74,6 +76,22 @@ if TYPE_CHECKING:
     from deltackpt.io.writer import PendingDigest
 
 RUNNING_DTYPES = tuple(getattr(torch, name) for name in LOSSY_DTYPES)  # float32 running values
+TINY = float(np.finfo(np.float32).tiny)  # the least normal float32
+
+
+def _centred(captured: CapturedState, meanings: dict[str, str],
+             local: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``grad_avg -> square_avg`` names of centered RMSprop's state that this process codes:
+    both of one parameter, shape and dtype."""
+    squares = {t.fqn: t.name for t in captured.tensors
+               if meanings.get(t.name) == "square_avg" and t.name in local}
+    out = {}
+    for t in captured.tensors:
+        v = squares.get(t.fqn) if meanings.get(t.name) == "grad_avg" else None
+        if v is not None and t.name in local and local[t.name].shape == local[v].shape \
+                and local[t.name].dtype == local[v].dtype:
+            out[t.name] = v
+    return out
 
 
 def captured_layout(captured: CapturedState,
@@ -100,6 +118,8 @@ class _Plan:
     dither: int | None = None  # seed of the dither that shifts its quantization grid
     # (exp_avg_sq, eps, factor) scaling its steps per element: update_step * factor is its step
     scale: tuple[str, float, float] | None = None
+    centres: str | None = None  # centered RMSprop's grad_avg: the square_avg it is subtracted from
+    variance_floor: float = 0.0  # grad_avg: the least its restored variance may shrink to
     bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
     absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
     unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
@@ -115,6 +135,7 @@ class _Meanings:
     bnb: dict[str, tuple[BnbState, np.ndarray]]  # bnb8-coded moments and their dequantized values
     qmaps: dict[str, bool]  # bitsandbytes code maps: whether each equals its base's
     scales: dict[str, tuple[str, float, float]]  # first moments scaled by their second
+    centred: dict[str, str]  # centered RMSprop: grad_avg -> the square_avg it centres
 
 
 @dataclass(frozen=True)
@@ -165,6 +186,19 @@ class _ClassStats:
 def host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
     """Running values as a numpy array: a copy of those on a device, else a view."""
     return values if isinstance(values, np.ndarray) else values.cpu().numpy()
+
+
+def shrunk_variances(centre: np.ndarray | torch.Tensor, true_centre: np.ndarray | torch.Tensor,
+                     second: np.ndarray | torch.Tensor, floor: float) -> int | torch.Tensor:
+    """How many elements of centered RMSprop's variance ``second - centre**2`` (its restored
+    ``square_avg`` and ``grad_avg``) fall below ``floor`` times the variance with the true
+    ``grad_avg``, in float32 as torch's RMSprop computes it: the count of a torch tensor's on
+    its device (numpy arrays: an int)."""
+    if isinstance(centre, torch.Tensor):
+        c, t, v = centre.float(), true_centre.float(), second.float()
+        return ((v - c * c) < floor * (v - t * t)).sum()
+    c, t, v = (a.astype(np.float32, copy=False) for a in (centre, true_centre, second))
+    return int(np.count_nonzero((v - c * c) < np.float32(floor) * (v - t * t)))
 
 
 def _error_stats(x: np.ndarray, y: np.ndarray, nonzero: int) -> np.ndarray:
@@ -253,10 +287,12 @@ class StepEncoder:
         qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
             self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
             for b, _ in bnb.values()}
+        centred = _centred(captured, roles, self.local)
         return _Meanings(
             roles, movement_units(captured, states) if self.is_delta else {},
             master_copies(captured) if self.is_delta else {}, bnb, qmaps,
-            self._scales(captured, roles, bnb, states) if self.is_delta else {})
+            self._scales(captured, roles, bnb, states, centred) if self.is_delta else {},
+            centred)
 
     def _plan_coding(self, item: CapturedTensor, tensor: torch.Tensor,
                      meanings: _Meanings) -> _Plan:
@@ -289,6 +325,12 @@ class StepEncoder:
             # Changed apart from its master: stored exactly, so that no later delta needs
             # the running value a cast gave it.
             plan.quantizer = Quantizer(exact=True)
+        plan.centres = meanings.centred.get(item.name)
+        if plan.centres is not None and not (item.name in meanings.scales
+                                             and quantizer.update_step is not None):
+            # Its error is bounded through the variance it centres (policy.centred_step),
+            # which takes steps scaled by square_avg's running values: else stored exactly.
+            plan.quantizer = Quantizer(exact=True)
         if self.is_delta and quantizer.pred == "base" and item.name in self.base.scaled:
             # The base step's value came from a scaled chunk, which no delta may code against
             # (FORMAT.md 3.2): stored exactly once.
@@ -312,23 +354,32 @@ class StepEncoder:
             # zero, in every delta. One seed per tensor and base step.
             plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
         plan.scale = meanings.scales.get(item.name) if quantizer.update_step is not None else None
+        centred = plan.centres is not None
         sample, value_rms = None, None
-        if self.controller is not None or (plan.scale is None and needs_sample(quantizer, unit)):
+        if self.controller is not None or centred or (plan.scale is None
+                                                       and needs_sample(quantizer, unit)):
             stride = sample_stride(numel)
             xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
                 tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
             value_rms = finite_rms(xs)
-            if self.controller is not None or needs_residuals(quantizer, unit):
+            if self.controller is not None or centred or needs_residuals(quantizer, unit):
                 ps = host_array(self._values[item.name][::stride]) if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
             if sample is not None and plan.scale is not None:  # in units of each element's step
                 # The scale will be this save's reconstruction of exp_avg_sq, which moves
                 # only where exp_avg_sq moved by more than its step: the base's is closer
-                # to it than exp_avg_sq itself.
+                # to it than exp_avg_sq itself. A grad_avg's bound is on the variance of this
+                # save: against this save's square_avg (which its square never exceeds).
                 source, eps, factor = plan.scale
-                sample /= factor * (np.sqrt(np.maximum(
-                    host_array(self._values[source][::stride]), 0)) + eps)
-        if plan.scale is not None:
+                v = self.local[source].detach().reshape(-1)[::stride].float().cpu().numpy() \
+                    if centred else host_array(self._values[source][::stride])
+                sample /= factor * (np.sqrt(np.maximum(v, 0)) + eps)
+        if centred:
+            second = self.config.quantizer_for(plan.centres, item.fqn, "second_moment")
+            plan.step = centred_step(second, sample)
+            if plan.step <= 0:
+                plan.quantizer = Quantizer(exact=True)
+        elif plan.scale is not None:
             plan.step = quantizer.update_step * plan.scale[2]
         else:
             carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
@@ -349,6 +400,25 @@ class StepEncoder:
                  for s, step, n, plan, ordinal in samples], raw, fixed)
         for _, step, _, plan, ordinal in samples:
             plan.step = finalize_step(step * self.scale, ordinal)
+        self._guard_variances()
+
+    def _guard_variances(self) -> None:
+        """Keep centered RMSprop's restored variance ``square_avg - grad_avg**2`` positive: store
+        a ``square_avg`` exactly in this save where its step could restore it below some
+        element's ``grad_avg**2`` (gradients that hardly vary); and give each lossy
+        ``grad_avg`` the least its variance may shrink to, the lower edge of ``square_avg``'s
+        error band (its chunks that miss it are stored exactly)."""
+        for name, plan in self._plans.items():
+            second = self._plans.get(plan.centres) if plan.centres is not None else None
+            if second is None or second.quantizer.exact or not self.is_delta:
+                continue
+            floor = ordinal_floor(second.step)
+            if not plan.quantizer.exact:
+                plan.variance_floor = floor
+            g, v = self.local[name].detach().float(), self.local[plan.centres].detach().float()
+            # in float32, as torch's RMSprop (the margin covers rounding to a 16-bit dtype)
+            if bool((g * g > v * (floor * (1 - 2.0 ** -7))).any()):
+                second.quantizer = Quantizer(exact=True)
 
     def _check_overrides(self, captured: CapturedState) -> None:
         """Refuse override patterns that match no tensor of the state: a misspelt pattern would
@@ -382,47 +452,57 @@ class StepEncoder:
 
     def _scales(self, captured: CapturedState, meanings: dict[str, str],
                 bnb: dict[str, tuple[BnbState, np.ndarray]],
-                states: dict[str, dict[str, torch.Tensor]]) -> dict[str, tuple[str, float, float]]:
-        """``exp_avg`` name -> (name of its ``exp_avg_sq``, eps, factor), where Adam's first
-        moment can be coded relative to the second (``Quantizer.update_step``): both of one
-        shape and dtype with float32 running values (float32, bfloat16 or float16, or
-        bitsandbytes 8-bit moments, ``bnb``), the second coded lossily (so its reconstruction
-        is kept). Coded to the tensor's root mean square instead, the first moment of an
-        element whose second is small (a rare token's embedding row) would drive an update
-        thousands of learning rates off.
+                states: dict[str, dict[str, torch.Tensor]],
+                centred: dict[str, str]) -> dict[str, tuple[str, float, float]]:
+        """``first moment`` name -> (name of its second moment, eps, factor), where a first
+        moment can be coded relative to the second: both of one shape and dtype with float32
+        running values (float32, bfloat16 or float16, or bitsandbytes 8-bit moments, ``bnb``),
+        the second coded lossily (so its reconstruction is kept), ``eps`` positive. Coded to the
+        tensor's root mean square instead, the first moment of an element whose second is
+        small (a rare token's embedding row) would drive an update thousands of learning rates
+        off.
 
         Adam's update is ``(m / c1) / (sqrt(v) / c2 + eps)`` with its bias
         corrections ``c1``, ``c2`` (:func:`adam_bias_corrections`), so an
         element's step ``update_step * factor * (sqrt(v) + eps')`` with
         ``factor = c1 / c2`` and ``eps' = eps * c2`` (float32) is
         ``update_step`` learning rates of that update, early in training too.
+        Centered RMSprop's ``grad_avg`` (``centred``) is scaled by its
+        ``square_avg`` with the least positive ``eps`` (factor 1; its step is
+        :func:`policy.centred_step`): the variance it centres must stay
+        positive also where ``square_avg`` is zero (a parameter never used).
         """
         epsilons = group_hyperparameter(captured, "eps")
         corrections = adam_bias_corrections(captured, states)
         local = self.local
-        second = {t.fqn: t for t in captured.tensors
+        second = {t.fqn: t.name for t in captured.tensors
                   if meanings.get(t.name) == "exp_avg_sq" and t.name in local}
+        items = {t.name: t for t in captured.tensors}
 
         def float32_running(name: str) -> bool:
             return local[name].dtype in RUNNING_DTYPES or name in bnb
 
         scales = {}
         for item in captured.tensors:
-            v = second.get(item.fqn)
-            eps = float(np.float32(epsilons.get(item.fqn, 0.0)))
-            if meanings.get(item.name) != "exp_avg" or item.name not in local or v is None \
-                    or eps <= 0 or not (float32_running(item.name) and float32_running(v.name)) \
-                    or (item.name in bnb) != (v.name in bnb) \
-                    or local[item.name].dtype != local[v.name].dtype \
-                    or local[item.name].shape != local[v.name].shape:
+            v = centred.get(item.name) or (second.get(item.fqn)
+                                           if meanings.get(item.name) == "exp_avg" else None)
+            if item.name not in local or v is None \
+                    or not (float32_running(item.name) and float32_running(v)) \
+                    or (item.name in bnb) != (v in bnb) \
+                    or local[item.name].dtype != local[v].dtype \
+                    or local[item.name].shape != local[v].shape:
                 continue
-            v_cls = tensor_class(v.role, "exp_avg_sq", spec_named("float32"),
-                                 local[v.name].numel())
-            c1, c2 = corrections.get(item.fqn, (1.0, 1.0))
-            eps = float(np.float32(eps * c2))
+            if item.name in centred:
+                eps, factor = TINY, 1.0
+            else:
+                c1, c2 = corrections.get(item.fqn, (1.0, 1.0))
+                eps = float(np.float32(float(np.float32(epsilons.get(item.fqn, 0.0))) * c2))
+                factor = c1 / c2
+            v_cls = tensor_class(items[v].role, meanings[v], spec_named("float32"),
+                                 local[v].numel())
             if eps > 0 and v_cls is not None \
-                    and not self.config.quantizer_for(v.name, v.fqn, v_cls).exact:
-                scales[item.name] = (v.name, eps, c1 / c2)
+                    and not self.config.quantizer_for(v, items[v].fqn, v_cls).exact:
+                scales[item.name] = (v, eps, factor)
         return scales
 
     def release_state(self) -> None:
@@ -446,6 +526,13 @@ class StepEncoder:
         return QuantCoding(plan.quantizer.domain == "ordinal", plan.pred, plan.step,
                            self.config.block, plan.dither,
                            None if plan.scale is None else plan.scale[:2])
+
+    def variance_check(self, name: str) -> tuple[str, float] | None:
+        """For a lossy centered RMSprop ``grad_avg``: its ``square_avg`` and the least its
+        variance may shrink to (:func:`shrunk_variances`), which each of its chunks must keep."""
+        plan = self._plans.get(name)
+        return None if plan is None or not plan.variance_floor else (plan.centres,
+                                                                     plan.variance_floor)
 
     def quantized_as_is(self, name: str) -> QuantCoding | None:
         """:meth:`quant_coding` of a tensor whose chunks quantize its own values (not a
@@ -488,6 +575,10 @@ class StepEncoder:
         chunk, stats = encode_quant(x, recon if coding.with_base else None, recon,
                                     ordinal=coding.ordinal, step=coding.step, block=coding.block,
                                     dither=coding.dither, first=lo, scale=scale)
+        check = self.variance_check(record.name)
+        if chunk is not None and check is not None and shrunk_variances(
+                recon, x, self._values[check[0]][lo:hi], check[1]):
+            chunk = None  # a grad_avg that shrank the variance it centres too far
         if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
             if bnb is not None:  # its running values, as a bnb8 chunk's inner chunk

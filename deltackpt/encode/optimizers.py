@@ -4,8 +4,10 @@ A lossy delta is only as good as the unit its error is measured in. This
 module reads a captured optimizer (its state keys and param-group
 hyperparameters) and says:
 
-* which state tensors are first moments (``exp_avg``, ``momentum_buffer``)
-  and which are second moments (``exp_avg_sq``, ``max_exp_avg_sq``,
+* which state tensors are first moments (``exp_avg``, ``momentum_buffer``,
+  centered RMSprop's ``grad_avg``: a running mean of the gradient, whose
+  square it subtracts from ``square_avg`` to divide by the variance) and
+  which are second moments (``exp_avg_sq``, ``max_exp_avg_sq``,
   ``square_avg``, ``sum``); any other float state is of unknown meaning and
   stored exactly (:func:`unknown_state_keys`);
 * how far the optimizer moves each parameter in one training step
@@ -37,7 +39,7 @@ from deltackpt.dist.shards import local_values
 if TYPE_CHECKING:
     from deltackpt.format.state import CapturedState
 
-FIRST_MOMENTS = frozenset({"exp_avg", "momentum_buffer"})
+FIRST_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
 KNOWN_KEYS = FIRST_MOMENTS | SECOND_MOMENTS | set(MASTER_KEYS) | {"step"}
 SAMPLE_ELEMENTS = 8192  # elements sampled for a root mean square

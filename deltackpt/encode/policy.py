@@ -12,10 +12,12 @@ class's error is bounded in a unit that keeps its meaning from run to run:
   times the momentum's root mean square for SGD with momentum), and at most
   a fraction of the tensor's root mean square;
 * ``first_moment`` (Adam's ``exp_avg``, SGD's and RMSprop's
-  ``momentum_buffer``): coded from zero, dithered (unbiased, never zeroed
-  wholesale), with a step in units of the update it drives: per element
-  ``sqrt(exp_avg_sq) + eps`` for Adam, the tensor's root mean square
-  otherwise;
+  ``momentum_buffer``, centered RMSprop's ``grad_avg``): coded from zero,
+  dithered (unbiased, never zeroed wholesale), with a step in units of the
+  update it drives: per element ``sqrt(exp_avg_sq) + eps`` for Adam, the
+  tensor's root mean square otherwise; ``grad_avg`` per element in units of
+  ``sqrt(square_avg) + eps``, so that the variance it centres keeps the
+  second moment's error bound (:func:`centred_step`);
 * ``second_moment`` (``exp_avg_sq``, ``max_exp_avg_sq``, RMSprop's
   ``square_avg``, Adagrad's ``sum``): ordinal domain, i.e. a bounded relative
   error, against the previous reconstruction, dithered so that slow growth
@@ -418,6 +420,39 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
         return quantizer.update_step * mean_sq ** 0.5
     change_sq = max(mean_sq - carried_error, mean_sq / 16)
     return quantizer.step * change_sq ** 0.5
+
+
+def ordinal_floor(step: float) -> float:
+    """The least ratio of a restored value to the true one that an ordinal step of ``step``
+    keys allows: the error is at most ``step / 2`` keys, and keys a binade apart
+    (``BINADE_KEYS``) halve a value, so the ratio is at least ``2 ** -(step / 2 / BINADE_KEYS)``."""
+    return 2.0 ** -(step / 2 / BINADE_KEYS)
+
+
+def centred_step(second: Quantizer, x: np.ndarray) -> float:
+    """The step of centered RMSprop's ``grad_avg`` in units of ``sqrt(square_avg)`` per element
+    (``x``: sampled ``grad_avg / sqrt(square_avg)``), chosen so that the variance its update
+    divides by, ``square_avg - grad_avg**2``, keeps the second moment's error bound; 0 where
+    no step can (gradients that hardly vary: ``grad_avg`` is then stored exactly).
+
+    A dithered error ``d`` (uniform in a step ``t``) lowers the variance by ``(2 x d + d**2)``
+    ``square_avg``: on average by ``t**2 / 12`` of it, which must not exceed the mean bias of
+    the second moment's own dithered ordinal error (``second``'s step), and at worst by
+    ``|x| t + t**2 / 4``, which must keep it above the lower edge of that error band
+    (:func:`ordinal_floor`), for the sample's largest ``|x|`` against the least
+    ``square_avg`` the band restores. The writer checks every element of every chunk against
+    that edge (``StepEncoder``) and stores a chunk that misses it exactly."""
+    s = second.step  # binades of the second moment's step
+    floor = ordinal_floor(s * BINADE_KEYS)
+    bias = (2 ** (s / 2) - 2 ** (-s / 2)) / (s * math.log(2)) - 1  # E[2**U] - 1, U in +-s/2
+    x2 = x[np.isfinite(x)].astype(np.float64) ** 2
+    worst = float(x2.max(initial=0.0)) / floor
+    if x2.size == 0 or worst >= 1:
+        return 0.0
+    t_bias = math.sqrt(12 * bias / float(np.mean(1 / (1 - np.minimum(x2, 1 - 2.0 ** -20)))))
+    a, room = math.sqrt(worst), 1 - floor
+    t_worst = 2 * (math.sqrt(a * a + room * (1 - a * a)) - a)  # t**2/4 + a t = room (1 - a**2)
+    return min(t_bias, t_worst)
 
 
 def finalize_step(step: float, ordinal: bool) -> float | int:
