@@ -92,8 +92,13 @@ Per cell and preset the report gives:
 default: those of issue 14; :data:`FLOOR_TARGETS`: issue 31's, in steps of
 progress and against the noise floor).
 
+``--by-class K`` runs, instead of the presets, ``balanced`` and ``balanced``
+with one class's errors K times larger, and with every class's
+(:func:`class_variants`): what each class's precision costs a resumed run,
+and what it saves.
+
 Run ``python bench/fidelity.py --quick`` or ``python bench/fidelity.py
-[--json FILE] [--cells NAME,...]``.
+[--json FILE] [--cells NAME,...] [--by-class K]``.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +123,7 @@ from torch import nn
 from deltackpt import CheckpointManager
 from deltackpt.app.training import SIZES, TinyGPT, get_batch, load_corpus, make_scheduler, split_corpus
 from deltackpt.codecs.cast import MASTER_KEYS
-from deltackpt.encode.policy import CompressionConfig, Quantizer, as_config
+from deltackpt.encode.policy import CLASSES, CompressionConfig, Quantizer, as_config
 
 FULL_EVERY = 10
 HORIZON = 1000  # steps of the cosine schedule every run follows
@@ -135,6 +140,28 @@ NEAR_LOSSLESS = CompressionConfig(weights=Quantizer(step=1e-3, move_step=0.01),
 PRESETS: dict[str, str | CompressionConfig] = {"near-lossless": NEAR_LOSSLESS,
                                                "balanced": "balanced", "aggressive": "aggressive"}
 REFERENCE = "near-lossless"
+STEP_FIELDS = ("step", "move_step", "rel_step", "update_step")  # a Quantizer's error bounds
+
+
+def coarser(quantizer: Quantizer, factor: float) -> Quantizer:
+    """``quantizer`` with every error bound (its step and the step's units) ``factor`` times
+    larger: what ``target_ratio``'s scale does to it."""
+    return replace(quantizer, **{f: getattr(quantizer, f) * factor for f in STEP_FIELDS
+                                 if getattr(quantizer, f) is not None})
+
+
+def class_variants(factor: float) -> dict[str, CompressionConfig]:
+    """``balanced``, per lossy class ``balanced`` with that class's errors ``factor`` times
+    larger, and with every class's (``all``: what ``target_ratio`` at that scale codes)
+    (``--by-class``): what each class's precision costs a resumed run and saves."""
+    balanced = CompressionConfig.preset("balanced")
+    lossy = [cls for cls in CLASSES if not getattr(balanced, cls).exact]
+    out = {"balanced": balanced}
+    for name, classes in [*((cls, [cls]) for cls in lossy), ("all", lossy)]:
+        name = f"{name} x{factor:g}"
+        out[name] = replace(balanced, name=name, **{
+            cls: coarser(getattr(balanced, cls), factor) for cls in classes})
+    return out
 # The cell's noise floor: resumes whose only error is a seeded relative perturbation of every
 # weight by about the near-lossless preset's weight error (FLOOR_SCALE times a standard normal
 # draw). Training is chaotic: their spread is what any restore costs this run, and a preset's
@@ -867,6 +894,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the quick subset (82 s on 2 cores)")
     parser.add_argument("--cells", help="comma-separated cell names (see MATRIX) to run instead")
     parser.add_argument("--json", help="also write the full report to this file")
+    parser.add_argument("--by-class", type=float, metavar="K",
+                        help="run balanced and, per class, balanced with that class's errors K "
+                             "times larger, instead of the presets")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: faster for these small models)")
     args = parser.parse_args()
@@ -875,7 +905,7 @@ def main() -> None:
     if args.cells:
         known = {c.name: c for c in MATRIX + QUICK}
         cells = [known[name] for name in args.cells.split(",")]
-    report = run_matrix(cells)
+    report = run_matrix(cells, class_variants(args.by_class) if args.by_class else None)
     for what, targets in (("issue 14's targets", ISSUE_TARGETS),
                           ("the noise floor's targets", FLOOR_TARGETS)):
         misses = check(report, targets)

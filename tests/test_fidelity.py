@@ -166,6 +166,26 @@ def test_checker_limits() -> None:
     assert sum("exp_avg_sq median" in m for m in misses) == 4
 
 
+def test_class_variants_coarsen_one_class_each() -> None:
+    """``--by-class K``: balanced, and per lossy class balanced with every error bound of that
+    class (its step and the step's units) K times larger, the other classes as they are; and
+    with every lossy class's K times larger."""
+    balanced = CompressionConfig.preset("balanced")
+    variants = fidelity.class_variants(4)
+    assert set(variants) == {"balanced", "weights x4", "first_moment x4", "second_moment x4",
+                             "all x4"}
+    for name, config in variants.items():
+        for cls in ("weights", "first_moment", "second_moment", "buffers"):
+            q, b = getattr(config, cls), getattr(balanced, cls)
+            if name == f"{cls} x4" or (name == "all x4" and not b.exact):
+                assert q.move_step == (None if b.move_step is None else 4 * b.move_step)
+                assert (q.step, q.rel_step, q.update_step, q.domain, q.pred) == (
+                    4 * b.step, None if b.rel_step is None else 4 * b.rel_step,
+                    None if b.update_step is None else 4 * b.update_step, b.domain, b.pred)
+            else:
+                assert q == b, (name, cls)
+
+
 def test_master_adamw_keeps_float32_state(tmp_path: Path) -> None:
     """The bf16 model's optimizer keeps float32 masters through torch's and deltackpt's loads."""
     torch.manual_seed(0)
