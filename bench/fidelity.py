@@ -92,10 +92,10 @@ Per cell and preset the report gives:
 default: those of issue 14; :data:`FLOOR_TARGETS`: issue 31's, in steps of
 progress and against the noise floor).
 
-``--by-class K`` runs, instead of the presets, ``balanced`` and ``balanced``
-with one class's errors K times larger, and with every class's
-(:func:`class_variants`): what each class's precision costs a resumed run,
-and what it saves.
+``--by-class K`` runs, instead of the near-lossless reference, ``balanced``
+and ``aggressive`` beside ``balanced`` with one class's errors K times
+larger, and with every class's (:func:`class_variants`): what each class's
+precision costs a resumed run, and what it saves.
 
 Run ``python bench/fidelity.py --quick`` or ``python bench/fidelity.py
 [--json FILE] [--cells NAME,...] [--by-class K]``.
@@ -151,12 +151,12 @@ def coarser(quantizer: Quantizer, factor: float) -> Quantizer:
 
 
 def class_variants(factor: float) -> dict[str, CompressionConfig]:
-    """``balanced``, per lossy class ``balanced`` with that class's errors ``factor`` times
-    larger, and with every class's (``all``: what ``target_ratio`` at that scale codes)
-    (``--by-class``): what each class's precision costs a resumed run and saves."""
+    """``balanced`` and ``aggressive``, per lossy class ``balanced`` with that class's errors
+    ``factor`` times larger, and with every class's (``all``: what ``target_ratio`` at that
+    scale codes) (``--by-class``): what each class's precision costs a resumed run and saves."""
     balanced = CompressionConfig.preset("balanced")
     lossy = [cls for cls in CLASSES if not getattr(balanced, cls).exact]
-    out = {"balanced": balanced}
+    out = {"balanced": balanced, "aggressive": CompressionConfig.preset("aggressive")}
     for name, classes in [*((cls, [cls]) for cls in lossy), ("all", lossy)]:
         name = f"{name} x{factor:g}"
         out[name] = replace(balanced, name=name, **{
@@ -895,8 +895,8 @@ def main() -> None:
     parser.add_argument("--cells", help="comma-separated cell names (see MATRIX) to run instead")
     parser.add_argument("--json", help="also write the full report to this file")
     parser.add_argument("--by-class", type=float, metavar="K",
-                        help="run balanced and, per class, balanced with that class's errors K "
-                             "times larger, instead of the presets")
+                        help="run balanced and aggressive beside balanced with one class's errors "
+                             "K times larger, and with every class's")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: faster for these small models)")
     args = parser.parse_args()

@@ -167,14 +167,17 @@ def test_checker_limits() -> None:
 
 
 def test_class_variants_coarsen_one_class_each() -> None:
-    """``--by-class K``: balanced, and per lossy class balanced with every error bound of that
-    class (its step and the step's units) K times larger, the other classes as they are; and
-    with every lossy class's K times larger."""
+    """``--by-class K``: balanced and aggressive, and per lossy class balanced with every error
+    bound of that class (its step and the step's units) K times larger, the other classes as
+    they are; and with every lossy class's K times larger."""
     balanced = CompressionConfig.preset("balanced")
     variants = fidelity.class_variants(4)
-    assert set(variants) == {"balanced", "weights x4", "first_moment x4", "second_moment x4",
-                             "all x4"}
+    assert set(variants) == {"balanced", "aggressive", "weights x4", "first_moment x4",
+                             "second_moment x4", "all x4"}
+    assert variants["aggressive"] == CompressionConfig.preset("aggressive")
     for name, config in variants.items():
+        if name == "aggressive":
+            continue
         for cls in ("weights", "first_moment", "second_moment", "buffers"):
             q, b = getattr(config, cls), getattr(balanced, cls)
             if name == f"{cls} x4" or (name == "all x4" and not b.exact):

@@ -277,7 +277,9 @@ def _compression_text(compression: dict[str, Any]) -> str:
     text = (f"{compression.get('name', '?')}, scale {'?' if scale is None else f'{scale:.3g}'}, "
             f"target ratio {'-' if target is None else f'{target:g}x'}")
     if compression.get("at_max_error") is True:
-        text += f" (not met: held at max_error, {compression.get('max_scale')}x the configured errors)"
+        max_scale = _number(compression.get("max_scale"))
+        text += (" (not met: held at max_error, "
+                 f"{'?' if max_scale is None else f'{max_scale:.3g}'}x the configured errors)")
     unknown = compression.get("exact_state_keys")
     if isinstance(unknown, list) and unknown:
         text += f"; optimizer state stored exactly (meaning unknown): {', '.join(map(str, unknown))}"

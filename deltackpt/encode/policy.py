@@ -63,7 +63,10 @@ LOSSY_DTYPES = ("float32", "bfloat16", "float16")
 MIN_LOSSY_ELEMENTS = 16
 BINADE_KEYS = 1 << 23  # ordinal keys between one power of two and the next
 SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate sizes
-DEFAULT_MAX_SCALE = 4.0  # target_ratio never scales the configured errors beyond this by default
+# target_ratio never scales the configured errors beyond this by default: on the fidelity matrix,
+# balanced's errors sqrt(2) times larger cost a resumed run about what aggressive costs (and
+# four times larger, 6-38 times balanced's cost: docs/fidelity.md)
+DEFAULT_MAX_SCALE = math.sqrt(2)
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,9 @@ class CompressionConfig:
             ``weights.move_step``, whose error is ``move_step / 2``): the
             scaled steps never exceed ``max_error / (weights.move_step /
             2)`` times the configured ones, for every class alike (default:
-            four times the configured ones). Where the target cannot be met
+            ``sqrt(2)`` times the configured ones, which on ``balanced``
+            costs a resumed run about what ``aggressive`` costs: a target
+            beyond that needs an explicit ``max_error``). Where the target cannot be met
             within it, the save stays at this floor and says so
             (``SaveInfo.at_max_error``, the step's metadata, one warning per
             manager).
@@ -230,7 +235,7 @@ class CompressionConfig:
             raise ConfigError(f"max_error ({self.max_error}) is in steps' worth of a weight's "
                               "movement, the unit of weights.move_step, and these weights have "
                               "none (exact, or no move_step): leave max_error out (target_ratio "
-                              f"then scales the errors up to {DEFAULT_MAX_SCALE:g} times)")
+                              f"then scales the errors up to {DEFAULT_MAX_SCALE:.3g} times)")
 
     @classmethod
     def preset(cls, name: str) -> CompressionConfig:
