@@ -310,7 +310,10 @@ def test_sigkill_during_async_saves(tmp_path: Path) -> None:
             leftover_rounds += _check_after_crash(root, server)
     finally:
         server.close()
-    assert len(server.done) >= 6, "the writers hardly saved anything"
+    # A save's "done" comes after the next save's "begin" (it returns once the one before it
+    # ended): a kill after a "begin" may come before any "done" of its round on a loaded
+    # machine. The rounds killed after a "done" (0 and 3) each saw one.
+    assert len(server.done) >= 2, "the writers hardly saved anything"
     assert leftover_rounds >= 1, "no kill interrupted a save: the test did not exercise crashes"
 
 
