@@ -109,6 +109,7 @@ import functools
 import json
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -123,7 +124,8 @@ from torch import nn
 from deltackpt import CheckpointManager
 from deltackpt.app.training import SIZES, TinyGPT, get_batch, load_corpus, make_scheduler, split_corpus
 from deltackpt.codecs.cast import MASTER_KEYS
-from deltackpt.encode.policy import CLASSES, CompressionConfig, Quantizer, as_config
+from deltackpt.encode.cost import CostModel
+from deltackpt.encode.policy import CLASSES, ERROR_BOUNDS, CompressionConfig, Quantizer, as_config
 
 FULL_EVERY = 10
 HORIZON = 1000  # steps of the cosine schedule every run follows
@@ -140,13 +142,12 @@ NEAR_LOSSLESS = CompressionConfig(weights=Quantizer(step=1e-3, move_step=0.01),
 PRESETS: dict[str, str | CompressionConfig] = {"near-lossless": NEAR_LOSSLESS,
                                                "balanced": "balanced", "aggressive": "aggressive"}
 REFERENCE = "near-lossless"
-STEP_FIELDS = ("step", "move_step", "rel_step", "update_step")  # a Quantizer's error bounds
 
 
 def coarser(quantizer: Quantizer, factor: float) -> Quantizer:
     """``quantizer`` with every error bound (its step and the step's units) ``factor`` times
     larger: what ``target_ratio``'s scale does to it."""
-    return replace(quantizer, **{f: getattr(quantizer, f) * factor for f in STEP_FIELDS
+    return replace(quantizer, **{f: getattr(quantizer, f) * factor for f in ERROR_BOUNDS
                                  if getattr(quantizer, f) is not None})
 
 
@@ -787,6 +788,79 @@ def run_matrix(cells: Iterable[Cell], presets: dict[str, str | CompressionConfig
     return report
 
 
+# --- the expected cost of errors ----------------------------------------------------------------
+
+def _cost_of(result: dict) -> float | None:
+    """How many steps of progress a resume is off the exact run, either way (None: unknown)."""
+    lost = result.get("steps_lost")
+    return abs(lost) if isinstance(lost, (int, float)) and math.isfinite(lost) else None
+
+
+def median(values: list[float]) -> float:
+    """The median (the mean of the middle two of an even count); NaN for none."""
+    return statistics.median(values) if values else math.nan
+
+
+def _variant(name: str) -> tuple[str, float] | None:
+    """``("weights", 4.0)`` for a :func:`class_variants` name ``"weights x4"``, else None."""
+    cls, _, factor = name.rpartition(" x")
+    try:
+        return (cls, float(factor)) if cls in (*CLASSES, "all") else None
+    except ValueError:
+        return None
+
+
+def fit_cost(cells: list[dict]) -> tuple[CostModel, list[str]]:
+    """The cost model of ``deltackpt/encode/cost.py`` fitted to ``--by-class`` results, and a
+    check of what it predicts for every config in them against what they measured.
+
+    Each class's coefficient is the rise of the median cost (:func:`_cost_of`) from
+    ``balanced`` to that class's variant, over the cells whose state holds the class, per unit
+    of ``K**2 - 1`` (least squares over the factors run); the floor is ``balanced``'s median
+    over every cell less their sum. A cell run in several reports counts once (its first result
+    under each config).
+    """
+    merged: dict[str, dict] = {}
+    for c in cells:
+        kept = merged.setdefault(c["name"], {**c, "presets": {}})
+        kept["presets"] = {**c["presets"], **kept["presets"]}
+
+    def lossy(c: dict) -> list[str]:
+        return [k for k in c["presets"]["balanced"]["max_err_by_class"] if k in CLASSES]
+
+    def found(name: str, cls: str | None = None) -> list[tuple[dict, float, float]]:
+        """(cell, balanced's cost, the config's) where both are known (and the state holds cls)."""
+        return [(c, b, v) for c in merged.values()
+                if name in c["presets"] and (cls is None or cls in lossy(c))
+                for b, v in [(_cost_of(c["presets"]["balanced"]), _cost_of(c["presets"][name]))]
+                if b is not None and v is not None]
+
+    names = sorted({name for c in merged.values() for name in c["presets"]})
+    rises: dict[str, list[tuple[float, float]]] = {}  # per class: (K**2 - 1, median rise)
+    for name in names:
+        cls, factor = _variant(name) or (None, 0.0)
+        rows = found(name, cls) if cls in CLASSES else []
+        if rows:
+            rise = median([v for _, _, v in rows]) - median([b for _, b, _ in rows])
+            rises.setdefault(cls, []).append((factor ** 2 - 1, rise))
+    per_class = {cls: round(max(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy), 0.0), 3)
+                 for cls, xy in rises.items()}  # least squares through zero over the factors
+    base = median([b for _, b, _ in found("balanced")])
+    model = CostModel(round(max(base - sum(per_class.values()), 0.0), 3), per_class)
+    check = []
+    for name in names:
+        variant = _variant(name)
+        config = (class_variants(variant[1])[name] if variant else
+                  as_config(name) if name in ("balanced", "aggressive") else None)
+        rows = found(name, variant[0] if variant and variant[0] in CLASSES else None)
+        if config is None or not rows:
+            continue
+        predicted = median([model.steps(config, classes=lossy(c)) for c, _, _ in rows])
+        check.append(f"{name}: predicted {predicted:.2f}, measured median "
+                     f"{median([v for _, _, v in rows]):.2f} steps over {len(rows)} cells")
+    return model, check
+
+
 # --- targets and the table ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -897,9 +971,17 @@ def main() -> None:
     parser.add_argument("--by-class", type=float, metavar="K",
                         help="run balanced and aggressive beside balanced with one class's errors "
                              "K times larger, and with every class's")
+    parser.add_argument("--fit-cost", nargs="+", metavar="REPORT",
+                        help="fit the expected cost model to --by-class reports (--json) and "
+                             "print it with what it predicts for each config against them")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: faster for these small models)")
     args = parser.parse_args()
+    if args.fit_cost:
+        model, check = fit_cost([c for path in args.fit_cost
+                                 for c in json.loads(Path(path).read_text())["cells"]])
+        print(model, *check, sep="\n")
+        return
     torch.set_num_threads(args.threads)
     cells = QUICK if args.quick else MATRIX
     if args.cells:

@@ -208,3 +208,28 @@ def test_master_adamw_keeps_float32_state(tmp_path: Path) -> None:
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         for key, value in optimizer.state[p].items():
             assert again.state[q][key].dtype == value.dtype and torch.equal(again.state[q][key], value)
+
+
+def test_cost_fit_prices_each_class_by_its_squared_factor() -> None:
+    """``--fit-cost``: a class's coefficient is the rise of the median steps lost (either way)
+    from balanced to its variant over the cells holding the class, per unit of K**2 - 1 (a
+    least-squares fit where several factors ran: weights x4 agrees with x2 here); the floor is
+    balanced's median less their sum; a cell in two reports counts once; the check sets each
+    config's prediction beside its median."""
+    def result(steps: float, *classes: str) -> dict:
+        return {"steps_lost": steps, "max_err_by_class": dict.fromkeys(classes, 0.1)}
+
+    adam, sgd = ("exact", "weights", "first_moment", "second_moment"), ("weights", "first_moment")
+    cells = [{"name": name, "presets": {
+        "balanced": result(b, *classes), "weights x2": result(w, *classes),
+        "first_moment x2": result(m, *classes), "second_moment x2": result(v, *classes),
+        "weights x4": result(4.0, *classes), "all x2": result(a, *classes)}}
+        for name, classes, b, w, m, v, a in [
+            ("a", adam, -1.0, -1.6, 2.5, 1.0, 3.0), ("b", adam, 1.0, 1.6, -2.5, 1.0, -4.0),
+            ("c", sgd, 1.0, 1.6, 2.5, 9.0, 3.0), ("d", adam, math.nan, 5.0, 5.0, 5.0, 5.0)]]
+    cells.append({**cells[0], "presets": {"balanced": result(7.0, *adam)}})  # a's again
+    model, check = fidelity.fit_cost(cells)
+    assert model.per_class == {"weights": 0.2, "first_moment": 0.5, "second_moment": 0.0}
+    assert model.floor == pytest.approx(0.3)
+    assert "all x2: predicted 3.10, measured median 3.00 steps over 3 cells" in check
+    assert "balanced: predicted 1.00, measured median 1.00 steps over 3 cells" in check

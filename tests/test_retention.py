@@ -802,7 +802,8 @@ def test_cli_ls_and_info_show_errors(templates, tmp_path: Path, capsys: pytest.C
     code, out, err = cli(capsys, "info", path, "--step", "2")
     assert (code, err) == (0, "")
     assert out.startswith("step            2\nkind            delta\nbase step       1\n")
-    assert re.search(r"^compression     balanced, scale 1, target ratio -$", out, re.M)
+    assert re.search(r"^compression     balanced, scale 1, target ratio -, expected cost "
+                     r"0\.97 steps of progress$", out, re.M)
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("CLASS"))
     assert lines[header].split() == ["CLASS", "TENSORS", "RAW", "STORED", "RATIO", "NONZERO", "MAX", "ABS",

@@ -270,12 +270,14 @@ def _state_summary(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compression_text(compression: dict[str, Any]) -> str:
-    """The preset name, scale and target ratio a delta step was coded with, whether the target
-    needed errors beyond ``max_error``, and the optimizer state stored exactly for want of a
-    known meaning."""
+    """The preset name, scale and target ratio a delta step was coded with, what a resume from
+    it is expected to lose, whether the target needed errors beyond ``max_error``, and the
+    optimizer state stored exactly for want of a known meaning."""
     scale, target = _number(compression.get("scale")), _number(compression.get("target_ratio"))
+    expected = _number(compression.get("expected_steps"))
     text = (f"{compression.get('name', '?')}, scale {'?' if scale is None else f'{scale:.3g}'}, "
-            f"target ratio {'-' if target is None else f'{target:g}x'}")
+            f"target ratio {'-' if target is None else f'{target:g}x'}, expected cost "
+            f"{'unknown' if expected is None else f'{expected:.2g} steps of progress'}")
     if compression.get("at_max_error") is True:
         max_scale = _number(compression.get("max_scale"))
         text += (" (not met: held at max_error, "

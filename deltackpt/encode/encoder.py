@@ -38,6 +38,7 @@ from deltackpt.codecs.quant import (
     encode_quant,
     numpy_dither,
 )
+from deltackpt.encode.cost import expected_steps
 from deltackpt.encode.optimizers import (
     BnbState,
     adam_bias_corrections,
@@ -51,6 +52,7 @@ from deltackpt.encode.optimizers import (
     unknown_state_keys,
 )
 from deltackpt.encode.policy import (
+    CLASSES,
     LOSSY_DTYPES,
     CompressionConfig,
     Quantizer,
@@ -711,6 +713,10 @@ class StepEncoder:
         if self.is_delta:
             compression = self.config.describe()
             compression["scale"] = self.scale
+            # classes with no lossy chunk in any rank (stored exactly throughout) cost nothing
+            expected = expected_steps(self.config, self.scale, [c for c in merged if c in CLASSES])
+            if expected is not None:
+                compression["expected_steps"] = expected
             if self.controller is not None:
                 compression["at_max_error"] = self.controller.at_floor
             if self.unknown_state_keys:

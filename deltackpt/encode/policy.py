@@ -67,6 +67,8 @@ SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate
 # balanced's errors sqrt(2) times larger cost a resumed run about what aggressive costs (and
 # four times larger, 6-38 times balanced's cost: docs/fidelity.md)
 DEFAULT_MAX_SCALE = math.sqrt(2)
+# A Quantizer's error bounds: a step and the units it may be given in (target_ratio scales them all)
+ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step")
 
 
 @dataclass(frozen=True)

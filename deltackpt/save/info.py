@@ -22,6 +22,10 @@ class SaveInfo:
     seconds: float
     target_ratio: float | None = None
     at_max_error: bool = False  # the target needed errors beyond max_error: steps at that floor
+    # what a run resumed from the step is expected to lose, in steps of training progress (the
+    # fidelity matrix's median: deltackpt/encode/cost.py); 0 for a lossless step, None for a
+    # delta whose errors the matrix did not price
+    expected_steps: float | None = 0.0
     # What the call that saved it cost the caller (not compared: the step's record is the same):
     # how long ``save`` blocked it, for an asynchronous save waiting for a save in flight at the
     # max_in_flight limit, capturing and copying the state, for a blocking one the whole save;
@@ -46,8 +50,10 @@ class SaveInfo:
     def of(cls, meta: StepMetadata) -> SaveInfo:
         """The save summary recorded in a step's metadata."""
         compression = meta.stats.compression or {}
-        target = compression.get("target_ratio")
+        target, expected = compression.get("target_ratio"), compression.get("expected_steps")
         return cls(meta.step, meta.kind, meta.base_step, meta.stats.raw_bytes,
                    meta.stats.stored_bytes, meta.stats.seconds,
                    float(target) if isinstance(target, (int, float)) else None,
-                   compression.get("at_max_error") is True)
+                   compression.get("at_max_error") is True,
+                   0.0 if meta.kind == "full" else
+                   float(expected) if isinstance(expected, (int, float)) else None)
