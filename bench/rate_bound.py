@@ -115,7 +115,7 @@ def _residuals(prev: dict, cur: dict, order: list[str], group: dict, config: Com
             update = buf
             yield "first_moment", ((buf - group["momentum"] ** INTERVAL * buf0)
                                    / float(buf.pow(2).mean().sqrt())).flatten(), \
-                config.first_moment.update_step
+                config.first_moment.rms_unit_step(momentum=True)
         movement = group["lr"] * float(update.pow(2).mean().sqrt())
         rms = float(w.pow(2).mean().sqrt())
         step = min(config.weights.move_step * movement, config.weights.rel_step * rms)

@@ -101,6 +101,8 @@ def test_every_bad_value_is_a_config_error(tmp_path: Path, kind: str, argument: 
     ({"step": "2", "domain": "ordinal"},
      "Quantizer step (dithered, ordinal domain) must be a number in (0, 64], got '2'"),
     ({"update_step": 0.0, "pred": "zero"}, "Quantizer update_step must be a positive number, got 0.0"),
+    ({"rms_step": math.inf, "pred": "zero"}, "Quantizer rms_step must be a positive number, got inf"),
+    ({"rms_step": 2.8}, "Quantizer rms_step= needs the linear domain and pred='zero'"),
     ({"overrides": {"model/*": 0.5}}, "overrides['model/*'] must be a Quantizer, got 0.5"),
     ({"overrides": {3: EXACT}}, "an overrides pattern must be a string, got 3"),
 ])

@@ -521,17 +521,38 @@ def _moment_errors(ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.
     return out
 
 
-def test_sgd_momentum_is_a_first_moment(ckpt: Path) -> None:
-    """SGD's momentum_buffer (the update is lr times it) is coded from zero, dithered, at a step
-    of ``update_step`` times its root mean square: each element within half a step, unbiased
-    (never shrunk to zero)."""
-    update_step = CompressionConfig.preset("balanced").first_moment.update_step
-    errors = _moment_errors(ckpt, lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
-                            "momentum_buffer", "first_moment")
+class _SignMomentum(torch.optim.Optimizer):
+    """Lion's update rule, its momentum stored as ``exp_avg`` (as lion-pytorch does)."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.add_((0.9 * m + 0.1 * p.grad).sign(), alpha=-group["lr"])
+                m.mul_(0.99).add_(p.grad, alpha=0.01)
+
+
+@pytest.mark.parametrize(("make", "key", "bound"), [
+    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "momentum_buffer", "rms_step"),
+    (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9), "momentum_buffer", "rms_step"),
+    (_SignMomentum, "exp_avg", "update_step"),
+])
+def test_unscaled_first_moments_step_by_their_rms(ckpt: Path, make: Callable, key: str,
+                                                   bound: str) -> None:
+    """A first moment no second moment scales is coded from zero, dithered, at a step of a
+    multiple of its root mean square: ``rms_step`` for a momentum buffer (SGD's, RMSprop's:
+    the update is a multiple of it), ``update_step`` for another (Lion's, whose sign is the
+    update: finer); each element within half a step, unbiased (never shrunk to zero)."""
+    step = getattr(CompressionConfig.preset("balanced").first_moment, bound)
+    errors = _moment_errors(ckpt, make, key, "first_moment")
     for x, r, params in errors:
         assert params["pred"] == "zero" and "dither" in params
         rms = x.pow(2).mean().sqrt().item()
-        assert params["step"] == pytest.approx(update_step * rms, rel=0.3)
+        assert params["step"] == pytest.approx(step * rms, rel=0.3)
         assert (r - x).abs().max().item() <= params["step"] / 2 * (1 + 1e-5)
     x = torch.cat([e[0] for e in errors])
     r = torch.cat([e[1] for e in errors])
@@ -1487,7 +1508,8 @@ def test_presets_and_validation(tmp_path: Path) -> None:
                    {"move_step": math.nan}, {"move_step": 4.0, "domain": "ordinal"},
                    {"move_step": 4.0, "pred": "zero"}, {"update_step": 0.0, "pred": "zero"},
                    {"update_step": math.inf, "pred": "zero"}, {"update_step": 1.0},
-                   {"update_step": 1.0, "pred": "zero", "domain": "ordinal"}]:
+                   {"update_step": 1.0, "pred": "zero", "domain": "ordinal"},
+                   {"rms_step": 0.0, "pred": "zero"}, {"rms_step": 1.0}]:
         with pytest.raises(ValueError):
             Quantizer(**kwargs)
     Quantizer(update_step=2.0, pred="zero")

@@ -182,9 +182,10 @@ def test_class_variants_coarsen_one_class_each() -> None:
             q, b = getattr(config, cls), getattr(balanced, cls)
             if name == f"{cls} x4" or (name == "all x4" and not b.exact):
                 assert q.move_step == (None if b.move_step is None else 4 * b.move_step)
-                assert (q.step, q.rel_step, q.update_step, q.domain, q.pred) == (
+                assert (q.step, q.rel_step, q.update_step, q.rms_step, q.domain, q.pred) == (
                     4 * b.step, None if b.rel_step is None else 4 * b.rel_step,
-                    None if b.update_step is None else 4 * b.update_step, b.domain, b.pred)
+                    None if b.update_step is None else 4 * b.update_step,
+                    None if b.rms_step is None else 4 * b.rms_step, b.domain, b.pred)
             else:
                 assert q == b, (name, cls)
 

@@ -51,16 +51,25 @@ class CostModel:
 
 def _relative_bounds(quantizer: Quantizer, reference: Quantizer) -> float | None:
     """How many times ``reference``'s error bounds ``quantizer``'s are (the largest ratio over
-    the bounds both set); 0 when exact; None when the two are not of one kind."""
+    their bounds, ``rms_step`` where unset ``update_step``'s); 0 when exact; None when the two
+    are not of one kind."""
     if quantizer.exact:
         return 0.0
     if reference.exact or (quantizer.domain, quantizer.pred, quantizer.dithers) != (
             reference.domain, reference.pred, reference.dithers):
         return None
-    set_ = {f for f in ERROR_BOUNDS if getattr(quantizer, f) is not None}
-    if set_ != {f for f in ERROR_BOUNDS if getattr(reference, f) is not None}:
+    mine, theirs = _bounds(quantizer), _bounds(reference)
+    if mine.keys() != theirs.keys():
         return None  # density= instead of a step, or a unit balanced does not use
-    return max(getattr(quantizer, f) / getattr(reference, f) for f in set_)
+    return max(mine[f] / theirs[f] for f in mine)
+
+
+def _bounds(quantizer: Quantizer) -> dict[str, float]:
+    """A quantizer's error bounds by name, ``rms_step`` as it applies (``update_step``'s where
+    unset)."""
+    rms = quantizer.rms_unit_step(momentum=True)
+    return {f: getattr(quantizer, f) for f in ERROR_BOUNDS if getattr(quantizer, f) is not None} \
+        | ({"rms_step": rms} if rms is not None else {})
 
 
 # Fitted by ``python bench/fidelity.py --fit-cost REPORT...`` to the matrix's by-class runs

@@ -40,6 +40,7 @@ from deltackpt.codecs.quant import (
 )
 from deltackpt.encode.cost import expected_steps
 from deltackpt.encode.optimizers import (
+    MOMENTUM_BUFFERS,
     BnbState,
     adam_bias_corrections,
     captured_bnb_states,
@@ -385,7 +386,8 @@ class StepEncoder:
             plan.step = quantizer.update_step * plan.scale[2]
         else:
             carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-            plan.step = base_step(quantizer, sample, carried, unit, value_rms)
+            plan.step = base_step(quantizer, sample, carried, unit, value_rms,
+                                  momentum=meanings.roles.get(item.name) in MOMENTUM_BUFFERS)
             if plan.step <= 0:  # nothing moved: a dither would move what stays put
                 plan.dither = None
         return sample, plan.step, numel, plan, ordinal

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 FIRST_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
+# First moments the update is a multiple of (SGD's and RMSprop's momentum): policy.Quantizer.rms_step
+MOMENTUM_BUFFERS = frozenset({"momentum_buffer"})
 KNOWN_KEYS = FIRST_MOMENTS | SECOND_MOMENTS | set(MASTER_KEYS) | {"step"}
 SAMPLE_ELEMENTS = 8192  # elements sampled for a root mean square
 BNB_WRAPPER = "__bnb_optimizer_quant_state__"  # bitsandbytes' state_dict nests its states here

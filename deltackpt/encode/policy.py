@@ -68,7 +68,7 @@ SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate
 # four times larger, 6-38 times balanced's cost: docs/fidelity.md)
 DEFAULT_MAX_SCALE = math.sqrt(2)
 # A Quantizer's error bounds: a step and the units it may be given in (target_ratio scales them all)
-ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step")
+ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step", "rms_step")
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,12 @@ class Quantizer:
         update_step: first moments (``pred="zero"``): the step as a multiple of the update the
             moment drives. For Adam's ``exp_avg`` each element's step is ``update_step *
             (sqrt(exp_avg_sq) + eps)`` (FORMAT.md 3.2, scaled steps), so its restored update
-            is within ``update_step / 2`` learning rates of the saved one; for other first
-            moments, ``update_step`` times the tensor's root mean square.
+            is within ``update_step / 2`` learning rates of the saved one.
+        rms_step: momentum buffers (SGD's and RMSprop's ``momentum_buffer``, of which the
+            update is a multiple): the step as a multiple of the tensor's root mean square, so
+            its restored update is within ``rms_step / 2`` of the typical update (default:
+            ``update_step``). Other first moments not scaled by a second (Lion's ``exp_avg``,
+            whose sign is the update) take ``update_step`` times their root mean square.
         dither: shift each element's quantization grid by its own pseudo-random fraction of
             a step (FORMAT.md 3.2), which makes the error uniform, unbiased and independent of
             how the values moved (the manual's "What a delta keeps" says why that matters).
@@ -112,6 +116,7 @@ class Quantizer:
     move_step: float | None = None
     rel_step: float | None = None
     update_step: float | None = None
+    rms_step: float | None = None
     domain: Literal["linear", "ordinal"] = "linear"
     pred: Literal["base", "zero"] = "base"
     dither: bool = True
@@ -134,13 +139,19 @@ class Quantizer:
             check_number(self.density, "Quantizer density", most=1)
             if self.domain != "linear":
                 raise ConfigError("Quantizer density= needs the linear domain")
-        for key, pred in (("move_step", "base"), ("rel_step", "base"), ("update_step", "zero")):
+        for key, pred in (("move_step", "base"), ("rel_step", "base"), ("update_step", "zero"),
+                          ("rms_step", "zero")):
             value = getattr(self, key)
             if value is None:
                 continue
             check_number(value, f"Quantizer {key}")
             if (self.domain, self.pred) != ("linear", pred):
                 raise ConfigError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
+
+    def rms_unit_step(self, momentum: bool) -> float | None:
+        """The step of a first moment whose steps are not scaled, in its root mean square:
+        ``rms_step`` for a momentum buffer where set, else ``update_step``."""
+        return self.rms_step if momentum and self.rms_step is not None else self.update_step
 
     @property
     def dithers(self) -> bool:
@@ -187,7 +198,7 @@ class CompressionConfig:
     """
 
     weights: Quantizer = Quantizer(step=1.0, move_step=32.0, rel_step=0.25)
-    first_moment: Quantizer = Quantizer(step=1.4, update_step=1.4, pred="zero")
+    first_moment: Quantizer = Quantizer(step=1.4, update_step=1.4, rms_step=2.8, pred="zero")
     second_moment: Quantizer = Quantizer(step=2.0, domain="ordinal")
     buffers: Quantizer = EXACT
     overrides: Mapping[str, Quantizer] = field(default_factory=dict)
@@ -290,9 +301,12 @@ class CompressionConfig:
 # against a step's movement: without it, restores right after warm-up cost 2.6% of loss), the
 # update a first moment drives within 0.7 of a learning rate (noisy but unbiased, never zero;
 # within one, an early restore cost 0.5-0.55% of loss over three seeds), and a second moment
-# within one binade of its keys (its update within a factor sqrt(2)). aggressive allows three
-# times the weights' movement, twice their relative error and a first moment within one
-# learning rate. Coarser moments cost more than they saved: a first moment within two learning
+# within one binade of its keys (its update within a factor sqrt(2)). A momentum buffer (SGD's,
+# RMSprop's) drives the update within 1.4 of its root mean square: against the typical update
+# still twice as fine as Adam's first moment, whose 0.7 learning rates are 3-4 times its update
+# (0.17-0.23 learning rates an element, the median tensor of four AdamW runs: docs/fidelity.md).
+# aggressive allows three times the weights' movement, twice their relative error and a first
+# moment within one learning rate (a momentum within 2 of its rms). Coarser moments cost more than they saved: a first moment within two learning
 # rates lost 2-3% of loss in early restores, a second moment within four binades 0.7-0.9%;
 # within two, its median drifted to 1.12 over five restores with beta2 = 0.999 (an error
 # uniform in log has a mean above 1, 1.35x for two binades and 1.08x for one, and the
@@ -301,7 +315,8 @@ PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
     "aggressive": CompressionConfig(weights=Quantizer(step=2.0, move_step=96.0, rel_step=0.5),
-                                    first_moment=Quantizer(step=2.0, update_step=2.0, pred="zero"),
+                                    first_moment=Quantizer(step=2.0, update_step=2.0, rms_step=4.0,
+                                                           pred="zero"),
                                     name="aggressive"),
 }
 
@@ -392,15 +407,17 @@ def needs_residuals(quantizer: Quantizer, unit: float | None) -> bool:
 
 
 def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
-              unit: float | None = None, value_rms: float | None = None) -> float:
+              unit: float | None = None, value_rms: float | None = None,
+              momentum: bool = False) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
     ``sample`` (what the quantizer codes, at sampled elements) may be None
     where :func:`needs_sample` says it is not used. ``unit`` is how far the
     optimizer moves the tensor in one training step, if known
     (:func:`deltackpt.encode.optimizers.movement_units`, for
-    ``Quantizer.move_step``). A first moment's ``update_step`` (unscaled) is
-    relative to the root mean square of the sample: the moment itself.
+    ``Quantizer.move_step``). A first moment's step (:meth:`Quantizer.rms_unit_step`;
+    ``momentum``: a momentum buffer) is relative to the root mean square of the sample: the
+    moment itself.
     ``carried_error`` is the mean squared error the previous save left in
     the prediction. A closed-loop residual is the change since that save
     plus this error; the step follows the change alone, so the error a
@@ -423,8 +440,9 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
         k = min(mags.size - 1, int(mags.size * (1 - quantizer.density)))
         return 2 * float(np.partition(mags, k)[k])
     mean_sq = float(np.mean(finite * finite))
-    if quantizer.update_step is not None:
-        return quantizer.update_step * mean_sq ** 0.5
+    rms_unit = quantizer.rms_unit_step(momentum)
+    if rms_unit is not None:
+        return rms_unit * mean_sq ** 0.5
     change_sq = max(mean_sq - carried_error, mean_sq / 16)
     return quantizer.step * change_sq ** 0.5
 
