@@ -3,6 +3,7 @@ the model gives each config, and what saves record of it (SaveInfo, the step's m
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from test_delta import mlp, train
 
 from deltackpt import CheckpointManager, CompressionConfig, Quantizer
+from deltackpt.app.cli import main
 from deltackpt.encode.cost import MATRIX, expected_steps
 from deltackpt.encode.policy import EXACT
 from deltackpt.save.info import SaveInfo
@@ -97,3 +99,21 @@ def test_target_ratio_records_the_cost_of_its_scale(tmp_path: Path) -> None:
         assert compression["scale"] > 1
         assert info.expected_steps == expected_steps(config, compression["scale"]) > \
             expected_steps(BALANCED)
+
+
+def test_an_unpriced_delta_says_its_cost_is_unknown(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Weights coded by density: no estimate in the metadata or SaveInfo, and ``info`` says the
+    cost is unknown."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = replace(BALANCED, weights=Quantizer(step=None, density=0.1))
+    with CheckpointManager(tmp_path / "ckpt", full_every=10, compression=config) as mgr:
+        for step in range(2):
+            train(model, opt, 2)
+            info = mgr.save(step, model=model, optimizer=opt)
+        assert info.kind == "delta" and info.expected_steps is None
+        assert "expected_steps" not in mgr.metadata(1).stats.compression
+    assert main(["info", str(tmp_path / "ckpt"), "--step", "1"]) == 0
+    assert re.search(r"^compression     balanced, scale 1, target ratio -, expected cost unknown$",
+                     capsys.readouterr().out, re.M)
