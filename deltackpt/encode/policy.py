@@ -306,11 +306,11 @@ class CompressionConfig:
 # still twice as fine as Adam's first moment, whose 0.7 learning rates are 3-4 times its update
 # (0.17-0.23 learning rates an element, the median tensor of four AdamW runs: docs/fidelity.md).
 # aggressive allows three times the weights' movement, twice their relative error and a first
-# moment within one learning rate (a momentum within 2 of its rms). Coarser moments cost more than they saved: a first moment within two learning
-# rates lost 2-3% of loss in early restores, a second moment within four binades 0.7-0.9%;
-# within two, its median drifted to 1.12 over five restores with beta2 = 0.999 (an error
-# uniform in log has a mean above 1, 1.35x for two binades and 1.08x for one, and the
-# optimizer averages it linearly).
+# moment within one learning rate (a momentum within 2 of its rms). Coarser moments cost more
+# than they saved: a first moment within two learning rates lost 2-3% of loss in early
+# restores, a second moment within four binades 0.7-0.9%; within two, its median drifted to
+# 1.12 over five restores with beta2 = 0.999 (an error uniform in log has a mean above 1,
+# 1.35x for two binades and 1.08x for one, and the optimizer averages it linearly).
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
