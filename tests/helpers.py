@@ -159,11 +159,22 @@ def rank_main(rank: int, scenario, world: int, port: int, args: tuple,
         dist.destroy_process_group()
 
 
+RENDEZVOUS_TRIES = 3
+
+
 def run_ranks(scenario, world: int, *args) -> None:
     """Run ``scenario(rank, world, *args)`` on ``world`` gloo ranks; a rank's exception fails the
-    test with its traceback."""
-    mp.start_processes(rank_main, args=(scenario, world, free_port(), args, dict(os.environ)),
-                       nprocs=world, start_method=START_METHOD)
+    test with its traceback. Where another test took the rendezvous port between
+    :func:`free_port` and rank 0's listen (EADDRINUSE, before any scenario ran: tests run in
+    parallel), the ranks start again on another port."""
+    for attempt in range(RENDEZVOUS_TRIES):
+        try:
+            mp.start_processes(rank_main, nprocs=world, start_method=START_METHOD,
+                               args=(scenario, world, free_port(), args, dict(os.environ)))
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == RENDEZVOUS_TRIES - 1:
+                raise
 
 
 def manual_examples(page: str, after: str = "") -> list[str]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
@@ -725,3 +727,22 @@ def test_dcp_of_fsdp_ranks_converts_and_exports_back(tmp_path: Path) -> None:
         assert torch.equal(ckpt.tensors[name], tensor), name
     export(ckpt.captured(), ckpt.step, tmp_path / "exported", "dcp")
     run_ranks(_dcp_load_fsdp, 3, str(tmp_path / "exported"), str(expected))
+
+
+def _write_rank(rank: int, world: int, path: str) -> None:
+    dist.barrier()
+    Path(path, f"rank{rank}").write_text(str(world))
+
+
+def test_ranks_start_again_where_another_process_took_the_port(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_ranks' rendezvous port taken by another listener before rank 0 binds it (tests run in
+    parallel): the ranks start again on another port and the scenario runs once."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        monkeypatch.setattr(helpers, "free_port", lambda: ports.pop() if ports else free_port())
+        helpers.run_ranks(_write_rank, 2, str(tmp_path))
+    assert not ports
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
