@@ -50,10 +50,15 @@ from deltackpt.app.training import (
     split_corpus,
     train_step,
 )
-from deltackpt.codecs.quant import decode_quant, encode_quant
+from deltackpt.codecs.lossless import zstd_compress
+from deltackpt.codecs.quant import decode_quant, encode_quant, zstd_decompress_bounded
+from deltackpt.encode.policy import tensor_class
+from deltackpt.format.dtypes import spec_named
 from deltackpt.io.pool import default_workers
+from deltackpt.io.reader import ChunkSource, read_tensors
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
-from deltackpt.kernels.quant import decode_block_stream, encode_block_stream
+from deltackpt.kernels.quant import decode_block_stream, decode_step_streams, encode_block_stream
+from deltackpt.restore.chain import restore_chain
 
 ROUNDS = 3
 # Rounds of the benchmarks timed against a baseline: small states take little time, so more of
@@ -205,6 +210,106 @@ def test_decode_kernel(benchmark, run) -> None:
         benchmark.pedantic(lambda: list(pool.map(decode_one, range(len(jobs)))),
                            rounds=ROUNDS, warmup_rounds=1)
     record(benchmark, "decode kernel (in place)", sum(x.nbytes for x, *_ in jobs))
+
+
+@pytest.fixture(scope="module")
+def saved_delta(run, tmp_path_factory) -> list[tuple[str, dict, np.ndarray, np.ndarray | None,
+                                                       np.ndarray | None, int]]:
+    """What a real delta save (``balanced``, the last state against the one GAP steps before)
+    codes, chunk by chunk: ``(class, params, x, prediction, scale, first)``, with the params
+    its metadata records (steps, dither seeds, scales), checked to give the streams it stored."""
+    model, optimizer, states = run
+    root = tmp_path_factory.mktemp("by-class")
+    with CheckpointManager(root / "delta") as mgr, \
+            CheckpointManager(root / "truth", full_every=1) as truth:
+        for step, state in ((1, states[-2]), (2, states[-1])):
+            _load(model, optimizer, state)
+            mgr.save(step, model, optimizer, rng=False)
+            truth.save(step, model, optimizer, rng=False)
+        meta = mgr.metadata(2)
+        base = read_tensors(mgr.storage, mgr.metadata(1))
+        now = read_tensors(truth.storage, truth.metadata(2))
+        restored, _ = restore_chain(mgr.storage, meta)
+        source = ChunkSource(mgr.storage, meta)
+        jobs = []
+        for rec in meta.tensors:
+            kind = tensor_class(rec.role, rec.state_key, spec_named(rec.dtype, rec.name), rec.numel)
+            for chunk in (c for f in rec.fragments for c in f.chunks if c.codec == "quant"):
+                first, n = chunk.raw_offset // 4, chunk.raw_length // 4
+                part = slice(first, first + n)
+                params = chunk.params
+                scale = params.get("scale")
+                jobs.append((kind, params, now[rec.name].reshape(-1)[part].numpy(),
+                             base[rec.name].reshape(-1)[part].numpy().copy()
+                             if params["pred"] == "base" else None,
+                             None if scale is None else restored[scale].reshape(-1)[part].numpy(),
+                             first))
+                stream = np.frombuffer(zstd_decompress_bounded(source.stored(rec, chunk), 3 * n),
+                                       np.uint8)
+                assert np.array_equal(_encode_job(jobs[-1])[0], stream), rec.name
+        source.close()
+    return jobs
+
+
+def _kernel_args(params: dict, first: int) -> dict:
+    return {"ordinal": params["domain"] == "ordinal", "step": params["step"],
+            "block": params["block"], "dither": params.get("dither"), "first": first}
+
+
+def _encode_job(job) -> tuple[np.ndarray, np.ndarray]:
+    _, params, x, pred, scale, first = job
+    return encode_block_stream(x, pred, np.empty_like(x), **_kernel_args(params, first),
+                               scale=scale, eps=params.get("eps", 0.0))
+
+
+def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
+    """As a restore applies the chunk: a chain pass from its base, a scaled chunk from zero."""
+    _, params, _, pred, scale, first = job
+    args = _kernel_args(params, first)
+    if scale is not None:
+        decode_block_stream(stream, None, out, **args, scale=scale, eps=params["eps"])
+        return
+    out[:] = 0 if pred is None else pred
+    decode_step_streams([stream], out, ordinal=[args["ordinal"]], steps=[args["step"]],
+                        block=args["block"], zero_start=pred is None, dithers=[args["dither"]],
+                        first=first)
+
+
+def test_kernel_cost_by_class(saved_delta) -> None:
+    """Each class's encode and decode kernel, zstd of its streams, and memcpy of the same
+    elements, on one thread, in ns an element: what a save and a restore pay a class,
+    whatever the core count. Medians of ROUNDS rounds of every class."""
+    classes = sorted({job[0] for job in saved_delta})
+    streams = [_encode_job(job)[0] for job in saved_delta]
+    packed = [zstd_compress(s, packed=True) for s in streams]
+    outs = [np.empty_like(job[2]) for job in saved_delta]
+    work = {
+        "memcpy": lambda i: np.copyto(outs[i], saved_delta[i][2]),
+        "encode kernel": lambda i: _encode_job(saved_delta[i]),
+        "zstd": lambda i: zstd_compress(streams[i], packed=True),
+        "decode kernel": lambda i: _decode_job(saved_delta[i], streams[i], outs[i]),
+        "unzstd": lambda i: zstd_decompress_bounded(memoryview(packed[i]), 3 * outs[i].size),
+    }
+    times = {(kind, what): [] for kind in classes for what in work}
+    for _ in range(ROUNDS + 1):  # the first warms up
+        for kind in classes:
+            mine = [i for i, job in enumerate(saved_delta) if job[0] == kind]
+            for what, fn in work.items():
+                started = time.perf_counter()
+                for i in mine:
+                    fn(i)
+                times[kind, what].append(time.perf_counter() - started)
+    note("")
+    note("kernel cost by class, ns an element on one thread (medians of "
+         f"{ROUNDS} rounds; memcpy of the same elements beside it)")
+    for kind in classes:
+        n = sum(job[2].size for job in saved_delta if job[0] == kind)
+        ns = {what: statistics.median(times[kind, what][1:]) / n * 1e9 for what in work}
+        bits = 8 * sum(len(p) for p, job in zip(packed, saved_delta, strict=True)
+                       if job[0] == kind) / n
+        note(f"  {kind:<14} {n / 1e6:6.2f}M elements, {bits:.2f} bits each: " + ", ".join(
+            f"{what} {ns[what]:.2f} ({ns[what] / ns['memcpy']:.0f}x)" for what in work
+            if what != "memcpy") + f"; memcpy {ns['memcpy']:.2f}")
 
 
 def test_codec_roundtrip_is_exact(run) -> None:
