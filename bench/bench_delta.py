@@ -305,9 +305,11 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     for kind in classes:
         n = sum(job[2].size for job in saved_delta if job[0] == kind)
         ns = {what: statistics.median(times[kind, what][1:]) / n * 1e9 for what in work}
-        bits = 8 * sum(len(p) for p, job in zip(packed, saved_delta, strict=True)
-                       if job[0] == kind) / n
-        note(f"  {kind:<14} {n / 1e6:6.2f}M elements, {bits:.2f} bits each: " + ", ".join(
+        bits = {name: 8 * sum(len(b) for b, job in zip(coded, saved_delta, strict=True)
+                              if job[0] == kind) / n
+                for name, coded in (("packed", streams), ("zstd", packed))}
+        note(f"  {kind:<14} {n / 1e6:6.2f}M elements, {bits['packed']:.2f} bits each packed, "
+             f"{bits['zstd']:.2f} after zstd: " + ", ".join(
             f"{what} {ns[what]:.2f} ({ns[what] / ns['memcpy']:.0f}x)" for what in work
             if what != "memcpy") + f"; memcpy {ns['memcpy']:.2f}")
 

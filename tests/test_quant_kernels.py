@@ -28,7 +28,6 @@ from deltackpt.kernels.quant import (
     _dither,
     _dither_bits,
     _key_offset,
-    _key_offset_f64,
     decode_block_stream,
     decode_step_streams,
     encode_block_stream,
@@ -998,29 +997,26 @@ def test_ordinal_power_of_two_steps_multiply(dither: int | None) -> None:
 
 @njit
 def _hashes_and_key_offsets(seed: int, n: int, step: int) -> tuple[np.ndarray, np.ndarray,
-                                                                   np.ndarray, np.ndarray]:
+                                                                   np.ndarray]:
     """The dither hashes and dither offsets of elements ``0..n`` for ``seed``, and the key
-    offsets of every hash value ``0..2**24`` for ``step``, as the kernels compute them: in
-    integers (decoders) and in float64 (encoders)."""
+    offsets of every hash value ``0..2**24`` for ``step``, as the kernels compute them."""
     bits, u = np.empty(n, np.int64), np.empty(n, np.float32)
     for i in range(n):
         bits[i], u[i] = _dither_bits(i, seed), _dither(i, seed)
-    offsets, offsets_f64 = np.empty(1 << 24, np.int64), np.empty(1 << 24, np.float64)
+    offsets = np.empty(1 << 24, np.float64)
     for h in range(1 << 24):
-        offsets[h] = _key_offset(np.int32(h), np.int64(step))
-        offsets_f64[h] = _key_offset_f64(np.int32(h), np.float64(step))
-    return bits, u, offsets, offsets_f64
+        offsets[h] = _key_offset(np.int32(h), np.float64(step))
+    return bits, u, offsets
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 255, 1 << 23, 3 << 22, (1 << 29) - 1,
                                   MAX_DITHERED_KEY_STEP])
 def test_key_offsets_from_hash_bits(step: int) -> None:
     """The kernels take an ordinal step's dithered key offset from the dither hash's 24 bits
-    in integers (``_key_offset``) or float64 (``_key_offset_f64``): for every hash value the
-    offset of FORMAT.md 3.2 from the dither offset ``bits * 2**-24 - 0.5``
-    (numpy_key_offsets), which is ``_dither``'s and numpy_dither's."""
-    bits, u, offsets, offsets_f64 = _hashes_and_key_offsets(12345, 1 << 16, step)
-    assert np.array_equal(offsets_f64, offsets)
+    in float64 (``_key_offset``): for every hash value the offset of FORMAT.md 3.2 from the
+    dither offset ``bits * 2**-24 - 0.5`` (numpy_key_offsets), which is ``_dither``'s and
+    numpy_dither's."""
+    bits, u, offsets = _hashes_and_key_offsets(12345, 1 << 16, step)
     assert np.array_equal(u, numpy_dither(1 << 16, 12345))
     assert np.array_equal(u, bits.astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5))
     for lo in range(0, 1 << 24, 1 << 22):  # a quarter of the hash values at a time

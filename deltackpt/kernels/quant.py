@@ -70,9 +70,9 @@ def _key_of(value: np.float32) -> np.int32:
 
 
 @njit(inline="always")
-def _clamp_key(key: np.int64) -> np.int64:
-    """``key`` clamped to the keys of finite float32 values."""
-    return min(max(key, -MAX_KEY), MAX_KEY)
+def _clamp_key(key: np.float64) -> np.float64:
+    """``key`` (an integer in float64) clamped to the keys of finite float32 values."""
+    return min(max(key, np.float64(-MAX_KEY)), np.float64(MAX_KEY))
 
 
 @njit(inline="always")
@@ -82,8 +82,8 @@ def _float_of_key(key: np.int32) -> np.float32:
 
 
 @njit(inline="always")
-def _value_of(key: np.int64) -> np.float32:
-    """The float32 value of a key, clamped to finite values."""
+def _value_of(key: np.float64) -> np.float32:
+    """The float32 value of a key (an integer in float64), clamped to finite values."""
     return _float_of_key(np.int32(_clamp_key(key)))
 
 
@@ -129,21 +129,13 @@ def _dither_bits(typingctx, index, seed):
 
 
 @njit(inline="always")
-def _key_offset(bits: np.int32, step32: np.int64) -> np.int64:
-    """FORMAT.md 3.2's dither offset in keys of an ordinal step ``step32`` (at most
+def _key_offset(bits: np.int32, step_k: np.float64) -> np.float64:
+    """FORMAT.md 3.2's dither offset in keys of an ordinal step ``step_k`` (an integer, at most
     MAX_DITHERED_KEY_STEP) for the dither offset ``u = bits * 2**-24 - 0.5`` of hash ``bits``
-    (``_dither_bits``): ``floor((u + 0.5) * step) - floor(step / 2)``, which is ``((bits *
-    step) >> 24) - (step >> 1)`` exactly (a 24 x 29-bit product), 0 for ``u = 0``. In integers,
-    a third less time than through float64 and floors."""
-    return ((np.int64(bits) * step32) >> 24) - (step32 >> 1)
-
-
-@njit(inline="always")
-def _key_offset_f64(bits: np.int32, step_k: np.float64) -> np.float64:
-    """``_key_offset`` in float64, for the encoder, whose keys are float64: ``bits * step`` is
-    below 2**53, so the product, its scaling by 2**-24 and the floors are exact, and the
-    conversions stay 32-bit (vectorized; int64's are not: a fifth of the dithered ordinal
-    encode's time)."""
+    (``_dither_bits``): ``floor((u + 0.5) * step) - floor(step / 2)``, which is ``floor(bits *
+    step * 2**-24) - floor(step / 2)`` exactly, 0 for ``u = 0``. In float64, as the kernels'
+    keys: ``bits * step`` is below 2**53, so the product, its scaling and the floors are exact,
+    and the conversions stay 32-bit (AVX2 converts int64 lanes one by one)."""
     return np.floor(np.float64(bits) * (step_k * 2.0**-24)) - np.floor(step_k * 0.5)
 
 
@@ -171,7 +163,7 @@ def _dither_offsets(ordinal: bool, dithered: bool, index: np.int64, seed: np.int
     """``(u, off)`` of element ``index`` for ``_reconstruct``: its dither offset in the linear
     domain, its key offset in the ordinal one (float64, exact), zero where unused."""
     if dithered and ordinal:
-        return np.float32(0.0), _key_offset_f64(_dither_bits(index, seed), step_k)
+        return np.float32(0.0), _key_offset(_dither_bits(index, seed), step_k)
     if dithered:
         return _dither(index, seed), np.float64(0.0)
     return np.float32(0.0), np.float64(0.0)
@@ -677,16 +669,17 @@ def _ordinal_step(keys, q, width, step_i, seed, index):
     ``_reconstruct`` clamps ``key(p) + q * step`` (plus the dither's key
     offset) and converts it to a float, which the next ordinal step converts
     back to the same key: clamping alone gives the same keys, with no
-    conversion between steps.
+    conversion between steps. Keys are integers in float64, as in
+    ``_reconstruct``: below 2**47 before the clamp, so exact.
     """
-    step32 = np.int64(np.int32(step_i))  # steps are at most MAX_KEY: a 32 x 32-bit product
+    step_k = np.float64(step_i)
     if seed >= 0:
         for j in range(keys.shape[0]):
-            off = _key_offset(_dither_bits(index + j, seed), step32)
-            keys[j] = _clamp_key(keys[j] + np.int64(q[j] if width else 0) * step32 + off)
+            off = _key_offset(_dither_bits(index + j, seed), step_k)
+            keys[j] = _clamp_key(keys[j] + np.float64(q[j] if width else 0) * step_k + off)
     elif width:
         for j in range(keys.shape[0]):
-            keys[j] = _clamp_key(keys[j] + np.int64(q[j]) * step32)
+            keys[j] = _clamp_key(keys[j] + np.float64(q[j]) * step_k)
     else:
         for j in range(keys.shape[0]):
             keys[j] = _clamp_key(keys[j])
@@ -720,7 +713,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
         offsets[t] = o
     q_block = np.empty(block, np.int32)
     run_block = np.empty(block, np.float32)
-    keys_block = np.empty(block, np.int64)
+    keys_block = np.empty(block, np.float64)
     for b in range(n_blocks):
         start = b * block
         m = min(block, n - start)
@@ -739,7 +732,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
             if ordinal[t]:
                 if not keyed:
                     for j in range(m):
-                        keys[j] = _key_of(run[j])
+                        keys[j] = np.float64(_key_of(run[j]))
                     keyed = True
                 _ordinal_step(keys, q, width, step_i[t], seeds[t], first + start)
             else:
