@@ -25,8 +25,8 @@ from deltackpt.kernels.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
-    _dither,
     _dither_bits,
+    _dither_of_bits,
     _key_offset,
     decode_block_stream,
     decode_step_streams,
@@ -1002,7 +1002,8 @@ def _hashes_and_key_offsets(seed: int, n: int, step: int) -> tuple[np.ndarray, n
     offsets of every hash value ``0..2**24`` for ``step``, as the kernels compute them."""
     bits, u = np.empty(n, np.int64), np.empty(n, np.float32)
     for i in range(n):
-        bits[i], u[i] = _dither_bits(i, seed), _dither(i, seed)
+        bits[i] = _dither_bits(i, seed)
+        u[i] = _dither_of_bits(bits[i])
     offsets = np.empty(1 << 24, np.float64)
     for h in range(1 << 24):
         offsets[h] = _key_offset(np.int32(h), np.float64(step))
@@ -1014,7 +1015,7 @@ def _hashes_and_key_offsets(seed: int, n: int, step: int) -> tuple[np.ndarray, n
 def test_key_offsets_from_hash_bits(step: int) -> None:
     """The kernels take an ordinal step's dithered key offset from the dither hash's 24 bits
     in float64 (``_key_offset``): for every hash value the offset of FORMAT.md 3.2 from the
-    dither offset ``bits * 2**-24 - 0.5`` (numpy_key_offsets), which is ``_dither``'s and
+    dither offset ``bits * 2**-24 - 0.5`` (numpy_key_offsets), which is ``_dither_of_bits``' and
     numpy_dither's."""
     bits, u, offsets = _hashes_and_key_offsets(12345, 1 << 16, step)
     assert np.array_equal(u, numpy_dither(1 << 16, 12345))

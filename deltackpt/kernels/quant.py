@@ -106,26 +106,30 @@ def _dither_hash(context, builder, signature, args) -> ir.Value:
 
 
 @intrinsic
-def _dither(typingctx, index, seed):
-    """FORMAT.md 3.2's dither offset of element ``index`` for ``seed``: in [-0.5, 0.5), a
-    multiple of 2**-24 (exact in float32), ``hash * 2**-24 - 0.5`` (``_dither_hash``)."""
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fraction = builder.fmul(builder.uitofp(_dither_hash(context, builder, signature, args),
-                                               f32), ir.Constant(f32, 2.0**-24))
-        return builder.fsub(fraction, ir.Constant(f32, 0.5))
-
-    return types.float32(index, seed), codegen
-
-
-@intrinsic
 def _dither_bits(typingctx, index, seed):
-    """The 24-bit hash behind ``_dither(index, seed)``, as an int32: the dither offset is
-    ``bits * 2**-24 - 0.5``."""
+    """The 24-bit dither hash of element ``index`` for ``seed``, as an int32: its dither offset
+    is ``_dither_of_bits`` of it."""
     def codegen(context, builder, signature, args):
         return _dither_hash(context, builder, signature, args)
 
     return types.int32(index, seed), codegen
+
+
+@njit(inline="always")
+def _dither_of_bits(bits: np.int32) -> np.float32:
+    """FORMAT.md 3.2's dither offset of hash ``bits``: ``bits * 2**-24 - 0.5``, in [-0.5, 0.5),
+    a multiple of 2**-24 (exact in float32)."""
+    return np.float32(np.float32(bits) * np.float32(2.0**-24)) - np.float32(0.5)
+
+
+@njit(inline="always")
+def _fill_dither_bits(bits, index, seed) -> None:
+    """``bits[j] = _dither_bits(index + j, seed)``. The kernels hash a block in this loop of its
+    own, in 32-bit lanes (eight a vector with AVX2), before the loop that uses the hashes:
+    inside a loop of float64 keys, the hash ran four lanes at a time (a 5-step dithered ordinal
+    chain decoded 20% slower)."""
+    for j in range(bits.shape[0]):
+        bits[j] = _dither_bits(index + j, seed)
 
 
 @njit(inline="always")
@@ -158,14 +162,15 @@ def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
 
 
 @njit(inline="always")
-def _dither_offsets(ordinal: bool, dithered: bool, index: np.int64, seed: np.int64,
+def _dither_offsets(ordinal: bool, dithered: bool, bits: np.int32,
                     step_k: np.float64) -> tuple[np.float32, np.float64]:
-    """``(u, off)`` of element ``index`` for ``_reconstruct``: its dither offset in the linear
-    domain, its key offset in the ordinal one (float64, exact), zero where unused."""
+    """``(u, off)`` for ``_reconstruct`` of an element of dither hash ``bits`` (unread when not
+    ``dithered``): its dither offset in the linear domain, its key offset in the ordinal one
+    (float64, exact), zero where unused."""
     if dithered and ordinal:
-        return np.float32(0.0), _key_offset(_dither_bits(index, seed), step_k)
+        return np.float32(0.0), _key_offset(bits, step_k)
     if dithered:
-        return _dither(index, seed), np.float64(0.0)
+        return _dither_of_bits(bits), np.float64(0.0)
     return np.float32(0.0), np.float64(0.0)
 
 
@@ -409,6 +414,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
         pow2 = (step_i & (step_i - 1)) == 0
         inv_k = 1.0 / step_k
         sym_block = np.empty(block, np.uint16)
+        bits_block = np.empty(block, np.int32)
         # Values go to a block buffer, then to out: when out is pred (in place, as a save codes),
         # a loop that writes out while reading pred fails LLVM's runtime overlap check and runs
         # unvectorized, at half the speed.
@@ -422,11 +428,14 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
             ob = out_block[:m]
             bad = np.int32(0)
             sym = sym_block[:m]
+            bits = bits_block[:m]
+            if dithered:
+                _fill_dither_bits(bits, first + start, seed)
             zor = np.uint32(0)
             for j in range(m):  # branch-free and 32-bit, so that it vectorizes
                 p = pb[j] if use_pred else np.float32(0.0)
                 ok = _finite(xb[j]) & _finite(p)
-                u, off = _dither_offsets(ordinal, dithered, first + start + j, seed, step_k)
+                u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
                 st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
                 if ordinal:
                     kx, kp = np.float64(_key_of(xb[j])), np.float64(_key_of(p))
@@ -601,6 +610,7 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
         n = out.shape[0]
         step_k = np.float64(step_i)
         q_block = np.empty(block, np.int32)
+        bits_block = np.empty(block, np.int32)
         out_block = np.empty(block, np.float32)  # as in the encoder: pred may be out
         for b in range(offsets.shape[0] - 1):
             start = b * block
@@ -608,9 +618,12 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
             m = stop - start
             q = q_block[:m]
             _unpack(stream, offsets[b], np.int64(stream[b]), q)
+            bits = bits_block[:m]
+            if dithered:
+                _fill_dither_bits(bits, first + start, seed)
             for j in range(m):
                 p = pred[start + j] if use_pred else np.float32(0.0)
-                u, off = _dither_offsets(ordinal, dithered, first + start + j, seed, step_k)
+                u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
                 st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
                 out_block[j] = _reconstruct(p, q[j], ordinal, st, step_k, u, off)
             out[start:stop] = out_block[:m]
@@ -645,14 +658,16 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
 
 
 @njit(inline="always")
-def _linear_step(values, q, width, step_f, seed, index):
+def _linear_step(values, q, width, step_f, seed, index, bits):
     """``values`` after one linear step of symbols ``q`` (all 0 for a zero-width block),
-    dithered if ``seed >= 0`` (``index``: the first value's element index)."""
+    dithered if ``seed >= 0`` (``index``: the first value's element index; ``bits``: room for
+    the block's dither hashes)."""
     one, zero = np.float64(1), np.float32(0.0)
     if seed >= 0:
+        _fill_dither_bits(bits, index, seed)
         for j in range(values.shape[0]):
             values[j] = _reconstruct(values[j], q[j] if width else np.int32(0), False, step_f,
-                                     one, _dither(index + j, seed), 0.0)
+                                     one, _dither_of_bits(bits[j]), 0.0)
     elif width:
         for j in range(values.shape[0]):
             values[j] = _reconstruct(values[j], q[j], False, step_f, one, zero, 0.0)
@@ -662,9 +677,10 @@ def _linear_step(values, q, width, step_f, seed, index):
 
 
 @njit(inline="always")
-def _ordinal_step(keys, q, width, step_i, seed, index):
+def _ordinal_step(keys, q, width, step_i, seed, index, bits):
     """``keys`` after one ordinal step of symbols ``q`` (all 0 for a zero-width block),
-    dithered if ``seed >= 0`` (``index``: the first key's element index).
+    dithered if ``seed >= 0`` (``index``: the first key's element index; ``bits``: room for
+    the block's dither hashes).
 
     ``_reconstruct`` clamps ``key(p) + q * step`` (plus the dither's key
     offset) and converts it to a float, which the next ordinal step converts
@@ -674,8 +690,9 @@ def _ordinal_step(keys, q, width, step_i, seed, index):
     """
     step_k = np.float64(step_i)
     if seed >= 0:
+        _fill_dither_bits(bits, index, seed)
         for j in range(keys.shape[0]):
-            off = _key_offset(_dither_bits(index + j, seed), step_k)
+            off = _key_offset(bits[j], step_k)
             keys[j] = _clamp_key(keys[j] + np.float64(q[j] if width else 0) * step_k + off)
     elif width:
         for j in range(keys.shape[0]):
@@ -714,10 +731,11 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
     q_block = np.empty(block, np.int32)
     run_block = np.empty(block, np.float32)
     keys_block = np.empty(block, np.float64)
+    bits_block = np.empty(block, np.int32)
     for b in range(n_blocks):
         start = b * block
         m = min(block, n - start)
-        q, run, keys = q_block[:m], run_block[:m], keys_block[:m]
+        q, run, keys, bits = q_block[:m], run_block[:m], keys_block[:m], bits_block[:m]
         if zero_start:
             run[:] = np.float32(0.0)
         else:
@@ -734,13 +752,13 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
                     for j in range(m):
                         keys[j] = np.float64(_key_of(run[j]))
                     keyed = True
-                _ordinal_step(keys, q, width, step_i[t], seeds[t], first + start)
+                _ordinal_step(keys, q, width, step_i[t], seeds[t], first + start, bits)
             else:
                 if keyed:
                     for j in range(m):
                         run[j] = _value_of(keys[j])
                     keyed = False
-                _linear_step(run, q, width, step_f[t], seeds[t], first + start)
+                _linear_step(run, q, width, step_f[t], seeds[t], first + start, bits)
         if keyed:
             for j in range(m):
                 run[j] = _value_of(keys[j])
