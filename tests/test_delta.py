@@ -44,7 +44,7 @@ from deltackpt.encode.optimizers import (
     movement_units,
     sampled_rms,
 )
-from deltackpt.encode.policy import ScaleController
+from deltackpt.encode.policy import SIGN_FLIP_STEP, ScaleController
 from deltackpt.format.metadata import StepMetadata
 from deltackpt.save.capture import capture
 
@@ -522,32 +522,45 @@ def _moment_errors(ckpt: Path, make: Callable[[list[nn.Parameter]], torch.optim.
 
 
 class _SignMomentum(torch.optim.Optimizer):
-    """Lion's update rule, its momentum stored as ``exp_avg`` (as lion-pytorch does)."""
+    """Lion's update rule, its momentum stored as ``exp_avg`` (as lion-pytorch does), in a
+    class whose name does not say so."""
 
-    def __init__(self, params, lr: float = 1e-3) -> None:
-        super().__init__(params, {"lr": lr})
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99)) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas})
 
     @torch.no_grad()
     def step(self) -> None:
         for group in self.param_groups:
+            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                p.add_((0.9 * m + 0.1 * p.grad).sign(), alpha=-group["lr"])
-                m.mul_(0.99).add_(p.grad, alpha=0.01)
+                p.add_((beta1 * m + (1 - beta1) * p.grad).sign(), alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-@pytest.mark.parametrize(("make", "key", "bound"), [
-    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "momentum_buffer", "rms_step"),
-    (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9), "momentum_buffer", "rms_step"),
-    (_SignMomentum, "exp_avg", "update_step"),
-])
+class LionOptimizer(_SignMomentum):
+    """The same, named as Lion optimizers are (lion-pytorch's ``Lion``, bitsandbytes'
+    ``Lion8bit``)."""
+
+
+@pytest.mark.parametrize(("make", "key", "bound", "factor"), [
+    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "momentum_buffer", "rms_step", 1.0),
+    (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9), "momentum_buffer", "rms_step",
+     1.0),
+    (_SignMomentum, "exp_avg", "update_step", 1.0),
+    (LionOptimizer, "exp_avg", "update_step", SIGN_FLIP_STEP * 0.01),
+    (lambda p: LionOptimizer(p, betas=(0.9, 0.95)), "exp_avg", "update_step",
+     SIGN_FLIP_STEP * 0.05),
+], ids=["sgd", "rmsprop", "unnamed-sign", "lion", "lion-beta2-0.95"])
 def test_unscaled_first_moments_step_by_their_rms(ckpt: Path, make: Callable, key: str,
-                                                   bound: str) -> None:
+                                                   bound: str, factor: float) -> None:
     """A first moment no second moment scales is coded from zero, dithered, at a step of a
     multiple of its root mean square: ``rms_step`` for a momentum buffer (SGD's, RMSprop's:
-    the update is a multiple of it), ``update_step`` for another (Lion's, whose sign is the
-    update: finer); each element within half a step, unbiased (never shrunk to zero)."""
-    step = getattr(CompressionConfig.preset("balanced").first_moment, bound)
+    the update is a multiple of it); for Lion's, whose sign is the update, ``update_step *
+    SIGN_FLIP_STEP * (1 - beta2)`` (its error flips signs for about ``1 / (1 - beta2)``
+    steps); ``update_step`` for another; each element within half a step, unbiased (never
+    shrunk to zero)."""
+    step = getattr(CompressionConfig.preset("balanced").first_moment, bound) * factor
     errors = _moment_errors(ckpt, make, key, "first_moment")
     for x, r, params in errors:
         assert params["pred"] == "zero" and "dither" in params

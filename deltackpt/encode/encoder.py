@@ -48,6 +48,7 @@ from deltackpt.encode.optimizers import (
     group_hyperparameter,
     master_copies,
     movement_units,
+    sign_memories,
     state_by_parameter,
     state_meanings,
     unknown_state_keys,
@@ -139,6 +140,7 @@ class _Meanings:
     qmaps: dict[str, bool]  # bitsandbytes code maps: whether each equals its base's
     scales: dict[str, tuple[str, float, float]]  # first moments scaled by their second
     centred: dict[str, str]  # centered RMSprop: grad_avg -> the square_avg it centres
+    sign_memories: dict[str, float]  # Lion's parameters by FQN: 1 - beta2 (policy.base_step)
 
 
 @dataclass(frozen=True)
@@ -295,7 +297,7 @@ class StepEncoder:
             roles, movement_units(captured, states) if self.is_delta else {},
             master_copies(captured) if self.is_delta else {}, bnb, qmaps,
             self._scales(captured, roles, bnb, states, centred) if self.is_delta else {},
-            centred)
+            centred, sign_memories(captured) if self.is_delta else {})
 
     def _plan_coding(self, item: CapturedTensor, tensor: torch.Tensor,
                      meanings: _Meanings) -> _Plan:
@@ -386,8 +388,11 @@ class StepEncoder:
             plan.step = quantizer.update_step * plan.scale[2]
         else:
             carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
-            plan.step = base_step(quantizer, sample, carried, unit, value_rms,
-                                  momentum=meanings.roles.get(item.name) in MOMENTUM_BUFFERS)
+            plan.step = base_step(
+                quantizer, sample, carried, unit, value_rms,
+                momentum=meanings.roles.get(item.name) in MOMENTUM_BUFFERS,
+                sign_memory=meanings.sign_memories.get(item.fqn)
+                if plan.cls == "first_moment" else None)
             if plan.step <= 0:  # nothing moved: a dither would move what stays put
                 plan.dither = None
         return sample, plan.step, numel, plan, ordinal

@@ -43,6 +43,8 @@ FIRST_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
 # First moments the update is a multiple of (SGD's and RMSprop's momentum): policy.Quantizer.rms_step
 MOMENTUM_BUFFERS = frozenset({"momentum_buffer"})
+# Lion's default beta2 (Chen et al. 2023), for param groups that state none.
+LION_BETA2 = 0.99
 KNOWN_KEYS = FIRST_MOMENTS | SECOND_MOMENTS | set(MASTER_KEYS) | {"step"}
 SAMPLE_ELEMENTS = 8192  # elements sampled for a root mean square
 BNB_WRAPPER = "__bnb_optimizer_quant_state__"  # bitsandbytes' state_dict nests its states here
@@ -207,8 +209,8 @@ def sampled_rms(tensor: torch.Tensor) -> float:
 
 
 def _betas(captured: CapturedState) -> dict[str, tuple[float, float]]:
-    """``fqn -> (beta1, beta2)`` of Adam-family param groups whose ``betas`` are two numbers
-    in [0, 1)."""
+    """``fqn -> (beta1, beta2)`` of Adam-family (and Lion) param groups whose ``betas`` are two
+    numbers in [0, 1)."""
     optimizer = captured.tree.get("optimizer")
     out: dict[str, tuple[float, float]] = {}
     for group in (optimizer or {}).get("param_groups", []):
@@ -301,8 +303,7 @@ def movement_units(captured: CapturedState,
     states = state_by_parameter(captured) if states is None else states
     counts = _counts(captured)
     corrections = adam_bias_corrections(captured, states, counts)
-    optimizer = captured.tree.get("optimizer") or {}
-    lion = optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
+    lion = is_lion(captured)
     units = {}
     for fqn, state in states.items():
         lr = rates.get(fqn)
@@ -324,6 +325,24 @@ def movement_units(captured: CapturedState,
         if rms > 0 and math.isfinite(rms):
             units[fqn] = lr * rms
     return units
+
+
+def is_lion(captured: CapturedState) -> bool:
+    """Whether the optimizer is Lion: a class named ``Lion...`` (lion-pytorch's, bitsandbytes'
+    ``Lion8bit`` and ``PagedLion8bit``), whose update is the sign of its momentum."""
+    optimizer = captured.tree.get("optimizer") or {}
+    return optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
+
+
+def sign_memories(captured: CapturedState) -> dict[str, float]:
+    """``fqn -> 1 - beta2`` of a Lion optimizer's parameters: how much of its momentum a step
+    replaces, so that an error in it lasts about ``1 / (1 - beta2)`` steps (``beta2`` of 0.99,
+    Lion's default, where a group states none). Empty for other optimizers."""
+    if not is_lion(captured):
+        return {}
+    betas = _betas(captured)
+    rates = group_hyperparameter(captured, "lr")
+    return {fqn: 1 - betas.get(fqn, (0.9, LION_BETA2))[1] for fqn in rates}
 
 
 def master_copies(captured: CapturedState) -> dict[str, str]:

@@ -69,6 +69,10 @@ SAMPLE_ELEMENTS = 8192  # elements sampled per tensor to pick steps and estimate
 DEFAULT_MAX_SCALE = math.sqrt(2)
 # A Quantizer's error bounds: a step and the units it may be given in (target_ratio scales them all)
 ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step", "rms_step")
+# A first moment whose sign is the update (Lion's) is coded at update_step * SIGN_FLIP_STEP *
+# (1 - beta2) of its root mean square: where its error displaces a weight, through the signs it
+# flips while it lasts, about as far as Adam's first moment at update_step (base_step derives it).
+SIGN_FLIP_STEP = 5 * math.sqrt(2 * math.pi)
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,11 @@ class Quantizer:
         rms_step: momentum buffers (SGD's and RMSprop's ``momentum_buffer``, of which the
             update is a multiple): the step as a multiple of the tensor's root mean square, so
             its restored update is within ``rms_step / 2`` of the typical update (default:
-            ``update_step``). Other first moments not scaled by a second (Lion's ``exp_avg``,
-            whose sign is the update) take ``update_step`` times their root mean square.
+            ``update_step``). Lion's ``exp_avg``, whose sign is the update, takes
+            ``update_step * SIGN_FLIP_STEP * (1 - beta2)`` times its root mean square, where
+            the signs its error flips move a weight about as far as Adam's first moment moves
+            it (:func:`base_step`); other first moments not scaled by a second, ``update_step``
+            times it.
         dither: shift each element's quantization grid by its own pseudo-random fraction of
             a step (FORMAT.md 3.2), which makes the error uniform, unbiased and independent of
             how the values moved (the manual's "What a delta keeps" says why that matters).
@@ -408,7 +415,7 @@ def needs_residuals(quantizer: Quantizer, unit: float | None) -> bool:
 
 def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: float = 0.0,
               unit: float | None = None, value_rms: float | None = None,
-              momentum: bool = False) -> float:
+              momentum: bool = False, sign_memory: float | None = None) -> float:
     """The step ``quantizer`` asks for, before any target-ratio scaling.
 
     ``sample`` (what the quantizer codes, at sampled elements) may be None
@@ -418,6 +425,18 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
     ``Quantizer.move_step``). A first moment's step (:meth:`Quantizer.rms_unit_step`;
     ``momentum``: a momentum buffer) is relative to the root mean square of the sample: the
     moment itself.
+
+    ``sign_memory`` (``1 - beta2``) marks a moment whose sign is the update: Lion's, with
+    ``sign(beta1 m + (1 - beta1) g)`` and ``m <- beta2 m + (1 - beta2) g``. An error ``e`` in
+    ``m`` shifts the sign's argument by ``beta1 e``, decaying by ``beta2`` a step, and flips
+    the update where the argument lies within it of zero: a step ``t`` after the restore, with
+    probability at most ``f(0) |e| beta2**t``, ``f`` the density of ``m`` (the gradient's
+    share of the argument only spreads it; at zero, ``1 / (sqrt(2 pi) rms)`` for a normal
+    ``m``). Each flip moves the weight two learning rates, so over the error's life about
+    ``f(0) E|e| / (1 - beta2)`` times two, ``f(0) step / (2 (1 - beta2))`` learning rates for
+    a dithered error (``E|e|`` a quarter step). Adam's first moment at ``update_step`` moves a
+    weight ``update_step / 4`` learning rates a step for ``1 / (1 - 0.9)`` steps (its default
+    beta1): equal at ``update_step * SIGN_FLIP_STEP * sign_memory`` times the rms.
     ``carried_error`` is the mean squared error the previous save left in
     the prediction. A closed-loop residual is the change since that save
     plus this error; the step follows the change alone, so the error a
@@ -441,6 +460,8 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
         return 2 * float(np.partition(mags, k)[k])
     mean_sq = float(np.mean(finite * finite))
     rms_unit = quantizer.rms_unit_step(momentum)
+    if rms_unit is not None and sign_memory is not None:
+        return rms_unit * SIGN_FLIP_STEP * sign_memory * mean_sq ** 0.5
     if rms_unit is not None:
         return rms_unit * mean_sq ** 0.5
     change_sq = max(mean_sq - carried_error, mean_sq / 16)
