@@ -543,6 +543,10 @@ class LionOptimizer(_SignMomentum):
     ``Lion8bit``)."""
 
 
+class DecoupledLionW(_SignMomentum):
+    """The same, named as Composer's Lion."""
+
+
 @pytest.mark.parametrize(("make", "key", "bound", "factor"), [
     (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "momentum_buffer", "rms_step", 1.0),
     (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9), "momentum_buffer", "rms_step",
@@ -551,7 +555,8 @@ class LionOptimizer(_SignMomentum):
     (LionOptimizer, "exp_avg", "update_step", SIGN_FLIP_STEP * 0.01),
     (lambda p: LionOptimizer(p, betas=(0.9, 0.95)), "exp_avg", "update_step",
      SIGN_FLIP_STEP * 0.05),
-], ids=["sgd", "rmsprop", "unnamed-sign", "lion", "lion-beta2-0.95"])
+    (DecoupledLionW, "exp_avg", "update_step", SIGN_FLIP_STEP * 0.01),
+], ids=["sgd", "rmsprop", "unnamed-sign", "lion", "lion-beta2-0.95", "decoupled-lion"])
 def test_unscaled_first_moments_step_by_their_rms(ckpt: Path, make: Callable, key: str,
                                                    bound: str, factor: float) -> None:
     """A first moment no second moment scales is coded from zero, dithered, at a step of a

@@ -290,7 +290,7 @@ def movement_units(captured: CapturedState,
       ``t`` steps, the update of a gradient as large as the typical one so far;
     * SGD with momentum (``momentum_buffer`` alone): ``lr`` times the
       buffer's root mean square, since the update is ``lr * momentum_buffer``;
-    * Lion (an optimizer class named ``Lion...``, as bitsandbytes' ``Lion8bit``):
+    * Lion (an optimizer class whose name says ``Lion``, as bitsandbytes' ``Lion8bit``):
       ``lr``, since its update is the sign of a momentum.
 
     Parameters whose optimizer says none of this (no optimizer, plain SGD, a
@@ -328,10 +328,11 @@ def movement_units(captured: CapturedState,
 
 
 def is_lion(captured: CapturedState) -> bool:
-    """Whether the optimizer is Lion: a class named ``Lion...`` (lion-pytorch's, bitsandbytes'
-    ``Lion8bit`` and ``PagedLion8bit``), whose update is the sign of its momentum."""
+    """Whether the optimizer is Lion, whose update is the sign of its momentum: a class whose
+    name says ``Lion`` (lion-pytorch's ``Lion``, bitsandbytes' ``Lion8bit`` and
+    ``PagedLion8bit``, Composer's ``DecoupledLionW``)."""
     optimizer = captured.tree.get("optimizer") or {}
-    return optimizer.get("class", "").removeprefix("Paged").startswith("Lion")
+    return "Lion" in optimizer.get("class", "")
 
 
 def sign_memories(captured: CapturedState) -> dict[str, float]:
