@@ -140,7 +140,7 @@ class _Meanings:
     qmaps: dict[str, bool]  # bitsandbytes code maps: whether each equals its base's
     scales: dict[str, tuple[str, float, float]]  # first moments scaled by their second
     centred: dict[str, str]  # centered RMSprop: grad_avg -> the square_avg it centres
-    sign_memories: dict[str, float]  # Lion's parameters by FQN: 1 - beta2 (policy.base_step)
+    sign_memories: dict[str, float]  # Lion's parameters by FQN: 1 - beta2 (Quantizer.rms_unit_step)
 
 
 @dataclass(frozen=True)

@@ -343,7 +343,7 @@ def sign_memories(captured: CapturedState) -> dict[str, float]:
         return {}
     betas = _betas(captured)
     rates = group_hyperparameter(captured, "lr")
-    return {fqn: 1 - betas.get(fqn, (0.9, LION_BETA2))[1] for fqn in rates}
+    return {fqn: 1 - (betas[fqn][1] if fqn in betas else LION_BETA2) for fqn in rates}
 
 
 def master_copies(captured: CapturedState) -> dict[str, str]:

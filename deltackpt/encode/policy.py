@@ -71,7 +71,8 @@ DEFAULT_MAX_SCALE = math.sqrt(2)
 ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step", "rms_step")
 # A first moment whose sign is the update (Lion's) is coded at update_step * SIGN_FLIP_STEP *
 # (1 - beta2) of its root mean square: where its error displaces a weight, through the signs it
-# flips while it lasts, about as far as Adam's first moment at update_step (base_step derives it).
+# flips while it lasts, about as far as Adam's first moment at update_step (derived in
+# Quantizer.rms_unit_step).
 SIGN_FLIP_STEP = 5 * math.sqrt(2 * math.pi)
 
 
@@ -110,7 +111,7 @@ class Quantizer:
             ``update_step``). Lion's ``exp_avg``, whose sign is the update, takes
             ``update_step * SIGN_FLIP_STEP * (1 - beta2)`` times its root mean square, where
             the signs its error flips move a weight about as far as Adam's first moment moves
-            it (:func:`base_step`); other first moments not scaled by a second, ``update_step``
+            it (:meth:`rms_unit_step`); other first moments not scaled by a second, ``update_step``
             times it.
         dither: shift each element's quantization grid by its own pseudo-random fraction of
             a step (FORMAT.md 3.2), which makes the error uniform, unbiased and independent of
@@ -155,10 +156,28 @@ class Quantizer:
             if (self.domain, self.pred) != ("linear", pred):
                 raise ConfigError(f"Quantizer {key}= needs the linear domain and pred={pred!r}")
 
-    def rms_unit_step(self, momentum: bool) -> float | None:
+    def rms_unit_step(self, momentum: bool, sign_memory: float | None = None) -> float | None:
         """The step of a first moment whose steps are not scaled, in its root mean square:
-        ``rms_step`` for a momentum buffer where set, else ``update_step``."""
-        return self.rms_step if momentum and self.rms_step is not None else self.update_step
+        ``rms_step`` for a momentum buffer where set, else ``update_step``; for a moment whose
+        sign is the update (``sign_memory``: ``1 - beta2``), ``update_step * SIGN_FLIP_STEP *
+        sign_memory``.
+
+        That moment is Lion's, with ``sign(beta1 m + (1 - beta1) g)`` and ``m <- beta2 m +
+        (1 - beta2) g``. An error ``e`` in ``m`` shifts the sign's argument by ``beta1 e``,
+        decaying by ``beta2`` a step, and flips the update where the argument lies within it
+        of zero: a step ``t`` after the restore, with probability at most ``f(0) |e|
+        beta2**t``, ``f`` the density of ``m`` (the gradient's share of the argument only
+        spreads it; at zero, ``1 / (sqrt(2 pi) rms)`` for a normal ``m``). Each flip moves the
+        weight two learning rates, so over the error's life about ``f(0) E|e| / (1 - beta2)``
+        times two, ``f(0) step / (2 (1 - beta2))`` learning rates for a dithered error
+        (``E|e|`` a quarter step). Adam's first moment at ``update_step`` moves a weight
+        ``update_step / 4`` learning rates a step for ``1 / (1 - 0.9)`` steps (its default
+        beta1): equal at the step above."""
+        if momentum and self.rms_step is not None:
+            return self.rms_step
+        if sign_memory is not None and self.update_step is not None:
+            return self.update_step * SIGN_FLIP_STEP * sign_memory
+        return self.update_step
 
     @property
     def dithers(self) -> bool:
@@ -424,19 +443,7 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
     (:func:`deltackpt.encode.optimizers.movement_units`, for
     ``Quantizer.move_step``). A first moment's step (:meth:`Quantizer.rms_unit_step`;
     ``momentum``: a momentum buffer) is relative to the root mean square of the sample: the
-    moment itself.
-
-    ``sign_memory`` (``1 - beta2``) marks a moment whose sign is the update: Lion's, with
-    ``sign(beta1 m + (1 - beta1) g)`` and ``m <- beta2 m + (1 - beta2) g``. An error ``e`` in
-    ``m`` shifts the sign's argument by ``beta1 e``, decaying by ``beta2`` a step, and flips
-    the update where the argument lies within it of zero: a step ``t`` after the restore, with
-    probability at most ``f(0) |e| beta2**t``, ``f`` the density of ``m`` (the gradient's
-    share of the argument only spreads it; at zero, ``1 / (sqrt(2 pi) rms)`` for a normal
-    ``m``). Each flip moves the weight two learning rates, so over the error's life about
-    ``f(0) E|e| / (1 - beta2)`` times two, ``f(0) step / (2 (1 - beta2))`` learning rates for
-    a dithered error (``E|e|`` a quarter step). Adam's first moment at ``update_step`` moves a
-    weight ``update_step / 4`` learning rates a step for ``1 / (1 - 0.9)`` steps (its default
-    beta1): equal at ``update_step * SIGN_FLIP_STEP * sign_memory`` times the rms.
+    moment itself; ``sign_memory`` (``1 - beta2``) marks one whose sign is the update (Lion's).
     ``carried_error`` is the mean squared error the previous save left in
     the prediction. A closed-loop residual is the change since that save
     plus this error; the step follows the change alone, so the error a
@@ -459,9 +466,7 @@ def base_step(quantizer: Quantizer, sample: np.ndarray | None, carried_error: fl
         k = min(mags.size - 1, int(mags.size * (1 - quantizer.density)))
         return 2 * float(np.partition(mags, k)[k])
     mean_sq = float(np.mean(finite * finite))
-    rms_unit = quantizer.rms_unit_step(momentum)
-    if rms_unit is not None and sign_memory is not None:
-        return rms_unit * SIGN_FLIP_STEP * sign_memory * mean_sq ** 0.5
+    rms_unit = quantizer.rms_unit_step(momentum, sign_memory)
     if rms_unit is not None:
         return rms_unit * mean_sq ** 0.5
     change_sq = max(mean_sq - carried_error, mean_sq / 16)
