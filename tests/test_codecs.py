@@ -361,6 +361,8 @@ SCALED_QUANT = {**QUANT_BASE, "scale": "optimizer/state/w/exp_avg_sq", "eps": fl
     {"domain": "ordinal", "pred": "base", "step": 256, "block": 1024}, SCALED_QUANT,
     {**SCALED_QUANT, "dither": 3}, {**QUANT_BASE, "dither": 0},  # since 1.5
     {"domain": "ordinal", "pred": "base", "step": 1 << 29, "block": 64, "dither": 5},
+    {**SCALED_QUANT, "dither": 3, "dither_signs": True},  # since 2.2
+    {**QUANT_BASE, "pred": "base", "dither": 7, "dither_signs": True},
 ])
 def test_valid_quant_params(params: dict[str, Any]) -> None:
     quant_params(params)
@@ -373,6 +375,9 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
     {**SCALED_QUANT, "domain": "ordinal", "step": 4}, {**SCALED_QUANT, "eps": 0.0},
     {**SCALED_QUANT, "eps": 0.1}, {**SCALED_QUANT, "eps": True}, {**SCALED_QUANT, "scale": 3},
     {**QUANT_BASE, "eps": 1.0}, {k: v for k, v in SCALED_QUANT.items() if k != "eps"},
+    {**QUANT_BASE, "dither_signs": True},  # signs folded by a dither it does not have
+    {**QUANT_BASE, "dither": 7, "dither_signs": False}, {**QUANT_BASE, "dither": 7, "dither_signs": 1},
+    {"domain": "ordinal", "pred": "base", "step": 256, "block": 64, "dither": 5, "dither_signs": True},
 ])
 def test_invalid_quant_params_are_refused(params: dict[str, Any]) -> None:
     with pytest.raises(FormatError, match="quant params"):
@@ -389,7 +394,8 @@ def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
     recon = np.empty_like(x)
     chunk, _ = encode_quant(x, pred, recon, ordinal=False, step=0.03125, block=1024, dither=9)
     stream, _ = encode_block_stream(x, pred, np.empty_like(x), ordinal=False, step=0.03125,
-                                    block=1024, dither=9)
+                                    block=1024, dither=9, dither_signs=True)
+    assert chunk.params["dither_signs"] is True  # every dithered linear chunk folds its signs
     frame = bytes(chunk.parts[0])
     assert frame == zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
     assert _spec_zstd(frame, stream.nbytes) == stream.tobytes()

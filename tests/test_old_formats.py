@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from helpers import edit_metadata, step_dir
 
 from deltackpt import CheckpointManager
+from deltackpt.errors import FormatError
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("format-*"))
 
@@ -46,5 +48,18 @@ def test_old_format_restores_bit_for_bit(fixture: Path, tmp_path: Path) -> None:
 
 def test_fixtures_exist() -> None:
     """The old-format fixtures are in the tree (a missing directory would skip every check)."""
-    assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1"} \
-        <= {p.name for p in FIXTURES}
+    assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1",
+            "format-2.2"} <= {p.name for p in FIXTURES}
+
+
+def test_folded_signs_are_refused_in_metadata_before_2_2(tmp_path: Path) -> None:
+    """A quant chunk whose signs are folded by its dither (2.2's ``dither_signs``) in a step
+    that says it is of format 2.1: refused when read, naming the tensor and both versions,
+    rather than decoded with the wrong signs."""
+    shutil.copytree(Path(__file__).parent / "fixtures" / "format-2.2" / "ckpt", tmp_path / "ckpt")
+    edit_metadata(step_dir(tmp_path / "ckpt", 2) / "metadata.json",
+                  lambda obj: obj.update(format_version="2.1"))
+    with pytest.raises(FormatError, match=r"step-000000000002/metadata\.json: tensor '[^']+': a "
+                       r"chunk's 'dither_signs' is of format 2\.2, this step's format_version "
+                       r"is 2\.1"):
+        CheckpointManager(tmp_path / "ckpt", read_only=True).restore(2)

@@ -103,6 +103,7 @@ class Case(NamedTuple):
     inplace: bool
     dither: int | None = None  # a seed
     first: int = 0  # the index of the first element in its tensor (for the dither)
+    dither_signs: bool = False  # symbols' signs folded by the dither (dithered, linear)
 
 
 def _ditherable(ordinal: bool, step: float | int) -> bool:
@@ -124,7 +125,8 @@ def cases(draw: st.DrawFn, ordinal: bool | None = None, max_n: int = 3000) -> Ca
     dither = draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))) if _ditherable(ordinal, step) \
         else None
     return Case(x, pred, ordinal, step, block, draw(st.booleans()), dither,
-                draw(st.integers(0, 2**34)))
+                draw(st.integers(0, 2**34)),
+                dither is not None and not ordinal and draw(st.booleans()))
 
 
 def _encode(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +136,7 @@ def _encode(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     else:
         pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
     stream, stats = encode_block_stream(c.x, pred, out, ordinal=c.ordinal, step=c.step, block=c.block,
-                                        dither=c.dither, first=c.first)
+                                        dither=c.dither, dither_signs=c.dither_signs, first=c.first)
     if c.pred is not None and not c.inplace:
         assert pred.tobytes() == c.pred.tobytes(), "the encoder wrote to pred"
     return stream, stats, out
@@ -146,7 +148,7 @@ def _decode(c: Case, stream: np.ndarray) -> np.ndarray:
     else:
         pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
     decode_block_stream(stream, pred, out, ordinal=c.ordinal, step=c.step, block=c.block,
-                        dither=c.dither, first=c.first)
+                        dither=c.dither, dither_signs=c.dither_signs, first=c.first)
     return out
 
 
@@ -168,8 +170,14 @@ def assert_stream_equal(actual: np.ndarray, expected: np.ndarray) -> None:
         f"streams differ: {actual.size} vs {expected.size} bytes, widths {actual[:8]} vs {expected[:8]}"
 
 
+def _clipped(q: np.ndarray, dither_signs: bool = False) -> np.ndarray:
+    """Where stored symbols ``q`` are clamped ones: at the ends of the 16-bit range, or of
+    +-Q_MAX with folded signs."""
+    return np.abs(q) == Q_MAX if dither_signs else (q == Q_MIN) | (q == Q_MAX)
+
+
 def _expected_stats(x: np.ndarray, recon: np.ndarray, q: np.ndarray, block: int,
-                    ordinal: bool) -> np.ndarray:
+                    ordinal: bool, dither_signs: bool) -> np.ndarray:
     rows = []
     for start in range(0, x.size, block):
         xb, rb, qb = x[start:start + block], recon[start:start + block], q[start:start + block]
@@ -183,16 +191,16 @@ def _expected_stats(x: np.ndarray, recon: np.ndarray, q: np.ndarray, block: int,
         row[STAT_SUM_SQ_ERR] = np.sum(err.astype(np.float64) ** 2)
         row[STAT_SUM_SQ] = np.sum(xb.astype(np.float64) ** 2)
         row[STAT_NONZERO] = np.count_nonzero(qb)
-        row[STAT_CLIPPED] = np.count_nonzero((qb == Q_MIN) | (qb == Q_MAX))
+        row[STAT_CLIPPED] = np.count_nonzero(_clipped(qb, dither_signs))
         rows.append(row)
     return np.array(rows).reshape(-1, N_STATS)
 
 
 def _check_stats(stats: np.ndarray, x: np.ndarray, recon: np.ndarray, q: np.ndarray, block: int,
-                 ordinal: bool) -> None:
+                 ordinal: bool, dither_signs: bool = False) -> None:
     assert stats.shape == (n_blocks_of(x.size, block), N_STATS)
     assert stats.dtype == np.float64
-    expected = _expected_stats(x, recon, q, block, ordinal)
+    expected = _expected_stats(x, recon, q, block, ordinal, dither_signs)
     assert (stats[:, STAT_BAD] == 0).all()
     np.testing.assert_array_equal(stats[:, STAT_NONZERO], expected[:, STAT_NONZERO])
     np.testing.assert_array_equal(stats[:, STAT_CLIPPED], expected[:, STAT_CLIPPED])
@@ -201,10 +209,10 @@ def _check_stats(stats: np.ndarray, x: np.ndarray, recon: np.ndarray, q: np.ndar
 
 
 def _check_error_bound(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, q: np.ndarray, *,
-                       ordinal: bool, step: float | int) -> None:
+                       ordinal: bool, step: float | int, dither_signs: bool = False) -> None:
     """Unclipped elements are within half a step (linear: plus float32 rounding; ordinal: exactly,
     but for keys within a step of zero, moved up to a step further to keep their sign)."""
-    ok = (q != Q_MIN) & (q != Q_MAX)
+    ok = ~_clipped(q, dither_signs)
     if ordinal:
         kx, kr = numpy_keys(x), numpy_keys(recon)
         assert (((kr >= 0) | (kx < 0)) & ((kr <= 0) | (kx >= 0)))[ok].all(), "a sign flipped"
@@ -234,11 +242,12 @@ def test_encoder_matches_numpy_reference(c: Case) -> None:
     """Stream == numpy_pack(numpy_quantize symbols); reconstruction and stats match the reference."""
     stream, stats, recon = _encode(c)
     q, expected_recon = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
-                                       first=c.first)
+                                       dither_signs=c.dither_signs, first=c.first)
     assert_stream_equal(stream, numpy_pack(q, c.block))
     assert_bits_equal(recon, expected_recon, "reconstruction")
-    _check_stats(stats, c.x, recon, q, c.block, c.ordinal)
-    _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step)
+    _check_stats(stats, c.x, recon, q, c.block, c.ordinal, c.dither_signs)
+    _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step,
+                       dither_signs=c.dither_signs)
 
 
 @pytest.mark.parametrize("ordinal", [False, True])
@@ -269,7 +278,8 @@ def test_decode_reproduces_encoder_reconstruction(c: Case) -> None:
     assert_bits_equal(_decode(c, stream), recon, "decoded")
     q = numpy_unpack(stream, c.x.size, c.block)
     assert_bits_equal(numpy_dequantize(q, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
-                                       first=c.first), recon, "numpy decoded")
+                                       dither_signs=c.dither_signs, first=c.first), recon,
+                      "numpy decoded")
 
 
 @FEW
@@ -282,9 +292,9 @@ def test_chained_in_place_updates(c: Case, steps: int) -> None:
     x = c.x
     for _ in range(steps):
         stream, _ = encode_block_stream(x, writer, writer, ordinal=c.ordinal, step=c.step, block=c.block,
-                                        dither=c.dither, first=c.first)
+                                        dither=c.dither, dither_signs=c.dither_signs, first=c.first)
         decode_block_stream(stream, reader, reader, ordinal=c.ordinal, step=c.step, block=c.block,
-                            dither=c.dither, first=c.first)
+                            dither=c.dither, dither_signs=c.dither_signs, first=c.first)
         assert_bits_equal(reader, writer, "running reconstruction")
         x = np.where(rng.random(x.size) < 0.5, x, -x).astype(np.float32)
 
@@ -323,28 +333,30 @@ EPSILONS = [float(np.float32(e)) for e in (1e-8, 1e-3, 1.0)]
 @given(n=st.integers(0, 3000), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**32 - 1),
        x_pattern=st.sampled_from(PATTERNS), scale_pattern=st.sampled_from(PATTERNS),
        step=st.sampled_from(LINEAR_STEPS), eps=st.sampled_from(EPSILONS),
-       dither=st.none() | st.integers(0, 2**32 - 1), first=st.integers(0, 2**34))
+       dither=st.none() | st.integers(0, 2**32 - 1), first=st.integers(0, 2**34),
+       signs=st.booleans())
 def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pattern: str,
                                             scale_pattern: str, step: float, eps: float,
-                                            dither: int | None, first: int) -> None:
+                                            dither: int | None, first: int, signs: bool) -> None:
     """Each element's step is ``step * (sqrt(scale) + eps)``, dithered or not: encoder, decoder
     and the numpy references agree bit for bit, and every unclipped element is within half its
     step."""
     x = _values(n, seed, x_pattern)
     scale = np.abs(_values(n, seed + 7, scale_pattern))
     recon = np.full(n, np.nan, np.float32)
+    signs = signs and dither is not None
     coding = {"ordinal": False, "step": step, "scale": scale, "eps": eps, "dither": dither,
-              "first": first}
+              "dither_signs": signs, "first": first}
     stream, stats = encode_block_stream(x, None, recon, block=block, **coding)
     q, expected = numpy_quantize(x, None, **coding)
     assert_stream_equal(stream, numpy_pack(q, block))
     assert_bits_equal(recon, expected, "reconstruction")
-    _check_stats(stats, x, recon, q, block, False)
+    _check_stats(stats, x, recon, q, block, False, signs)
     decoded = np.full(n, np.nan, np.float32)
     decode_block_stream(stream, None, decoded, block=block, **coding)
     assert_bits_equal(decoded, recon, "decoded")
     steps = numpy_element_steps(step, scale, eps).astype(np.float64)
-    ok = (q != Q_MIN) & (q != Q_MAX)
+    ok = ~_clipped(q, signs)
     err = np.abs(recon.astype(np.float64) - x)
     bound = steps / 2 * (1 + 1e-6) + 4 * np.spacing(np.abs(x)).astype(np.float64)
     assert (err[ok] <= bound[ok]).all()
@@ -523,6 +535,47 @@ def test_huge_residuals_are_clipped(ordinal: bool, step: float | int, value: flo
     assert_bits_equal(decoded, out)
 
 
+@pytest.mark.parametrize("value", [1e6, -1e6])
+def test_folded_symbols_clip_at_both_ends_of_q_max(value: float) -> None:
+    """With folded signs, residuals beyond the range clamp to +-32767, so that every folded
+    symbol fits 16 bits (a clamped -32768 would fold to 32768), and are counted in
+    STAT_CLIPPED whatever their dither's sign."""
+    n, block, step = 300, 128, float(np.float32(1e-3))
+    x = np.full(n, value, np.float32)
+    x[::3] = 0
+    out = np.empty(n, np.float32)
+    coding = {"ordinal": False, "step": step, "dither": 77, "dither_signs": True}
+    stream, stats = encode_block_stream(x, None, out, block=block, **coding)
+    q, expected = numpy_quantize(x, None, **coding)
+    assert set(np.abs(q[x != 0]).tolist()) == {Q_MAX}
+    assert len(set(q[x != 0].tolist())) == 2  # both signs, by the dither
+    assert_stream_equal(stream, numpy_pack(q, block))
+    assert_bits_equal(out, expected)
+    assert stats[:, STAT_CLIPPED].tolist() == [np.count_nonzero(x[b:b + block])
+                                               for b in range(0, n, block)]
+    decoded = np.empty(n, np.float32)
+    decode_block_stream(stream, None, decoded, block=block, **coding)
+    assert_bits_equal(decoded, out)
+
+
+def test_folded_signs_code_small_values_in_one_sign() -> None:
+    """Values a small fraction of a step, dithered anew (as Adam's first moment is): a dither
+    offset at or above 0 rounds them to 1, one below 0 to -1; folded, every nonzero symbol is
+    -1, and the blocks pack one bit an element where they packed two, for the same
+    reconstruction."""
+    x = (np.random.default_rng(3).standard_normal(1 << 14) * 0.1).astype(np.float32)
+    coding = {"ordinal": False, "step": 1.0, "block": 1024, "dither": 9}
+    plain_out, folded_out = np.empty_like(x), np.empty_like(x)
+    plain, _ = encode_block_stream(x, None, plain_out, **coding)
+    folded, _ = encode_block_stream(x, None, folded_out, dither_signs=True, **coding)
+    assert_bits_equal(folded_out, plain_out)
+    q_plain, q_folded = (numpy_unpack(s, x.size, 1024) for s in (plain, folded))
+    assert {-1, 1} <= set(q_plain.tolist()) <= {-1, 0, 1}
+    assert set(q_folded.tolist()) == {-1, 0}
+    assert np.array_equal(np.abs(q_folded), np.abs(q_plain))
+    assert set(plain[:16].tolist()) == {2} and set(folded[:16].tolist()) == {1}
+
+
 def test_ordinal_special_values() -> None:
     """Negatives, both zeros, subnormals, the normal/subnormal boundary and the largest finite values."""
     f32 = np.finfo(np.float32)
@@ -562,9 +615,11 @@ def test_keys_order_like_floats() -> None:
 def test_error_within_half_a_step(c: Case) -> None:
     """Unclipped: linear |s - x| <= step/2 (+rounding), ordinal keys within step//2; STAT_MAX_ABS agrees."""
     _, stats, recon = _encode(c)
-    q, _ = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither, first=c.first)
-    _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step)
-    ok = (q != Q_MIN) & (q != Q_MAX)
+    q, _ = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
+                          dither_signs=c.dither_signs, first=c.first)
+    _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step,
+                       dither_signs=c.dither_signs)
+    ok = ~_clipped(q, c.dither_signs)
     if not c.ordinal and c.x.size and ok.all():
         assert stats[:, STAT_MAX_ABS].max() <= c.step / 2 * (1 + 1e-6) + 4 * float(np.spacing(
             np.abs(np.concatenate([c.x, recon, c.x if c.pred is None else c.pred])).max()))
@@ -628,7 +683,7 @@ def test_non_finite_inputs_are_counted_per_block(c: Case, data: st.DataObject) -
     safe_x = np.where(good, x, 0).astype(np.float32)
     safe_p = None if pred is None else np.where(good, pred, 0).astype(np.float32)
     q, expected = numpy_quantize(safe_x, safe_p, ordinal=c.ordinal, step=c.step, dither=c.dither,
-                                 first=c.first)
+                                 dither_signs=c.dither_signs, first=c.first)
     q[~good] = 0
     assert_stream_equal(stream, numpy_pack(q, c.block))
     assert (stream[:n_blocks][bad_per_block > 0] == 0).all()
@@ -735,6 +790,7 @@ class StepsCase(NamedTuple):
     zero_start: bool
     dithers: list[int | None] | None = None
     first: int = 0
+    dither_signs: list[bool] | None = None
 
 
 def _symbol_stream(n: int, block: int, rng: np.random.Generator) -> np.ndarray:
@@ -765,27 +821,32 @@ def steps_cases(draw: st.DrawFn, max_n: int = 2500) -> StepsCase:
     zero_start = draw(st.booleans())
     dithers = [draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))) if _ditherable(o, step)
                else None for o, step in zip(ordinal, steps, strict=True)]
+    signs = [dither is not None and not o and draw(st.booleans())
+             for o, dither in zip(ordinal, dithers, strict=True)]
     first = draw(st.integers(0, 2**34))
     running = None if zero_start else start.copy()
     streams = []
-    for o, step, dither in zip(ordinal, steps, dithers, strict=True):
+    for o, step, dither, sign in zip(ordinal, steps, dithers, signs, strict=True):
         if draw(st.booleans()) or running is None or not np.isfinite(running).all():
             streams.append(_symbol_stream(n, block, rng))
             with np.errstate(invalid="ignore", over="ignore"):
                 running = numpy_decode_steps(streams[-1:], running, n, ordinal=[o], steps=[step],
-                                             block=block, dithers=[dither], first=first)
+                                             block=block, dithers=[dither], dither_signs=[sign],
+                                             first=first)
         else:
             target = _values(n, int(rng.integers(2**32)), str(rng.choice(PATTERNS)))
             near = np.where(rng.random(n) < 0.7, running, target).astype(np.float32)
             streams.append(encode_block_stream(near, running, running, ordinal=o, step=step,
-                                               block=block, dither=dither, first=first)[0])
-    return StepsCase(start, streams, ordinal, steps, block, zero_start, dithers, first)
+                                               block=block, dither=dither, dither_signs=sign,
+                                               first=first)[0])
+    return StepsCase(start, streams, ordinal, steps, block, zero_start, dithers, first, signs)
 
 
 def _decode_steps_case(c: StepsCase) -> np.ndarray:
     out = np.full(c.start.size, np.nan, np.float32) if c.zero_start else c.start.copy()
     decode_step_streams(c.streams, out, ordinal=c.ordinal, steps=c.steps, block=c.block,
-                        zero_start=c.zero_start, dithers=c.dithers, first=c.first)
+                        zero_start=c.zero_start, dithers=c.dithers, dither_signs=c.dither_signs,
+                        first=c.first)
     return out
 
 
@@ -798,14 +859,14 @@ def test_step_streams_match_references(c: StepsCase) -> None:
     with np.errstate(invalid="ignore", over="ignore"):
         expected = numpy_decode_steps(c.streams, None if c.zero_start else c.start.copy(),
                                       c.start.size, ordinal=c.ordinal, steps=c.steps, block=c.block,
-                                      dithers=c.dithers, first=c.first)
+                                      dithers=c.dithers, dither_signs=c.dither_signs, first=c.first)
     assert_bits_equal(actual, expected, "numpy reference")
     sequential = c.start.copy()
-    for i, (stream, o, step, dither) in enumerate(zip(c.streams, c.ordinal, c.steps, c.dithers,
-                                                       strict=True)):
+    for i, (stream, o, step, dither, signs) in enumerate(zip(
+            c.streams, c.ordinal, c.steps, c.dithers, c.dither_signs, strict=True)):
         pred = None if c.zero_start and i == 0 else sequential
         decode_block_stream(stream, pred, sequential, ordinal=o, step=step, block=c.block,
-                            dither=dither, first=c.first)
+                            dither=dither, dither_signs=signs, first=c.first)
     assert_bits_equal(actual, sequential, "decode_block_stream per step")
 
 
@@ -917,9 +978,15 @@ def test_step_streams_random_bytes(seed: int, n: int, block: int, ordinal: bool)
 def test_step_streams_argument_checks() -> None:
     out = np.zeros(10, np.float32)
     stream = np.zeros(3, np.uint8)
-    with pytest.raises(ValueError, match="2 streams, 1 domains, 2 steps and 2 dithers"):
+    with pytest.raises(ValueError, match="2 streams, 1 domains, 2 steps, 2 dithers and 2 "
+                                         "dither_signs"):
         decode_step_streams([stream, stream], out, ordinal=[False], steps=[1.0, 1.0], block=4,
                             zero_start=False)
+    for ordinal, seed in ((False, None), (True, 5)):
+        with pytest.raises(ValueError, match="dither_signs applies to dithered streams of the "
+                                             "linear domain"):
+            decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,
+                                zero_start=False, dithers=[seed], dither_signs=[True])
     for ordinal, seed in ((True, -1), (False, -1), (False, 2**32)):
         with pytest.raises(ValueError, match="dither seed"):
             decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,

@@ -164,7 +164,8 @@ def test_encode_matches_numba(variant: tuple[bool, bool, bool, bool], dtype: tor
     scale = np.abs(_values(n, seed + 3)) if scaled else None
     numba, triton = _encode_both(
         x, pred, ordinal=ordinal, step=_step(ordinal, dithered), block=block,
-        dither=12345 + seed if dithered else None, first=seed, scale=scale,
+        dither=12345 + seed if dithered else None, dither_signs=dithered and not ordinal,
+        first=seed, scale=scale,
         eps=float(np.float32(1e-8)) if scaled else 0.0)
     _assert_same_coding(numba, triton, n, block, ordinal)
     coded = numba[1][:, STAT_BAD] == 0  # the other blocks' statistics are undefined
@@ -179,7 +180,8 @@ def test_odd_sizes(n: int, block: int, ordinal: bool) -> None:
     a program loops over columns), and none: in place against a prediction, dithered."""
     x = _values(n, n + block)
     numba, triton = _encode_both(_tensor(x), _near(x, n), in_place=True, ordinal=ordinal,
-                                 step=_step(ordinal, True), block=block, dither=7, first=n)
+                                 step=_step(ordinal, True), block=block, dither=7,
+                                 dither_signs=not ordinal, first=n)
     _assert_same_coding(numba, triton, n, block, ordinal)
 
 
@@ -275,7 +277,8 @@ def test_decode_matches_numba(variant: tuple[bool, bool, bool, bool]) -> None:
     pred = _near(x, 4) if use_pred else None
     scale = np.abs(_values(n, 6)) if scaled else None
     kwargs = {"ordinal": ordinal, "step": _step(ordinal, dithered), "block": block,
-              "dither": 99 if dithered else None, "first": 17,
+              "dither": 99 if dithered else None, "dither_signs": dithered and not ordinal,
+              "first": 17,
               "eps": float(np.float32(1e-8)) if scaled else 0.0}
     stream, _ = encode_block_stream(x, None if pred is None else pred.copy(),
                                     np.empty(n, np.float32), scale=scale, **kwargs)
@@ -293,15 +296,18 @@ def _chain(n: int, block: int, seed: int) -> tuple[list[np.ndarray], dict]:
     domains = [False, True, True, False, True, False]
     steps = [_step(o, False) if i % 2 else _step(o, True) for i, o in enumerate(domains)]
     dithers = [None if i % 3 == 1 else 40 + i for i in range(len(domains))]
+    signs = [d is not None and not o and i != 3  # folded, but one
+             for i, (o, d) in enumerate(zip(domains, dithers, strict=True))]
     rng = np.random.default_rng(seed)
     recon = _near(_values(n, seed), seed)
     streams = []
-    for ordinal, step, dither in zip(domains, steps, dithers, strict=True):
+    for ordinal, step, dither, sign in zip(domains, steps, dithers, signs, strict=True):
         x = (recon * (1 + 1e-2 * rng.standard_normal(n))).astype(np.float32)
         streams.append(encode_block_stream(x, recon, recon, ordinal=ordinal, step=step,
-                                           block=block, dither=dither, first=seed)[0])
-    return streams, {"ordinal": domains, "steps": steps, "dithers": dithers, "block": block,
-                     "first": seed}
+                                           block=block, dither=dither, dither_signs=sign,
+                                           first=seed)[0])
+    return streams, {"ordinal": domains, "steps": steps, "dithers": dithers,
+                     "dither_signs": signs, "block": block, "first": seed}
 
 
 @pytest.mark.parametrize("zero_start", [False, True])
@@ -471,8 +477,8 @@ from deltackpt.kernels import gpu_quant as g, gpu_xxh3 as x
 
 ENCODE = {"x_ptr": "*fp32", "pred_ptr": "*fp32", "out_ptr": "*fp32", "scale_ptr": "*fp32",
           "packed_ptr": "*u8", "widths_ptr": "*u8", "lengths_ptr": "*i64", "stats_ptr": "*fp64",
-          "n": "i64", "n_blocks": "i64", "first": "i64", "seed": "u32", "step_f": "fp32",
-          "step_i": "i32", "eps": "fp32"}
+          "n": "i64", "n_blocks": "i64", "first": "i64", "seed": "u32", "signs": "i32",
+          "step_f": "fp32", "step_i": "i32", "eps": "fp32"}
 PACK = {"packed_ptr": "*u8", "widths_ptr": "*u8", "offsets_ptr": "*i64", "stream_ptr": "*u8",
         "n": "i64", "n_blocks": "i64"}
 DECODE = {"streams_ptr": "*u8", "bounds_ptr": "*i64", "offsets_ptr": "*i64",

@@ -55,10 +55,12 @@ from deltackpt.kernels.quant import STAT_NONZERO as STAT_NONZERO
 from deltackpt.kernels.quant import STAT_SUM_SQ as STAT_SUM_SQ
 from deltackpt.kernels.quant import STAT_SUM_SQ_ERR as STAT_SUM_SQ_ERR
 from deltackpt.kernels.quant import numpy_dither as numpy_dither
+from deltackpt.kernels.quant import numpy_fold as numpy_fold
 from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
-PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "scale", "eps"})
+PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs", "scale",
+                        "eps"})
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
 
 
@@ -89,6 +91,14 @@ def _array(a: Any) -> Any:
     return a if a is None or isinstance(a, np.ndarray) else a.numpy()
 
 
+def folds_signs(ordinal: bool, dither: int | None) -> bool:
+    """Whether deltackpt's writers fold a chunk's symbol signs by its dither (``dither_signs``,
+    FORMAT.md 3.2, since 2.2): in every dithered chunk of the linear domain, where it costs a
+    sign flip an element and saves the sign bit of small values (Adam's first moment, coded
+    anew each save at about a step, took 20-30% fewer bytes)."""
+    return dither is not None and not ordinal
+
+
 def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, ordinal: bool,
                  step: float | int, block: int, dither: int | None = None, first: int = 0,
                  scale: Scale | None = None) -> tuple[EncodedChunk | None, np.ndarray]:
@@ -107,7 +117,8 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     convert, kernels = _kernels(x, recon)
     stream, stats = kernels.encode_block_stream(
         convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
-        dither=dither, first=first, scale=None if scale is None else convert(scale.values),
+        dither=dither, dither_signs=folds_signs(ordinal, dither), first=first,
+        scale=None if scale is None else convert(scale.values),
         eps=0.0 if scale is None else scale.eps)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
@@ -126,12 +137,14 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
                 block: int, dither: int | None = None,
                 scale: tuple[str, float] | None = None) -> EncodedChunk:
     """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
-    :func:`encode_quant`; ``with_base``: coded against a prediction; ``scale``: the tensor
-    whose values scale the steps, and eps)."""
+    :func:`encode_quant`, its signs folded as :func:`folds_signs` says; ``with_base``: coded
+    against a prediction; ``scale``: the tensor whose values scale the steps, and eps)."""
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
         params["dither"] = dither
+    if folds_signs(ordinal, dither):
+        params["dither_signs"] = True
     if scale is not None:
         params.update(scale=scale[0], eps=scale[1])
     return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)])
@@ -148,9 +161,9 @@ class Scale:
     eps: float
 
 
-def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, int | None]:
-    """Validated ``(ordinal, uses_base, step, block, dither)`` of a quant chunk (and its scale:
-    :func:`scale_source`)."""
+def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, int | None, bool]:
+    """Validated ``(ordinal, uses_base, step, block, dither, dither_signs)`` of a quant chunk
+    (and its scale: :func:`scale_source`)."""
     domain, pred, step, block, dither = (params.get(k) for k in ("domain", "pred", "step", "block",
                                                                   "dither"))
     ok = (params.keys() <= PARAM_KEYS and domain in ("linear", "ordinal") and pred in ("base", "zero")
@@ -163,6 +176,9 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
     if ok and dither is not None:
         ok = (isinstance(dither, int) and not isinstance(dither, bool) and 0 <= dither < 1 << 32
               and (domain == "linear" or step <= MAX_DITHERED_KEY_STEP))
+    signs = params.get("dither_signs", False)
+    if ok and "dither_signs" in params:
+        ok = signs is True and dither is not None and domain == "linear"
     if ok and ("scale" in params or "eps" in params):
         eps = params.get("eps")
         ok = (isinstance(params.get("scale"), str) and (domain, pred) == ("linear", "zero")
@@ -170,7 +186,7 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
               and math.isfinite(eps) and float(np.float32(eps)) == eps)
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
-    return domain == "ordinal", pred == "base", step, block, dither
+    return domain == "ordinal", pred == "base", step, block, dither, signs
 
 
 def scale_source(params: dict[str, Any]) -> str | None:
@@ -193,6 +209,7 @@ class QuantStream:
     step: float | int
     block: int
     dither: int | None
+    dither_signs: bool
     eps: float | None  # set for a chunk whose steps are scaled by another tensor
 
 
@@ -203,14 +220,14 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
     for a frame or stream that does not decode, so a stream returned here
     always decodes.
     """
-    ordinal, with_base, step, block, dither = quant_params(params)
+    ordinal, with_base, step, block, dither, signs = quant_params(params)
     # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
     data = np.frombuffer(zstd_decompress_bounded(stored, -(-n // block) + 2 * n), dtype=np.uint8)
     try:
         check_stream(data, n, block)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
-    return QuantStream(data, ordinal, with_base, step, block, dither, params.get("eps"))
+    return QuantStream(data, ordinal, with_base, step, block, dither, signs, params.get("eps"))
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
@@ -229,7 +246,8 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
     kernels.decode_block_stream(
         stream.data, convert(pred) if stream.with_base else None, convert(out),
         ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
-        first=first, scale=convert(scale), eps=stream.eps or 0.0)
+        dither_signs=stream.dither_signs, first=first, scale=convert(scale),
+        eps=stream.eps or 0.0)
 
 
 def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:
@@ -252,7 +270,8 @@ def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: i
             kernels.decode_step_streams(
                 [s.data for s in run], values, ordinal=[s.ordinal for s in run],
                 steps=[s.step for s in run], block=run[0].block, zero_start=not run[0].with_base,
-                dithers=[s.dither for s in run], first=first)
+                dithers=[s.dither for s in run], dither_signs=[s.dither_signs for s in run],
+                first=first)
             start = i
 
 

@@ -57,6 +57,7 @@ from deltackpt.codecs.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
+    folds_signs,
     on_device,
     quant_chunk,
 )
@@ -296,7 +297,8 @@ class DeviceDelta:
         scale = None if coding.scale is None else values[coding.scale[0]][lo:hi]
         coded = self._gpu.encode_on_device(
             x[lo:hi], recon if coding.with_base else None, recon, ordinal=coding.ordinal,
-            step=coding.step, block=coding.block, dither=coding.dither, first=lo, scale=scale,
+            step=coding.step, block=coding.block, dither=coding.dither,
+            dither_signs=folds_signs(coding.ordinal, coding.dither), first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1])
         chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded)
         check = self.encoder.variance_check(name)

@@ -45,7 +45,12 @@ from typing import Literal
 import numpy as np
 
 from deltackpt.codecs.cast import MASTER_KEYS
-from deltackpt.codecs.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, numpy_keys
+from deltackpt.codecs.quant import (
+    MAX_DITHERED_KEY_STEP,
+    MAX_KEY,
+    numpy_fold,
+    numpy_keys,
+)
 from deltackpt.encode.optimizers import FIRST_MOMENTS, SECOND_MOMENTS
 from deltackpt.errors import ConfigError
 from deltackpt.format.checks import (
@@ -403,13 +408,16 @@ class Sample:
     def bits(self, step: float) -> float:
         """Order-0 entropy, bits per element, of the symbols the sample quantizes to at
         ``step``, as the kernels choose them (FORMAT.md 3.2; dithered grids included: a
-        dither turns small residuals into symbols of 1 as often as they cover the step)."""
+        dither turns small residuals into symbols of 1 as often as they cover the step, whose
+        signs a linear chunk folds by the dither)."""
         u = 0.0 if self.dither is None else self.dither.astype(np.float64)
         if self.ordinal:
             step = float(max(round(step), 1))
             q = np.rint((self.values - (np.floor((u + 0.5) * step) - np.floor(step / 2))) / step)
         else:
             q = np.rint(self.values / step + u)
+            if self.dither is not None:  # as codecs.quant.folds_signs has it
+                q = numpy_fold(q, u)
         q = q[np.isfinite(q)]
         if q.size == 0:
             return 0.0

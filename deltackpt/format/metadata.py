@@ -29,8 +29,9 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "2.1"
+FORMAT_VERSION = "2.2"
 SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 tensors (FORMAT.md 3.2)
+DITHER_SIGNS = (2, 2)  # since: quant chunks whose symbols' signs are folded by the dither (3.2)
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
@@ -529,7 +530,23 @@ def _parse_step(obj: Any) -> StepMetadata:
             raise FormatError(f"tensor {shown(record.name)} aliases {shown(record.alias_of)}, "
                               f"which is no stored tensor of its dtype and shape")
     _check_state(meta.state, records)
+    if check_format_version(meta.format_version, "") < DITHER_SIGNS:
+        _refuse_dither_signs(meta)
     return meta
+
+
+def _refuse_dither_signs(meta: StepMetadata) -> None:
+    """Refuse a quant chunk (or the quant chunk inside a bnb8 one) with ``dither_signs`` in
+    metadata of a version before 2.2, which has none: a reader of that version would decode
+    its symbols with the wrong signs."""
+    for record in meta.tensors:
+        for chunk in (c for f in record.fragments for c in f.chunks):
+            inner = chunk.params.get("params")
+            if "dither_signs" in chunk.params or (isinstance(inner, dict)
+                                                  and "dither_signs" in inner):
+                raise FormatError(f"tensor {shown(record.name)}: a chunk's 'dither_signs' is of "
+                                  f"format {'.'.join(map(str, DITHER_SIGNS))}, this step's "
+                                  f"format_version is {meta.format_version}")
 
 
 def _check_disjoint(meta: StepMetadata) -> None:

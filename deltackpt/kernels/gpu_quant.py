@@ -74,6 +74,7 @@ from deltackpt.kernels.quant import (
     _seed,
     _steps,
     _stream_problem,
+    kernel_seeds,
     n_blocks_of,
 )
 
@@ -105,6 +106,13 @@ def _dither(index, seed):
     x = (x ^ (x >> 15)) * 0x735A2D97
     x = x ^ (x >> 15)
     return (x >> 8).to(tl.float32) * 5.9604644775390625e-08 - 0.5  # 2**-24: exact
+
+
+@triton.jit
+def _fold(q, u, signs):
+    """FORMAT.md 3.2's ``dither_signs`` where ``signs``: ``-q`` where the dither offset ``u`` is
+    at least 0 (``kernels.quant._fold``); its own inverse."""
+    return tl.where(signs & (u >= 0.0), -q, q)
 
 
 @triton.jit
@@ -162,16 +170,18 @@ def _byte_part(z, shift, take):
     return tl.where(take, part & 0xFF, 0)
 
 
-@triton.jit(do_not_specialize=["n", "n_blocks", "first", "seed", "step_f", "step_i", "eps"])
+@triton.jit(do_not_specialize=["n", "n_blocks", "first", "seed", "signs", "step_f", "step_i",
+                              "eps"])
 def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, lengths_ptr,
-                   stats_ptr, n, n_blocks, first, seed, step_f, step_i, eps,
+                   stats_ptr, n, n_blocks, first, seed, signs, step_f, step_i, eps,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                    ORDINAL: tl.constexpr, USE_PRED: tl.constexpr, DITHERED: tl.constexpr,
                    SCALED: tl.constexpr, X_BF16: tl.constexpr, FUSED: tl.constexpr):
     """Quantize blocks ``pid * ROWS ...`` of ``x``: reconstruction, widths, byte lengths and
     statistics, as ``kernels.quant._make_encoder``'s loop, and the symbols: ``FUSED`` (a block
     is one tile), each block's packed bytes from ``packed[b * 2 * BLOCK]``; else the zigzag
-    symbols (uint16) at ``packed[i]``, for ``_pack_kernel`` to pack."""
+    symbols (uint16) at ``packed[i]``, for ``_pack_kernel`` to pack. ``signs`` (0 or 1): the
+    symbols' signs folded by the dither."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_blocks
     step_k = step_i.to(tl.float64)
@@ -216,12 +226,13 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
             qf = _rint(tl.div_rn(r, st) + u)
             ok &= qf == qf  # a NaN quotient (a scaled step of 0 or inf) cannot be coded
             qf = tl.where(ok, qf, 0.0)
-            q = tl.minimum(tl.maximum(qf, -32768.0), 32767.0).to(tl.int32)
+            q = tl.minimum(tl.maximum(qf, -32768.0 + signs), 32767.0).to(tl.int32)
         s = _reconstruct(p, q, ORDINAL, st, step_k, u)
         if not ORDINAL:  # a linear reconstruction can overflow, with absurd steps
             ok &= _finite(s)
         tl.store(out_ptr + idx, s, mask=valid)
-        z = tl.where(valid, (q << 1) ^ (q >> 31), 0)
+        c = q if ORDINAL else _fold(q, u, signs != 0)
+        z = tl.where(valid, (c << 1) ^ (c >> 31), 0)
         if FUSED:  # the block's symbols stay in registers, packed below
             tile = z
         else:
@@ -235,7 +246,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
         x64 = x.to(tl.float64)
         sum_sq += tl.sum(x64 * x64, axis=1)
         nonzero += tl.sum((z != 0).to(tl.int32), axis=1)
-        clipped += tl.sum((z >= 0xFFFE).to(tl.int32), axis=1)
+        clipped += tl.sum((z >= 0xFFFE - signs).to(tl.int32), axis=1)
         if ORDINAL:
             ax = tl.abs(x)
             rel = tl.where(ax > 0, tl.div_rn(tl.abs(err), tl.where(ax > 0, ax, 1.0)), 0.0)
@@ -332,8 +343,9 @@ def _decode_kernel(streams_ptr, bounds_ptr, offsets_ptr, ordinal_ptr, step_f_ptr
             z = ((b0 | (b1 << 8) | (b2 << 16)) >> (bit % 8)) & ((1 << w) - 1)
             q = (z >> 1) ^ -(z & 1)
             seed = tl.load(seeds_ptr + t)
-            if seed >= 0:  # noqa: SIM108 (a run-time condition: a branch, not a select)
+            if seed >= 0:  # a run-time condition: a branch, not a select
                 u = _dither(first + idx, seed.to(tl.uint32))
+                q = _fold(q, u, ((seed >> 32) & 1) != 0)  # kernels.quant.SIGNS_BIT
             else:
                 u = tl.zeros([ROWS, COLS], tl.float32)
             step_k = tl.load(step_i_ptr + t).to(tl.float64)
@@ -437,8 +449,8 @@ def _done(device: torch.device) -> torch.cuda.Event | None:
 
 def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                      ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                     first: int = 0, scale: torch.Tensor | None = None,
-                     eps: float = 0.0) -> DeviceStream:
+                     dither_signs: bool = False, first: int = 0,
+                     scale: torch.Tensor | None = None, eps: float = 0.0) -> DeviceStream:
     """:func:`deltackpt.kernels.quant.encode_block_stream` on ``x``'s device, queued on its
     current stream without waiting (the caller orders it after the work that writes ``x``).
 
@@ -459,7 +471,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     if pred is not None:
         _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step)
+    seed = _seed(ordinal, dither, step, dither_signs)
     if scale is not None:
         if ordinal or pred is not None:
             raise ValueError("a scale applies to the linear domain, without prediction")
@@ -486,7 +498,8 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
         _encode_kernel[(triton.cdiv(n_blocks, rows),)](
             x.view(torch.int16) if bf16 else x, out_on if pred_on is None else pred_on, out_on,
             x if scale_on is None else scale_on, packed, widths,
-            lengths, stats, n, n_blocks, first, int(seed) & 0xFFFFFFFF, float(step_f),
+            lengths, stats, n, n_blocks, first, int(seed) & 0xFFFFFFFF, int(dither_signs),
+            float(step_f),
             int(step_i), float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
             ORDINAL=ordinal, USE_PRED=pred is not None, DITHERED=bool(seed >= 0),
             SCALED=scale is not None, X_BF16=bf16, FUSED=fused, **_launch_options())
@@ -501,12 +514,14 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
 
 def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        first: int = 0, scale: torch.Tensor | None = None,
+                        dither_signs: bool = False, first: int = 0,
+                        scale: torch.Tensor | None = None,
                         eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """:func:`encode_on_device`, then the stream and statistics copied to the host: the same
     return values as :func:`deltackpt.kernels.quant.encode_block_stream`."""
     return encode_on_device(x, pred, out, ordinal=ordinal, step=step, block=block,
-                            dither=dither, first=first, scale=scale, eps=eps).to_host()
+                            dither=dither, dither_signs=dither_signs, first=first, scale=scale,
+                            eps=eps).to_host()
 
 
 @dataclass(frozen=True)
@@ -552,15 +567,16 @@ def upload_streams(streams: list[np.ndarray], n: int, block: int,
 
 def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bool],
                   steps: list[float | int], zero_start: bool,
-                  dithers: list[int | None] | None = None, first: int = 0,
+                  dithers: list[int | None] | None = None,
+                  dither_signs: list[bool] | None = None, first: int = 0,
                   pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                   eps: float = 0.0) -> None:
     """Apply uploaded streams in order to the float32 tensor ``out`` on their device: one pass,
     each tile's running values kept through every step.
 
     The running values before the first step are ``pred`` (default: ``out``
-    itself) unless ``zero_start``; ``ordinal``, ``steps`` and ``dithers``
-    give each stream's domain, step and dither seed (as
+    itself) unless ``zero_start``; ``ordinal``, ``steps``, ``dithers`` and
+    ``dither_signs`` give each stream's domain, step, dither seed and folded signs (as
     :func:`deltackpt.kernels.quant.decode_step_streams`); a single linear
     stream predicted from zero may be ``scale``d (as
     :func:`deltackpt.kernels.quant.decode_block_stream`).
@@ -570,10 +586,7 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
     _check_tensor("out", out, device, n)
     if pred is not None:
         _check_tensor("pred", pred, device, n)
-    dithers = [None] * n_steps if dithers is None else dithers
-    if not n_steps == len(ordinal) == len(steps) == len(dithers):
-        raise ValueError(f"{n_steps} streams, {len(ordinal)} domains, {len(steps)} steps "
-                         f"and {len(dithers)} dithers")
+    seeds = kernel_seeds(n_steps, ordinal, steps, dithers, dither_signs)
     if scale is not None:
         if n_steps != 1 or ordinal[0] or not zero_start:
             raise ValueError("a scale applies to one stream of the linear domain, without "
@@ -582,7 +595,6 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
         if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
             raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
-    seeds = [_seed(o, d, s) for o, d, s in zip(ordinal, dithers, steps, strict=True)]
     if n == 0 or not n_steps:
         return
 
@@ -603,7 +615,8 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
 
 def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal: list[bool],
                         steps: list[float | int], block: int, zero_start: bool,
-                        dithers: list[int | None] | None = None, first: int = 0,
+                        dithers: list[int | None] | None = None,
+                        dither_signs: list[bool] | None = None, first: int = 0,
                         pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                         eps: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_step_streams` into the float32 tensor ``out``: the
@@ -613,17 +626,17 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
     """
     apply_streams(upload_streams(streams, out.shape[0], block, _device(out)), out,
                   ordinal=ordinal, steps=steps, zero_start=zero_start, dithers=dithers,
-                  first=first, pred=pred, scale=scale, eps=eps)
+                  dither_signs=dither_signs, first=first, pred=pred, scale=scale, eps=eps)
 
 
 def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torch.Tensor, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        first: int = 0, scale: torch.Tensor | None = None,
-                        eps: float = 0.0) -> None:
+                        dither_signs: bool = False, first: int = 0,
+                        scale: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_block_stream` into the float32 tensor ``out`` (may
     be ``pred``) from the host stream ``stream``."""
     if scale is not None and (ordinal or pred is not None):
         raise ValueError("a scale applies to the linear domain, without prediction")
     decode_step_streams([stream], out, ordinal=[ordinal], steps=[step], block=block,
-                        zero_start=pred is None, dithers=[dither], first=first, pred=pred,
-                        scale=scale, eps=eps)
+                        zero_start=pred is None, dithers=[dither], dither_signs=[dither_signs],
+                        first=first, pred=pred, scale=scale, eps=eps)

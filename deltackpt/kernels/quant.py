@@ -57,6 +57,9 @@ MAX_WIDTH = 16
 Q_MIN, Q_MAX = -(1 << (MAX_WIDTH - 1)), (1 << (MAX_WIDTH - 1)) - 1
 MAX_KEY = 0x7F7FFFFF  # the largest finite float32's bit pattern
 MAX_DITHERED_KEY_STEP = 1 << 29  # dithered ordinal steps: key offsets exact in float64 (64 binades)
+# Set in a kernel's seed (above its 32 bits, which alone the hash reads): the symbols' signs are
+# folded by the dither (FORMAT.md 3.2, ``dither_signs``).
+SIGNS_BIT = 1 << 32
 # Per-block statistics returned by the encoder, one row per block.
 STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO, STAT_CLIPPED, STAT_BAD = range(7)
 N_STATS = 7
@@ -120,6 +123,16 @@ def _dither_of_bits(bits: np.int32) -> np.float32:
     """FORMAT.md 3.2's dither offset of hash ``bits``: ``bits * 2**-24 - 0.5``, in [-0.5, 0.5),
     a multiple of 2**-24 (exact in float32)."""
     return np.float32(np.float32(bits) * np.float32(2.0**-24)) - np.float32(0.5)
+
+
+@njit(inline="always")
+def _fold(q: np.int32, bits: np.int32, signs: np.int32) -> np.int32:
+    """FORMAT.md 3.2's ``dither_signs`` (``signs`` 1, else 0): ``-q`` where the dither offset of
+    hash ``bits`` is at least 0, else ``q``. Its own inverse: the stored symbol of a value's
+    ``q``, and the ``q`` of a stored symbol. A dither of ``u >= 0`` rounds a small value up, to
+    1 rather than -1, and one below 0 down: folded, both are -1, and small values' symbols
+    take one sign, whose bit the coder no longer stores."""
+    return q * (np.int32(1) - np.int32(2) * ((bits >> np.int32(23)) & signs))
 
 
 @njit(inline="always")
@@ -360,12 +373,14 @@ def _finite(v: np.float32) -> bool:
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy")
-def _block_stats(x, out, sym, width, relative, row):
+def _block_stats(x, out, sym, width, relative, clip_at, row):
     """Error statistics of one block (not part of the format: reassociated sums are fine, but
     no other fast-math flag: a reciprocal would make ``0 / tiny`` NaN).
 
     The relative error is only tracked where it means something (``relative``:
-    the ordinal domain); symbols can only be clipped at the full 16-bit width.
+    the ordinal domain); symbols can only be clipped at the full 16-bit width,
+    where a zigzag code ``sym`` of at least ``clip_at`` is a clamped one
+    (0xFFFE: 32767 or -32768; 0xFFFD with folded signs, clamped to +-32767).
     Maxima are taken over the bit patterns of the (non-negative, finite)
     errors, which order like the errors: LLVM vectorizes integer maxima, not
     float ones (2.5x faster).
@@ -386,7 +401,7 @@ def _block_stats(x, out, sym, width, relative, row):
     clipped = np.int32(0)
     if width == 16:
         for j in range(x.shape[0]):
-            clipped += np.int32(sym[j] >= 0xFFFE)
+            clipped += np.int32(sym[j] >= clip_at)
     row[STAT_MAX_ABS] = np.int32(max_abs).view(np.float32)
     row[STAT_MAX_REL] = np.int32(max_rel).view(np.float32)
     row[STAT_SUM_SQ_ERR] = sum_sq_err
@@ -406,6 +421,8 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                eps):
         n = x.shape[0]
         step_k = np.float64(step_i)
+        signs = np.int32((seed >> 32) & 1) if dithered else np.int32(0)  # SIGNS_BIT
+        q_min = np.float32(Q_MIN + signs)  # folded symbols are clamped to +-Q_MAX
         # A division by a power-of-two step is a multiplication by its reciprocal, bit for bit:
         # 2**-k is exact, and the quotient of the integer d (|d| < 2**33) by 2**k keeps d's
         # significand (neither rounds, nor underflows), so both give the same float64 and the
@@ -450,13 +467,13 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                     r32 = np.float32(xb[j] - p) if ok else np.float32(0.0)  # no NaN past here
                     qf32 = np.rint(np.float32(np.float32(r32 / st) + u))
                     ok &= qf32 == qf32  # NaN (0 / 0: a scaled step that underflows) has no symbol
-                    q = np.int32(min(max(qf32, np.float32(Q_MIN)), np.float32(Q_MAX)))
+                    q = np.int32(min(max(qf32, q_min), np.float32(Q_MAX)))
                 s = _reconstruct(p, q, ordinal, st, step_k, u, off)
                 if not ordinal:  # a linear reconstruction can overflow, with absurd steps
                     ok &= _finite(s)
                 bad += np.int32(not ok)
                 ob[j] = s
-                z = _zigzag(q)
+                z = _zigzag(_fold(q, bits[j], signs) if dithered and not ordinal else q)
                 sym[j] = np.uint16(z)
                 zor |= z
             out[start:stop] = ob
@@ -467,7 +484,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
             width = _bit_width(np.int64(zor))
             widths[b] = width
             _pack(sym, width, slots[b])
-            _block_stats(xb, ob, sym, width, ordinal, stats[b])
+            _block_stats(xb, ob, sym, width, ordinal, 0xFFFE - signs, stats[b])
 
     return encode
 
@@ -522,7 +539,7 @@ def n_blocks_of(n: int, block: int) -> int:
 
 def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int,
-                        dither: int | None = None, first: int = 0,
+                        dither: int | None = None, dither_signs: bool = False, first: int = 0,
                         scale: np.ndarray | None = None, eps: float = 0.0,
                         ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
@@ -530,8 +547,9 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     ``dither`` is a seed: element ``i`` is then quantized on a grid shifted
     by the dither offset of index ``first + i`` (``first``: the chunk's first
     element in its tensor), which makes the error uniform and independent of
-    the value coded (ordinal steps: at most ``MAX_DITHERED_KEY_STEP``). An
-    ordinal symbol never flips the value's sign.
+    the value coded (ordinal steps: at most ``MAX_DITHERED_KEY_STEP``);
+    ``dither_signs`` (linear domain) folds the symbols' signs by it
+    (``_fold``). An ordinal symbol never flips the value's sign.
 
     ``scale`` (float32, one per element; linear domain, no prediction)
     gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``: Adam's
@@ -551,7 +569,7 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     widths = np.empty(n_blocks, np.uint8)
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step)
+    seed = _seed(ordinal, dither, step, dither_signs)
     variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
     slots = _slots(n_blocks, block)
     _ENCODERS[variant](x, out if pred is None else pred, out, step_f, step_i, block, widths, slots,
@@ -609,6 +627,7 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps):
         n = out.shape[0]
         step_k = np.float64(step_i)
+        signs = np.int32((seed >> 32) & 1) if dithered else np.int32(0)  # SIGNS_BIT
         q_block = np.empty(block, np.int32)
         bits_block = np.empty(block, np.int32)
         out_block = np.empty(block, np.float32)  # as in the encoder: pred may be out
@@ -625,7 +644,8 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 p = pred[start + j] if use_pred else np.float32(0.0)
                 u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
                 st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
-                out_block[j] = _reconstruct(p, q[j], ordinal, st, step_k, u, off)
+                qj = _fold(q[j], bits[j], signs) if dithered and not ordinal else q[j]
+                out_block[j] = _reconstruct(p, qj, ordinal, st, step_k, u, off)
             out[start:stop] = out_block[:m]
 
     return decode
@@ -636,10 +656,10 @@ _DECODERS = {variant: _make_decoder(*variant) for variant in _VARIANTS}
 
 def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        first: int = 0, scale: np.ndarray | None = None,
-                        eps: float = 0.0) -> None:
+                        dither_signs: bool = False, first: int = 0,
+                        scale: np.ndarray | None = None, eps: float = 0.0) -> None:
     """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
-    ``dither``, ``first``, ``scale`` and ``eps`` are as the encoder had them.
+    ``dither``, ``dither_signs``, ``first``, ``scale`` and ``eps`` are as the encoder had them.
 
     Raises ``ValueError`` when the stream's length does not match its block
     widths, or a width is over 16, so damaged streams never index out of bounds.
@@ -649,7 +669,7 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
     if status != STREAM_OK:
         raise ValueError(_stream_problem(status, stream, n, block))
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step)
+    seed = _seed(ordinal, dither, step, dither_signs)
     variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
@@ -660,14 +680,17 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
 @njit(inline="always")
 def _linear_step(values, q, width, step_f, seed, index, bits):
     """``values`` after one linear step of symbols ``q`` (all 0 for a zero-width block),
-    dithered if ``seed >= 0`` (``index``: the first value's element index; ``bits``: room for
-    the block's dither hashes)."""
+    dithered if ``seed >= 0``, its symbols' signs folded if ``seed`` has ``SIGNS_BIT``
+    (``index``: the first value's element index; ``bits``: room for the block's dither
+    hashes)."""
     one, zero = np.float64(1), np.float32(0.0)
     if seed >= 0:
         _fill_dither_bits(bits, index, seed)
+        signs = np.int32((seed >> 32) & 1)
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], q[j] if width else np.int32(0), False, step_f,
-                                     one, _dither_of_bits(bits[j]), 0.0)
+            qj = _fold(q[j], bits[j], signs) if width else np.int32(0)
+            values[j] = _reconstruct(values[j], qj, False, step_f, one,
+                                     _dither_of_bits(bits[j]), 0.0)
     elif width:
         for j in range(values.shape[0]):
             values[j] = _reconstruct(values[j], q[j], False, step_f, one, zero, 0.0)
@@ -768,25 +791,22 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
 
 def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: list[bool],
                         steps: list[float | int], block: int, zero_start: bool,
-                        dithers: list[int | None] | None = None, first: int = 0) -> None:
+                        dithers: list[int | None] | None = None,
+                        dither_signs: list[bool] | None = None, first: int = 0) -> None:
     """Apply the packed streams of consecutive steps in order to the running values ``out``.
 
     The result is bit for bit that of calling :func:`decode_block_stream`
     once per stream, each against the previous result: the first against
     ``out`` itself, or against zero with ``zero_start``. ``ordinal``,
-    ``steps`` and ``dithers`` (default: none) give each stream's domain,
-    step and dither seed; all share ``block`` and ``first``, the index of
-    ``out``'s first element in its tensor.
+    ``steps``, ``dithers`` and ``dither_signs`` (default: none) give each
+    stream's domain, step, dither seed and whether its signs are folded; all
+    share ``block`` and ``first``, the index of ``out``'s first element in its
+    tensor.
     Raises ``ValueError`` naming the first damaged stream by its index
     before anything is written.
     """
-    dithers = [None] * len(streams) if dithers is None else dithers
-    if not len(streams) == len(ordinal) == len(steps) == len(dithers):
-        raise ValueError(f"{len(streams)} streams, {len(ordinal)} domains, {len(steps)} steps "
-                         f"and {len(dithers)} dithers")
+    seeds = np.array(kernel_seeds(len(streams), ordinal, steps, dithers, dither_signs), np.int64)
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
-    seeds = np.array([_seed(o, d, s) for o, d, s in zip(ordinal, dithers, steps, strict=True)],
-                     np.int64)
     bounds = np.zeros(len(streams) + 1, np.int64)
     np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
     flat = np.empty(bounds[-1] + 8, np.uint8)  # _unpack reads up to 8 bytes past a block
@@ -812,15 +832,33 @@ def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
     return np.float32(step), np.int64(1)
 
 
-def _seed(ordinal: bool, dither: int | None, step: float | int) -> np.int64:
-    """The kernels' dither seed: ``dither``, or -1 for none."""
+def _seed(ordinal: bool, dither: int | None, step: float | int,
+          dither_signs: bool = False) -> np.int64:
+    """The kernels' dither seed: ``dither``, with ``SIGNS_BIT`` for ``dither_signs``; -1 for
+    none."""
+    if dither_signs and (dither is None or ordinal):
+        raise ValueError("dither_signs applies to dithered streams of the linear domain")
     if dither is None:
         return np.int64(-1)
     if int(dither) != dither or not 0 <= dither < 1 << 32:
         raise ValueError(f"a dither seed is an integer in [0, 2**32), got {dither!r}")
     if ordinal and step > MAX_DITHERED_KEY_STEP:
         raise ValueError(f"a dithered ordinal step is at most {MAX_DITHERED_KEY_STEP}, got {step}")
-    return np.int64(dither)
+    return np.int64(dither | (SIGNS_BIT if dither_signs else 0))
+
+
+def kernel_seeds(n_streams: int, ordinal: list[bool], steps: list[float | int],
+                 dithers: list[int | None] | None,
+                 dither_signs: list[bool] | None) -> list[np.int64]:
+    """The kernels' seed (``_seed``) of each of ``n_streams`` consecutive streams, checked
+    against the lengths of the other lists (``dithers`` and ``dither_signs``: None for none)."""
+    dithers = [None] * n_streams if dithers is None else dithers
+    dither_signs = [False] * n_streams if dither_signs is None else dither_signs
+    if not n_streams == len(ordinal) == len(steps) == len(dithers) == len(dither_signs):
+        raise ValueError(f"{n_streams} streams, {len(ordinal)} domains, {len(steps)} steps, "
+                         f"{len(dithers)} dithers and {len(dither_signs)} dither_signs")
+    return [_seed(o, d, s, f) for o, d, s, f in zip(ordinal, dithers, steps, dither_signs,
+                                                      strict=True)]
 
 
 def _variant(ordinal: bool, use_pred: bool, seed: np.int64, scale: np.ndarray | None,
@@ -877,10 +915,16 @@ def numpy_element_steps(step: float, scale: np.ndarray | None, eps: float) -> np
     return np.float32(step) * (np.sqrt(scale.astype(np.float32)) + np.float32(eps))
 
 
+def numpy_fold(q: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``dither_signs``' stored symbols of ``q`` for dither offsets ``u``, or the reverse."""
+    return np.where(u >= 0, -q, q)
+
+
 def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, step: float | int,
-                   dither: int | None = None, first: int = 0, scale: np.ndarray | None = None,
+                   dither: int | None = None, dither_signs: bool = False, first: int = 0,
+                   scale: np.ndarray | None = None,
                    eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Symbols ``q`` (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
+    """Stored symbols (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
     p = np.zeros_like(x) if pred is None else pred
     u = np.zeros(x.shape, np.float32) if dither is None else numpy_dither(x.size, dither, first)
     if ordinal:
@@ -892,10 +936,12 @@ def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, ste
         return q, numpy_dequantize(q, p, ordinal=True, step=step, dither=dither, first=first)
     r = (x - p).astype(np.float32)
     with np.errstate(over="ignore"):  # a quotient beyond float32 is clipped like any large one
-        q = np.clip(np.rint(r / numpy_element_steps(step, scale, eps) + u), Q_MIN,
-                    Q_MAX).astype(np.int64)
-    return q, numpy_dequantize(q, p, ordinal=False, step=step, dither=dither, first=first,
-                               scale=scale, eps=eps)
+        q = np.clip(np.rint(r / numpy_element_steps(step, scale, eps) + u),
+                    -Q_MAX if dither_signs else Q_MIN, Q_MAX).astype(np.int64)
+    if dither_signs:
+        q = numpy_fold(q, u)
+    return q, numpy_dequantize(q, p, ordinal=False, step=step, dither=dither,
+                               dither_signs=dither_signs, first=first, scale=scale, eps=eps)
 
 
 def numpy_pack(q: np.ndarray, block: int) -> np.ndarray:
@@ -928,12 +974,16 @@ def numpy_unpack(stream: np.ndarray, n: int, block: int) -> np.ndarray:
 
 
 def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
-                     step: float | int, dither: int | None = None, first: int = 0,
-                     scale: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
-    """Reconstruction from symbols ``q`` and ``pred`` (or zero), dithered with seed ``dither``,
-    scaled per element by ``scale``."""
+                     step: float | int, dither: int | None = None, dither_signs: bool = False,
+                     first: int = 0, scale: np.ndarray | None = None,
+                     eps: float = 0.0) -> np.ndarray:
+    """Reconstruction from stored symbols ``q`` and ``pred`` (or zero), dithered with seed
+    ``dither`` (and its signs folded by it with ``dither_signs``), scaled per element by
+    ``scale``."""
     p = np.zeros(q.shape, np.float32) if pred is None else pred
     u = np.zeros(q.shape, np.float32) if dither is None else numpy_dither(q.size, dither, first)
+    if dither_signs:
+        q = numpy_fold(q, u)
     if ordinal:
         return numpy_from_keys(numpy_keys(p) + q * step + numpy_key_offsets(u, step))
     return (p + (q.astype(np.float32) - u) * numpy_element_steps(step, scale, eps)).astype(
@@ -942,11 +992,14 @@ def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
 
 def numpy_decode_steps(streams: list[np.ndarray], pred: np.ndarray | None, n: int, *,
                        ordinal: list[bool], steps: list[float | int], block: int,
-                       dithers: list[int | None] | None = None, first: int = 0) -> np.ndarray:
+                       dithers: list[int | None] | None = None,
+                       dither_signs: list[bool] | None = None, first: int = 0) -> np.ndarray:
     """Running values after applying each packed stream in turn to ``pred`` (or zero)."""
     values = pred
     dithers = [None] * len(streams) if dithers is None else dithers
-    for stream, o, step, dither in zip(streams, ordinal, steps, dithers, strict=True):
+    dither_signs = [False] * len(streams) if dither_signs is None else dither_signs
+    for stream, o, step, dither, signs in zip(streams, ordinal, steps, dithers, dither_signs,
+                                              strict=True):
         values = numpy_dequantize(numpy_unpack(stream, n, block), values, ordinal=o, step=step,
-                                  dither=dither, first=first)
+                                  dither=dither, dither_signs=signs, first=first)
     return np.zeros(n, np.float32) if values is None else values
