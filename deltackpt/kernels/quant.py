@@ -126,13 +126,14 @@ def _dither_of_bits(bits: np.int32) -> np.float32:
 
 
 @njit(inline="always")
-def _fold(q: np.int32, bits: np.int32, signs: np.int32) -> np.int32:
-    """FORMAT.md 3.2's ``dither_signs`` (``signs`` 1, else 0): ``-q`` where the dither offset of
-    hash ``bits`` is at least 0, else ``q``. Its own inverse: the stored symbol of a value's
-    ``q``, and the ``q`` of a stored symbol. A dither of ``u >= 0`` rounds a small value up, to
-    1 rather than -1, and one below 0 down: folded, both are -1, and small values' symbols
-    take one sign, whose bit the coder no longer stores."""
-    return q * (np.int32(1) - np.int32(2) * ((bits >> np.int32(23)) & signs))
+def _fold_sign(u: np.float32, signs: bool) -> np.float32:
+    """FORMAT.md 3.2's ``dither_signs`` where ``signs``: -1.0 where the dither offset ``u`` is
+    at least 0, else 1.0, the factor between a value's symbol and the stored one either way.
+    A dither of ``u >= 0`` rounds a small value up, to 1 rather than -1, and one below 0
+    down: folded, both are -1, and small values' symbols take one sign, whose bit the coder
+    no longer stores. A float factor, applied to ``f32(q)`` (exact): the same fold on 32-bit
+    integers kept the kernels' loops from vectorizing (their decode took 1.5x as long)."""
+    return np.float32(-1.0) if signs and u >= np.float32(0.0) else np.float32(1.0)
 
 
 @njit(inline="always")
@@ -158,11 +159,12 @@ def _key_offset(bits: np.int32, step_k: np.float64) -> np.float64:
 
 @njit(inline="always")
 def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
-                 step_k: np.float64, u: np.float32, off: np.float64) -> np.float32:
-    """The running value after symbol ``q`` on prediction ``p`` (with dither offset ``u`` in
-    the linear domain, key offset ``off`` in the ordinal one, ``_key_offset``: 0 when
-    undithered): FORMAT.md 3.2's one rule, shared by encoder and decoder so they agree by
-    construction.
+                 step_k: np.float64, u: np.float32, off: np.float64,
+                 sign: np.float32) -> np.float32:
+    """The running value after symbol ``q`` on prediction ``p`` (with dither offset ``u`` and
+    the fold's ``sign``, ``_fold_sign``, in the linear domain, key offset ``off`` in the
+    ordinal one, ``_key_offset``: 0 when undithered): FORMAT.md 3.2's one rule, shared by
+    encoder and decoder so they agree by construction.
 
     The ordinal step ``step_k`` (an integer) is passed as a float64: ``key(p) + q * step`` plus
     the dither's key offset is below 2**47, exact in float64, and with AVX2 conversions between
@@ -171,7 +173,7 @@ def _reconstruct(p: np.float32, q: np.int32, ordinal: bool, step_f: np.float32,
     if ordinal:
         key = np.float64(_key_of(p)) + np.float64(q) * step_k + off
         return _float_of_key(np.int32(min(max(key, np.float64(-MAX_KEY)), np.float64(MAX_KEY))))
-    return np.float32(p + np.float32(np.float32(np.float32(q) - u) * step_f))
+    return np.float32(p + np.float32(np.float32(np.float32(q) * sign - u) * step_f))
 
 
 @njit(inline="always")
@@ -421,8 +423,8 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                eps):
         n = x.shape[0]
         step_k = np.float64(step_i)
-        signs = np.int32((seed >> 32) & 1) if dithered else np.int32(0)  # SIGNS_BIT
-        q_min = np.float32(Q_MIN + signs)  # folded symbols are clamped to +-Q_MAX
+        signs = dithered and (seed >> 32) & 1 == 1  # SIGNS_BIT
+        q_min = np.float32(-Q_MAX if signs else Q_MIN)  # folded symbols are clamped to +-Q_MAX
         # A division by a power-of-two step is a multiplication by its reciprocal, bit for bit:
         # 2**-k is exact, and the quotient of the integer d (|d| < 2**33) by 2**k keeps d's
         # significand (neither rounds, nor underflows), so both give the same float64 and the
@@ -468,12 +470,14 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                     qf32 = np.rint(np.float32(np.float32(r32 / st) + u))
                     ok &= qf32 == qf32  # NaN (0 / 0: a scaled step that underflows) has no symbol
                     q = np.int32(min(max(qf32, q_min), np.float32(Q_MAX)))
-                s = _reconstruct(p, q, ordinal, st, step_k, u, off)
+                s = _reconstruct(p, q, ordinal, st, step_k, u, off, np.float32(1.0))
                 if not ordinal:  # a linear reconstruction can overflow, with absurd steps
                     ok &= _finite(s)
                 bad += np.int32(not ok)
                 ob[j] = s
-                z = _zigzag(_fold(q, bits[j], signs) if dithered and not ordinal else q)
+                c = np.int32(np.float32(q) * _fold_sign(u, signs)) if dithered and not ordinal \
+                    else q
+                z = _zigzag(c)
                 sym[j] = np.uint16(z)
                 zor |= z
             out[start:stop] = ob
@@ -484,7 +488,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
             width = _bit_width(np.int64(zor))
             widths[b] = width
             _pack(sym, width, slots[b])
-            _block_stats(xb, ob, sym, width, ordinal, 0xFFFE - signs, stats[b])
+            _block_stats(xb, ob, sym, width, ordinal, 0xFFFD if signs else 0xFFFE, stats[b])
 
     return encode
 
@@ -549,7 +553,7 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     element in its tensor), which makes the error uniform and independent of
     the value coded (ordinal steps: at most ``MAX_DITHERED_KEY_STEP``);
     ``dither_signs`` (linear domain) folds the symbols' signs by it
-    (``_fold``). An ordinal symbol never flips the value's sign.
+    (``_fold_sign``). An ordinal symbol never flips the value's sign.
 
     ``scale`` (float32, one per element; linear domain, no prediction)
     gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``: Adam's
@@ -627,7 +631,7 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps):
         n = out.shape[0]
         step_k = np.float64(step_i)
-        signs = np.int32((seed >> 32) & 1) if dithered else np.int32(0)  # SIGNS_BIT
+        signs = dithered and (seed >> 32) & 1 == 1  # SIGNS_BIT
         q_block = np.empty(block, np.int32)
         bits_block = np.empty(block, np.int32)
         out_block = np.empty(block, np.float32)  # as in the encoder: pred may be out
@@ -644,8 +648,8 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 p = pred[start + j] if use_pred else np.float32(0.0)
                 u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
                 st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
-                qj = _fold(q[j], bits[j], signs) if dithered and not ordinal else q[j]
-                out_block[j] = _reconstruct(p, qj, ordinal, st, step_k, u, off)
+                sign = _fold_sign(u, signs) if dithered and not ordinal else np.float32(1.0)
+                out_block[j] = _reconstruct(p, q[j], ordinal, st, step_k, u, off, sign)
             out[start:stop] = out_block[:m]
 
     return decode
@@ -683,20 +687,21 @@ def _linear_step(values, q, width, step_f, seed, index, bits):
     dithered if ``seed >= 0``, its symbols' signs folded if ``seed`` has ``SIGNS_BIT``
     (``index``: the first value's element index; ``bits``: room for the block's dither
     hashes)."""
-    one, zero = np.float64(1), np.float32(0.0)
+    one, zero, one32 = np.float64(1), np.float32(0.0), np.float32(1.0)
     if seed >= 0:
         _fill_dither_bits(bits, index, seed)
-        signs = np.int32((seed >> 32) & 1)
+        signs = (seed >> 32) & 1 == 1
         for j in range(values.shape[0]):
-            qj = _fold(q[j], bits[j], signs) if width else np.int32(0)
-            values[j] = _reconstruct(values[j], qj, False, step_f, one,
-                                     _dither_of_bits(bits[j]), 0.0)
+            u = _dither_of_bits(bits[j])
+            values[j] = _reconstruct(values[j], q[j] if width else np.int32(0), False, step_f,
+                                     one, u, 0.0, _fold_sign(u, signs))
     elif width:
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], q[j], False, step_f, one, zero, 0.0)
+            values[j] = _reconstruct(values[j], q[j], False, step_f, one, zero, 0.0, one32)
     else:  # no symbols to unpack, but -0.0 still becomes +0.0
         for j in range(values.shape[0]):
-            values[j] = _reconstruct(values[j], np.int32(0), False, step_f, one, zero, 0.0)
+            values[j] = _reconstruct(values[j], np.int32(0), False, step_f, one, zero, 0.0,
+                                     one32)
 
 
 @njit(inline="always")
