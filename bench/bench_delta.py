@@ -51,7 +51,12 @@ from deltackpt.app.training import (
     train_step,
 )
 from deltackpt.codecs.lossless import zstd_compress
-from deltackpt.codecs.quant import decode_quant, encode_quant, zstd_decompress_bounded
+from deltackpt.codecs.quant import (
+    decode_quant,
+    encode_quant,
+    quant_params,
+    zstd_decompress_bounded,
+)
 from deltackpt.encode.policy import tensor_class
 from deltackpt.format.dtypes import spec_named
 from deltackpt.io.pool import default_workers
@@ -252,8 +257,9 @@ def saved_delta(run, tmp_path_factory) -> list[tuple[str, dict, np.ndarray, np.n
 
 
 def _kernel_args(params: dict, first: int) -> dict:
-    return {"ordinal": params["domain"] == "ordinal", "step": params["step"],
-            "block": params["block"], "dither": params.get("dither"), "first": first}
+    ordinal, _, step, block, dither, dither_signs = quant_params(params)
+    return {"ordinal": ordinal, "step": step, "block": block, "dither": dither,
+            "dither_signs": dither_signs, "first": first}
 
 
 def _encode_job(job) -> tuple[np.ndarray, np.ndarray]:
@@ -272,7 +278,7 @@ def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
     out[:] = 0 if pred is None else pred
     decode_step_streams([stream], out, ordinal=[args["ordinal"]], steps=[args["step"]],
                         block=args["block"], zero_start=pred is None, dithers=[args["dither"]],
-                        first=first)
+                        dither_signs=[args["dither_signs"]], first=first)
 
 
 def test_kernel_cost_by_class(saved_delta) -> None:

@@ -95,7 +95,7 @@ def folds_signs(ordinal: bool, dither: int | None) -> bool:
     """Whether deltackpt's writers fold a chunk's symbol signs by its dither (``dither_signs``,
     FORMAT.md 3.2, since 2.2): in every dithered chunk of the linear domain, where it costs a
     sign flip an element and saves the sign bit of small values (Adam's first moment, coded
-    anew each save at about a step, took 20-30% fewer bytes)."""
+    anew each save at about a step: 0.58 bits an element where it took 0.80, on a GPT)."""
     return dither is not None and not ordinal
 
 
