@@ -182,7 +182,8 @@ for name, case in cases.items():
     recon = torch.empty_like(xx)
     uploaded = gpu_quant.upload_streams([stream], n, block, dev)
     decode = dict(ordinal=[case["ordinal"]], steps=[case["step"]], dithers=[case.get("dither")],
-                  dither_signs=[case.get("dither_signs", False)], zero_start=pp is None, pred=pp, scale=case.get("scale"), eps=case.get("eps", 0.0))
+                  dither_signs=[case.get("dither_signs", False)], zero_start=pp is None,
+                  pred=pp, scale=case.get("scale"), eps=case.get("eps", 0.0))
     t_dec = timed(lambda: gpu_quant.apply_streams(uploaded, recon, **decode))
     t_dec_host = timed(lambda: gpu_quant.decode_block_stream(stream, pp, recon, block=block,
                                                              **case))

@@ -111,7 +111,7 @@ def _dither(index, seed):
 @triton.jit
 def _fold(q, u, signs):
     """FORMAT.md 3.2's ``dither_signs`` where ``signs``: ``-q`` where the dither offset ``u`` is
-    at least 0 (``kernels.quant._fold``); its own inverse."""
+    at least 0 (``kernels.quant._fold_sign``); its own inverse."""
     return tl.where(signs & (u >= 0.0), -q, q)
 
 
