@@ -126,6 +126,13 @@ def _dither_of_bits(bits: np.int32) -> np.float32:
 
 
 @njit(inline="always")
+def _folds_signs(seed: np.int64) -> bool:
+    """Whether a kernel seed (``_seed``) is a dithered stream's with ``SIGNS_BIT``: its
+    symbols' signs folded by the dither."""
+    return seed >= 0 and seed & SIGNS_BIT != 0
+
+
+@njit(inline="always")
 def _fold_sign(u: np.float32, signs: bool) -> np.float32:
     """FORMAT.md 3.2's ``dither_signs`` where ``signs``: -1.0 where the dither offset ``u`` is
     at least 0, else 1.0, the factor between a value's symbol and the stored one either way.
@@ -423,7 +430,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                eps):
         n = x.shape[0]
         step_k = np.float64(step_i)
-        signs = dithered and (seed >> 32) & 1 == 1  # SIGNS_BIT
+        signs = _folds_signs(seed)
         q_min = np.float32(-Q_MAX if signs else Q_MIN)  # folded symbols are clamped to +-Q_MAX
         # A division by a power-of-two step is a multiplication by its reciprocal, bit for bit:
         # 2**-k is exact, and the quotient of the integer d (|d| < 2**33) by 2**k keeps d's
@@ -631,7 +638,7 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps):
         n = out.shape[0]
         step_k = np.float64(step_i)
-        signs = dithered and (seed >> 32) & 1 == 1  # SIGNS_BIT
+        signs = _folds_signs(seed)
         q_block = np.empty(block, np.int32)
         bits_block = np.empty(block, np.int32)
         out_block = np.empty(block, np.float32)  # as in the encoder: pred may be out
@@ -690,7 +697,7 @@ def _linear_step(values, q, width, step_f, seed, index, bits):
     one, zero, one32 = np.float64(1), np.float32(0.0), np.float32(1.0)
     if seed >= 0:
         _fill_dither_bits(bits, index, seed)
-        signs = (seed >> 32) & 1 == 1
+        signs = _folds_signs(seed)
         for j in range(values.shape[0]):
             u = _dither_of_bits(bits[j])
             values[j] = _reconstruct(values[j], q[j] if width else np.int32(0), False, step_f,
