@@ -610,18 +610,24 @@ def _variances(state: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor,
             state[name].float().reshape(-1))
 
 
-def _check_centred_variances(mgr: CheckpointManager, step: int,
-                             saved: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _check_centred_variances(mgr: CheckpointManager, step: int, saved: dict[str, torch.Tensor],
+                             configured: float = BALANCED.second_moment.step
+                             ) -> list[torch.Tensor]:
     """Every element of a restored centered RMSprop keeps a positive variance ``square_avg -
-    grad_avg**2`` (in float32, as torch computes it), at least the second moment's lower edge
-    (half, balanced) of the variance with the saved ``grad_avg``; returns the restored over the
-    saved variances of each ``grad_avg`` (elements with a variance)."""
+    grad_avg**2`` (in float32, as torch computes it), at least the lower edge of its
+    ``square_avg``'s band (of its chunk's step, or where it is exact of the ``configured``
+    one, in binades: half at balanced's) of the variance with the saved ``grad_avg``; returns
+    the restored over the saved variances of each ``grad_avg`` (elements with a variance)."""
     restored = mgr.restore(step).tensors
-    floor = 2.0 ** -(BALANCED.second_moment.step / 2)
+    meta = mgr.metadata(step)
     ratios = []
     for name in saved:
         if not name.endswith("/grad_avg"):
             continue
+        chunks = meta.tensor(name.removesuffix("grad_avg") + "square_avg").fragments[0].chunks
+        keys = max((c.params["step"] for c in chunks if c.codec == "quant"),
+                   default=configured * BINADE)
+        floor = 2.0 ** -(keys / BINADE / 2)
         v_hat, g_hat = _variances(restored, name)
         v, g = _variances(saved, name)
         c_hat, c_with_true = v_hat - g_hat * g_hat, v_hat - g * g
@@ -658,6 +664,32 @@ def test_centered_rmsprop_grad_avg_is_coded_within_its_variance(ckpt: Path) -> N
                     raw += saved[name].numel() * 4
     assert coded < raw / 8, (coded, raw)
     assert abs(torch.cat(ratios).log2().median().item()) < 0.1
+
+
+def test_centered_rmsprop_square_avg_takes_the_precision_its_variance_needs(ckpt: Path) -> None:
+    """A second moment configured coarser than its centred variance allows (within four
+    binades, whose band reaches down to 1/16) is refined in each save until the lower edge of
+    its band is the square root of the largest sampled ``grad_avg**2 / square_avg``: both
+    tensors stay coded (they were stored exactly) and every restored variance keeps that edge."""
+    config = CompressionConfig(second_moment=Quantizer(step=8.0, domain="ordinal"))
+    model = mlp()
+    optimizer = _centered_rmsprop(list(model.parameters()))
+    with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
+        for step in range(4):
+            train(model, optimizer, steps=3)
+            mgr.save(step, model, optimizer)
+            saved = snapshot(model, optimizer)
+            if not step:
+                continue
+            _check_centred_variances(mgr, step, saved, configured=8.0)
+            meta, refined = mgr.metadata(step), 0
+            for name in saved:
+                if name.endswith("/grad_avg") and saved[name].numel() >= 16:
+                    square = meta.tensor(name.removesuffix("grad_avg") + "square_avg")
+                    assert {c.codec for c in square.fragments[0].chunks} == {"quant"}, name
+                    assert "quant" in {c.codec for c in meta.tensor(name).fragments[0].chunks}
+                    refined += square.fragments[0].chunks[0].params["step"] < 8 * BINADE
+            assert refined, step
 
 
 def test_centered_rmsprop_with_steady_gradients_stays_finite(ckpt: Path) -> None:

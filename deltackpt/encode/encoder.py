@@ -54,6 +54,7 @@ from deltackpt.encode.optimizers import (
     unknown_state_keys,
 )
 from deltackpt.encode.policy import (
+    BINADE_KEYS,
     CLASSES,
     LOSSY_DTYPES,
     CompressionConfig,
@@ -61,7 +62,7 @@ from deltackpt.encode.policy import (
     Sample,
     ScaleController,
     base_step,
-    centred_step,
+    centred_steps,
     finalize_step,
     needs_residuals,
     needs_sample,
@@ -124,6 +125,7 @@ class _Plan:
     scale: tuple[str, float, float] | None = None
     centres: str | None = None  # centered RMSprop's grad_avg: the square_avg it is subtracted from
     variance_floor: float = 0.0  # grad_avg: the least its restored variance may shrink to
+    centred_keys: float = 0.0  # grad_avg: the most keys its square_avg's step may span
     bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
     absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
     unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
@@ -280,6 +282,9 @@ class StepEncoder:
         for name, plan in list(self._plans.items()):
             if plan.bnb is not None:  # its absmax is derived from its running values
                 self._plans[plan.bnb.absmax].absmax_of = name
+            second = self._plans.get(plan.centres) if plan.centred_keys else None
+            if second is not None and not second.quantizer.exact:
+                second.step = min(second.step, plan.centred_keys)
         self._choose_scale(samples, fixed)
 
     def _meanings(self, captured: CapturedState) -> _Meanings:
@@ -333,7 +338,7 @@ class StepEncoder:
         plan.centres = meanings.centred.get(item.name)
         if plan.centres is not None and not (item.name in meanings.scales
                                              and quantizer.update_step is not None):
-            # Its error is bounded through the variance it centres (policy.centred_step),
+            # Its error is bounded through the variance it centres (policy.centred_steps),
             # which takes steps scaled by square_avg's running values: else stored exactly.
             plan.quantizer = Quantizer(exact=True)
         if self.is_delta and quantizer.pred == "base" and item.name in self.base.scaled:
@@ -343,10 +348,10 @@ class StepEncoder:
         return plan
 
     def _plan_step(self, item: CapturedTensor, tensor: torch.Tensor, plan: _Plan,
-                   meanings: _Meanings) -> tuple[np.ndarray | None, float, int, _Plan, bool]:
-        """The step of a tensor a delta codes lossily, from a strided sample of it where its
-        quantizer's bounds or the target ratio need one; returns the sample (in units of each
-        element's step where they vary), the step, its element count, its plan and whether
+                   meanings: _Meanings) -> tuple[np.ndarray | None, int, _Plan, bool]:
+        """The step of a tensor a delta codes lossily (``plan.step``), from a strided sample of
+        it where its quantizer's bounds or the target ratio need one; returns the sample (in
+        units of each element's step where they vary), its element count, its plan and whether
         its domain is ordinal, for :meth:`_choose_scale`."""
         quantizer, numel = plan.quantizer, tensor.numel()
         plan.bnb = meanings.bnb[item.name][0] if item.name in meanings.bnb else None
@@ -381,7 +386,8 @@ class StepEncoder:
                 sample /= factor * (np.sqrt(np.maximum(v, 0)) + eps)
         if centred:
             second = self.config.quantizer_for(plan.centres, item.fqn, "second_moment")
-            plan.step = centred_step(second, sample)
+            plan.step, binades = centred_steps(second.step, sample)
+            plan.centred_keys = binades * BINADE_KEYS
             if plan.step <= 0:
                 plan.quantizer = Quantizer(exact=True)
         elif plan.scale is not None:
@@ -395,9 +401,9 @@ class StepEncoder:
                 if plan.cls == "first_moment" else None)
             if plan.step <= 0:  # nothing moved: a dither would move what stays put
                 plan.dither = None
-        return sample, plan.step, numel, plan, ordinal
+        return sample, numel, plan, ordinal
 
-    def _choose_scale(self, samples: list[tuple[np.ndarray | None, float, int, _Plan, bool]],
+    def _choose_scale(self, samples: list[tuple[np.ndarray | None, int, _Plan, bool]],
                       fixed: int) -> None:
         """Scale every lossy tensor's step by one factor, the target-ratio controller's choice
         from the samples' entropy (1 without a target), and finalize the steps."""
@@ -405,10 +411,10 @@ class StepEncoder:
             raw = sum(t.numel() * t.element_size() for t in self.local.values())
             self.scale, self.estimated_bits = self.controller.choose(
                 [(Sample(s, None if plan.dither is None else numpy_dither(
-                    s.size, plan.dither, stride=sample_stride(n)), ordinal), step, n)
-                 for s, step, n, plan, ordinal in samples], raw, fixed)
-        for _, step, _, plan, ordinal in samples:
-            plan.step = finalize_step(step * self.scale, ordinal)
+                    s.size, plan.dither, stride=sample_stride(n)), ordinal), plan.step, n)
+                 for s, n, plan, ordinal in samples], raw, fixed)
+        for _, _, plan, ordinal in samples:
+            plan.step = finalize_step(plan.step * self.scale, ordinal)
         self._guard_variances()
 
     def _guard_variances(self) -> None:
@@ -478,7 +484,7 @@ class StepEncoder:
         ``update_step`` learning rates of that update, early in training too.
         Centered RMSprop's ``grad_avg`` (``centred``) is scaled by its
         ``square_avg`` with the least positive ``eps`` (factor 1; its step is
-        :func:`policy.centred_step`): the variance it centres must stay
+        :func:`policy.centred_steps`): the variance it centres must stay
         positive also where ``square_avg`` is zero (a parameter never used).
         """
         epsilons = group_hyperparameter(captured, "eps")

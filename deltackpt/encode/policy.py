@@ -17,7 +17,7 @@ class's error is bounded in a unit that keeps its meaning from run to run:
   update it drives: per element ``sqrt(exp_avg_sq) + eps`` for Adam, the
   tensor's root mean square otherwise; ``grad_avg`` per element in units of
   ``sqrt(square_avg) + eps``, so that the variance it centres keeps the
-  second moment's error bound (:func:`centred_step`);
+  second moment's error bound (:func:`centred_steps`);
 * ``second_moment`` (``exp_avg_sq``, ``max_exp_avg_sq``, RMSprop's
   ``square_avg``, Adagrad's ``sum``): ordinal domain, i.e. a bounded relative
   error, against the previous reconstruction, dithered so that slow growth
@@ -488,30 +488,36 @@ def ordinal_floor(step: float) -> float:
     return 2.0 ** -(step / 2 / BINADE_KEYS)
 
 
-def centred_step(second: Quantizer, x: np.ndarray) -> float:
-    """The step of centered RMSprop's ``grad_avg`` in units of ``sqrt(square_avg)`` per element
-    (``x``: sampled ``grad_avg / sqrt(square_avg)``), chosen so that the variance its update
-    divides by, ``square_avg - grad_avg**2``, keeps the second moment's error bound; 0 where
-    no step can (gradients that hardly vary: ``grad_avg`` is then stored exactly).
+def centred_steps(second_step: float, x: np.ndarray) -> tuple[float, float]:
+    """The steps of centered RMSprop's ``grad_avg``, in units of ``sqrt(square_avg)`` per
+    element (``x``: sampled ``grad_avg / sqrt(square_avg)``), and of the ``square_avg`` it
+    centres, in binades (at most ``second_step``, the configured one), chosen so that the
+    variance its update divides by, ``square_avg - grad_avg**2``, keeps the second moment's
+    error bound; ``(0, second_step)`` where no step can (gradients that hardly vary: both are
+    then stored exactly).
 
-    A dithered error ``d`` (uniform in a step ``t``) lowers the variance by ``(2 x d + d**2)``
-    ``square_avg``: on average by ``t**2 / 12`` of it, which must not exceed the mean bias of
-    the second moment's own dithered ordinal error (``second``'s step), and at worst by
-    ``|x| t + t**2 / 4``, which must keep it above the lower edge of that error band
-    (:func:`ordinal_floor`), for the sample's largest ``|x|`` against the least
-    ``square_avg`` the band restores. The writer checks every element of every chunk against
-    that edge (``StepEncoder``) and stores a chunk that misses it exactly."""
-    s = second.step  # binades of the second moment's step
+    The lower edge of the second moment's error band (:func:`ordinal_floor`) must lie above
+    the sample's largest ``x**2``; its step is at most ``-log2`` of that ``x**2``, which puts
+    the edge at least halfway, in log, from it to 1: where the variance needs the precision,
+    the square_avg pays it, rather than the grad_avg (or both, stored exactly). A dithered
+    error ``d`` (uniform in a step ``t``) of ``grad_avg`` lowers the variance by ``(2 x d +
+    d**2)`` ``square_avg``: on average by ``t**2 / 12`` of it, which must not exceed the mean
+    bias of the second moment's own dithered ordinal error, and at worst by ``|x| t + t**2 /
+    4``, which must keep it above that lower edge, for the largest ``|x|`` against the least
+    ``square_avg`` the band restores. The writer checks every
+    element of every chunk against that edge (``StepEncoder``) and stores a chunk that misses
+    it exactly."""
+    x2 = x[np.isfinite(x)].astype(np.float64) ** 2
+    largest = float(x2.max(initial=0.0))
+    if x2.size == 0 or largest >= 1:
+        return 0.0, second_step
+    s = min(second_step, -math.log2(largest)) if largest else second_step
     floor = ordinal_floor(s * BINADE_KEYS)
     bias = (2 ** (s / 2) - 2 ** (-s / 2)) / (s * math.log(2)) - 1  # E[2**U] - 1, U in +-s/2
-    x2 = x[np.isfinite(x)].astype(np.float64) ** 2
-    worst = float(x2.max(initial=0.0)) / floor
-    if x2.size == 0 or worst >= 1:
-        return 0.0
     t_bias = math.sqrt(12 * bias / float(np.mean(1 / (1 - np.minimum(x2, 1 - 2.0 ** -20)))))
-    a, room = math.sqrt(worst), 1 - floor
+    a, room = math.sqrt(largest / floor), 1 - floor
     t_worst = 2 * (math.sqrt(a * a + room * (1 - a * a)) - a)  # t**2/4 + a t = room (1 - a**2)
-    return min(t_bias, t_worst)
+    return min(t_bias, t_worst), s
 
 
 def finalize_step(step: float, ordinal: bool) -> float | int:
