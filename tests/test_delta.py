@@ -666,14 +666,21 @@ def test_centered_rmsprop_grad_avg_is_coded_within_its_variance(ckpt: Path) -> N
     assert abs(torch.cat(ratios).log2().median().item()) < 0.1
 
 
-def test_centered_rmsprop_square_avg_takes_the_precision_its_variance_needs(ckpt: Path) -> None:
-    """A second moment configured coarser than its centred variance allows (within four
-    binades, whose band reaches down to 1/16) is refined in each save until the lower edge of
-    its band is the square root of the largest sampled ``grad_avg**2 / square_avg``: both
-    tensors stay coded (they were stored exactly) and every restored variance keeps that edge."""
-    config = CompressionConfig(second_moment=Quantizer(step=8.0, domain="ordinal"))
+@pytest.mark.parametrize("config, scale", [
+    (CompressionConfig(second_moment=Quantizer(step=8.0, domain="ordinal")), 1.0),
+    (CompressionConfig(target_ratio=1000), math.sqrt(2))], ids=["coarse-second-moment",
+                                                                 "target-ratio"])
+def test_centered_rmsprop_square_avg_takes_the_precision_its_variance_needs(
+        ckpt: Path, config: CompressionConfig, scale: float) -> None:
+    """A second moment coarser than its centred variance allows (configured within four
+    binades, whose band reaches down to 1/16; or scaled by a target ratio) is refined in each
+    save until the lower edge of its band is the square root of the largest sampled
+    ``grad_avg**2 / square_avg``, and the ``grad_avg``'s step follows from it: both tensors
+    stay coded (they were stored exactly, the grad_avg a chunk at a time when the target's
+    scale coarsened it apart from its square_avg) and every restored variance keeps that edge."""
     model = mlp()
     optimizer = _centered_rmsprop(list(model.parameters()))
+    binades, refined = config.second_moment.step * scale, 0
     with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
         for step in range(4):
             train(model, optimizer, steps=3)
@@ -681,15 +688,16 @@ def test_centered_rmsprop_square_avg_takes_the_precision_its_variance_needs(ckpt
             saved = snapshot(model, optimizer)
             if not step:
                 continue
-            _check_centred_variances(mgr, step, saved, configured=8.0)
-            meta, refined = mgr.metadata(step), 0
+            _check_centred_variances(mgr, step, saved, configured=binades)
+            meta = mgr.metadata(step)
+            assert meta.stats.compression["scale"] == pytest.approx(scale)
             for name in saved:
                 if name.endswith("/grad_avg") and saved[name].numel() >= 16:
                     square = meta.tensor(name.removesuffix("grad_avg") + "square_avg")
                     assert {c.codec for c in square.fragments[0].chunks} == {"quant"}, name
-                    assert "quant" in {c.codec for c in meta.tensor(name).fragments[0].chunks}
-                    refined += square.fragments[0].chunks[0].params["step"] < 8 * BINADE
-            assert refined, step
+                    assert {c.codec for c in meta.tensor(name).fragments[0].chunks} == {"quant"}
+                    refined += square.fragments[0].chunks[0].params["step"] < binades * BINADE
+    assert refined or config.target_ratio  # at four binades; scaled, x**2 may lie below
 
 
 def test_centered_rmsprop_with_steady_gradients_stays_finite(ckpt: Path) -> None:

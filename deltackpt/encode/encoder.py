@@ -125,7 +125,7 @@ class _Plan:
     scale: tuple[str, float, float] | None = None
     centres: str | None = None  # centered RMSprop's grad_avg: the square_avg it is subtracted from
     variance_floor: float = 0.0  # grad_avg: the least its restored variance may shrink to
-    centred_keys: float = 0.0  # grad_avg: the most keys its square_avg's step may span
+    centred_sample: np.ndarray | None = None  # grad_avg: its sample, in sqrt(square_avg) units
     bnb: BnbState | None = None  # a bitsandbytes 8-bit moment coded as bnb8 chunks in this save
     absmax_of: str | None = None  # the bnb8-coded moment whose running values this absmax is
     unchanged: bool = False  # a code map equal to its base's: a quant chunk of zero symbols
@@ -282,9 +282,6 @@ class StepEncoder:
         for name, plan in list(self._plans.items()):
             if plan.bnb is not None:  # its absmax is derived from its running values
                 self._plans[plan.bnb.absmax].absmax_of = name
-            second = self._plans.get(plan.centres) if plan.centred_keys else None
-            if second is not None and not second.quantizer.exact:
-                second.step = min(second.step, plan.centred_keys)
         self._choose_scale(samples, fixed)
 
     def _meanings(self, captured: CapturedState) -> _Meanings:
@@ -386,8 +383,8 @@ class StepEncoder:
                 sample /= factor * (np.sqrt(np.maximum(v, 0)) + eps)
         if centred:
             second = self.config.quantizer_for(plan.centres, item.fqn, "second_moment")
-            plan.step, binades = centred_steps(second.step, sample)
-            plan.centred_keys = binades * BINADE_KEYS
+            plan.step, _ = centred_steps(second.step, sample)  # for the scale; set once scaled
+            plan.centred_sample = sample
             if plan.step <= 0:
                 plan.quantizer = Quantizer(exact=True)
         elif plan.scale is not None:
@@ -418,15 +415,21 @@ class StepEncoder:
         self._guard_variances()
 
     def _guard_variances(self) -> None:
-        """Keep centered RMSprop's restored variance ``square_avg - grad_avg**2`` positive: store
-        a ``square_avg`` exactly in this save where its step could restore it below some
-        element's ``grad_avg**2`` (gradients that hardly vary); and give each lossy
-        ``grad_avg`` the least its variance may shrink to, the lower edge of ``square_avg``'s
-        error band (its chunks that miss it are stored exactly)."""
+        """Keep centered RMSprop's restored variance ``square_avg - grad_avg**2`` positive and
+        within the second moment's bound, at this save's scale: set each lossy ``grad_avg``'s
+        step and its ``square_avg``'s from that scaled bound (:func:`centred_steps`: scaling
+        the two apart breaks it), and give the ``grad_avg`` the least its variance may shrink
+        to, the lower edge of ``square_avg``'s error band (its chunks that miss it are stored
+        exactly); store a ``square_avg`` exactly in this save where its step could restore it
+        below some element's ``grad_avg**2`` (gradients that hardly vary)."""
         for name, plan in self._plans.items():
             second = self._plans.get(plan.centres) if plan.centres is not None else None
             if second is None or second.quantizer.exact or not self.is_delta:
                 continue
+            if not plan.quantizer.exact:
+                step, binades = centred_steps(second.step / BINADE_KEYS, plan.centred_sample)
+                plan.step = finalize_step(step, False)
+                second.step = finalize_step(binades * BINADE_KEYS, True)
             floor = ordinal_floor(second.step)
             if not plan.quantizer.exact:
                 plan.variance_floor = floor

@@ -491,7 +491,7 @@ def ordinal_floor(step: float) -> float:
 def centred_steps(second_step: float, x: np.ndarray) -> tuple[float, float]:
     """The steps of centered RMSprop's ``grad_avg``, in units of ``sqrt(square_avg)`` per
     element (``x``: sampled ``grad_avg / sqrt(square_avg)``), and of the ``square_avg`` it
-    centres, in binades (at most ``second_step``, the configured one), chosen so that the
+    centres, in binades (at most ``second_step``, its step at this save's scale), so that the
     variance its update divides by, ``square_avg - grad_avg**2``, keeps the second moment's
     error bound; ``(0, second_step)`` where no step can (gradients that hardly vary: both are
     then stored exactly).
