@@ -16,7 +16,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -637,21 +637,30 @@ def _check_centred_variances(mgr: CheckpointManager, step: int, saved: dict[str,
     return ratios
 
 
+def _centred_deltas(mgr: CheckpointManager, saves: int,
+                    configured: float = BALANCED.second_moment.step
+                    ) -> Iterator[tuple[int, dict[str, torch.Tensor], list[torch.Tensor]]]:
+    """Train an MLP with centered RMSprop and save it ``saves`` times into ``mgr`` (a full
+    step, then deltas); yield each delta step, its saved state and its restored variances
+    over the saved ones, once :func:`_check_centred_variances` has checked them."""
+    model = mlp()
+    optimizer = _centered_rmsprop(list(model.parameters()))
+    for step in range(saves):
+        train(model, optimizer, steps=3)
+        mgr.save(step, model, optimizer)
+        saved = snapshot(model, optimizer)
+        if step:
+            yield step, saved, _check_centred_variances(mgr, step, saved, configured)
+
+
 def test_centered_rmsprop_grad_avg_is_coded_within_its_variance(ckpt: Path) -> None:
     """Centered RMSprop's ``grad_avg`` is a first moment coded from zero, dithered, with steps
     scaled by ``sqrt(square_avg)`` (it was stored exactly, a third of the state): the variance
     the update divides by stays positive and within the second moment's band, unbiased."""
-    model = mlp()
-    optimizer = _centered_rmsprop(list(model.parameters()))
     ratios, coded, raw = [], 0, 0
     with CheckpointManager(ckpt, full_every=100) as mgr:
-        for step in range(5):
-            train(model, optimizer, steps=3)
-            mgr.save(step, model, optimizer)
-            saved = snapshot(model, optimizer)
-            if not step:
-                continue
-            ratios += _check_centred_variances(mgr, step, saved)
+        for step, saved, restored in _centred_deltas(mgr, 5):
+            ratios += restored
             assert "first_moment" in classes(mgr, step)
             for name in saved:
                 if name.endswith("/grad_avg") and saved[name].numel() >= 16:
@@ -678,17 +687,9 @@ def test_centered_rmsprop_square_avg_takes_the_precision_its_variance_needs(
     ``grad_avg**2 / square_avg``, and the ``grad_avg``'s step follows from it: both tensors
     stay coded (they were stored exactly, the grad_avg a chunk at a time when the target's
     scale coarsened it apart from its square_avg) and every restored variance keeps that edge."""
-    model = mlp()
-    optimizer = _centered_rmsprop(list(model.parameters()))
     binades, refined = config.second_moment.step * scale, 0
     with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
-        for step in range(4):
-            train(model, optimizer, steps=3)
-            mgr.save(step, model, optimizer)
-            saved = snapshot(model, optimizer)
-            if not step:
-                continue
-            _check_centred_variances(mgr, step, saved, configured=binades)
+        for step, saved, _ in _centred_deltas(mgr, 4, binades):
             meta = mgr.metadata(step)
             assert meta.stats.compression["scale"] == pytest.approx(scale)
             for name in saved:
