@@ -430,12 +430,10 @@ class StepEncoder:
                 step, binades = centred_steps(second.step / BINADE_KEYS, plan.centred_sample)
                 plan.step = finalize_step(step, False)
                 second.step = finalize_step(binades * BINADE_KEYS, True)
-            floor = ordinal_floor(second.step)
-            if not plan.quantizer.exact:
-                plan.variance_floor = floor
+                plan.variance_floor = ordinal_floor(second.step)
             g, v = self.local[name].detach().float(), self.local[plan.centres].detach().float()
             # in float32, as torch's RMSprop (the margin covers rounding to a 16-bit dtype)
-            if bool((g * g > v * (floor * (1 - 2.0 ** -7))).any()):
+            if bool((g * g > v * (ordinal_floor(second.step) * (1 - 2.0 ** -7))).any()):
                 second.quantizer = Quantizer(exact=True)
 
     def _check_overrides(self, captured: CapturedState) -> None:

@@ -504,9 +504,8 @@ def centred_steps(second_step: float, x: np.ndarray) -> tuple[float, float]:
     d**2)`` ``square_avg``: on average by ``t**2 / 12`` of it, which must not exceed the mean
     bias of the second moment's own dithered ordinal error, and at worst by ``|x| t + t**2 /
     4``, which must keep it above that lower edge, for the largest ``|x|`` against the least
-    ``square_avg`` the band restores. The writer checks every
-    element of every chunk against that edge (``StepEncoder``) and stores a chunk that misses
-    it exactly."""
+    ``square_avg`` the band restores. The writer checks every element of every chunk against
+    that edge (``StepEncoder``) and stores a chunk that misses it exactly."""
     x2 = x[np.isfinite(x)].astype(np.float64) ** 2
     largest = float(x2.max(initial=0.0))
     if x2.size == 0 or largest >= 1:
