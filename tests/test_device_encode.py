@@ -293,7 +293,7 @@ def test_a_device_delta_waits_for_the_save_in_flight(tmp_path: Path,
             release = _hold_saves(patch)
             first = _save(mgr, 0, states[0], torch.float32)
             thread, out = _in_thread(lambda: _save(mgr, 1, states[1], torch.float32))
-            thread.join(0.5)
+            thread.join(1.0)  # held a second: its wait begins once the thread has captured
             assert thread.is_alive() and not first.done()
             release.set()
             thread.join(60)
