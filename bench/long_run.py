@@ -11,8 +11,10 @@ never change the training.
 
 Per run and setting it reports the directory's bytes (every file), the bytes ``torch.save``
 writes for the same state at every save (model, optimizer and scheduler, measured at each
-save), their ratio, the full steps, the deepest restore, and for ``balanced`` under each
-schedule the time to restore steps by their depth, each in a fresh read-only manager as a
+save), their ratio, the full steps, the deepest restore and the bytes by part
+(:func:`bytes_by_part`: with them, how much less ``aggressive`` could store at most if the two
+classes it codes more coarsely took none), and for ``balanced`` under each schedule the time to
+restore steps by their depth, each in a fresh read-only manager as a
 resuming process does (median of ``--repeats``, after one restore untimed), against restoring
 its full step; then a gc keeping every tenth save: its dry run's estimate against what it did.
 
@@ -39,6 +41,7 @@ from fidelity import OPTIMIZERS, TASKS, Run
 
 from deltackpt import CheckpointManager
 from deltackpt.encode.policy import CompressionConfig
+from deltackpt.format.metadata import METADATA_FILE
 
 RUNS = {"gpt-adamw": ("gpt-tiny", "adamw-0.95"), "cnn-sgd": ("cnn-bn", "sgd"),
         "mlp-adamw": ("mlp", "adamw-0.999")}
@@ -73,6 +76,21 @@ def depth_of(mgr: CheckpointManager) -> dict[int, int]:
         meta = mgr.metadata(step)
         out[step] = 0 if meta.kind == "full" else out[meta.base_step] + 1
     return out
+
+
+def bytes_by_part(mgr: CheckpointManager, path: Path) -> dict[str, int]:
+    """The directory's bytes by what they hold: every step's metadata file, the full steps'
+    stored bytes, and the delta steps' by class (their statistics: ``exact`` is what they store
+    losslessly, RNG states and Adam's step counts among it)."""
+    parts = {"metadata": sum(p.stat().st_size for p in path.rglob(METADATA_FILE)), "full": 0}
+    for step in mgr.steps():
+        meta = mgr.metadata(step)
+        if meta.kind == "full":
+            parts["full"] += meta.stats.stored_bytes
+            continue
+        for cls, stats in meta.stats.classes.items():
+            parts[cls] = parts.get(cls, 0) + stats["stored_bytes"]
+    return parts
 
 
 def restore_times(path: Path, repeats: int) -> dict[int, dict]:
@@ -121,6 +139,7 @@ def long_run(name: str, saves: int, interval: int, repeats: int, root: Path) -> 
         report["settings"][label] = {
             "bytes": size, "ratio": baseline / size, "full_steps": kinds[label].count("full"),
             "max_depth": max(depths), "mean_depth": statistics.fmean(depths),
+            "parts": bytes_by_part(mgr, path),
             "restore": restore_times(path, repeats) if label not in SETTINGS or i == 0 else None}
     report["restore"] = report["settings"]["balanced"]["restore"]
     report["gc"] = gc_estimate(root / name / "s0", keep=f"every={10 * interval}")
@@ -150,6 +169,17 @@ def table(report: dict) -> str:
         lines.append(f"  {label:40s} {s['bytes'] / 1e6:8.2f} MB  {s['ratio']:6.1f}x  "
                      f"{s['full_steps']:3d} full  depth max {s['max_depth']} "
                      f"mean {s['mean_depth']:.1f}{worst}")
+    for label in ("balanced", "aggressive"):
+        parts = report["settings"][label]["parts"]
+        lines.append(f"  {label} by part: " + ", ".join(
+            f"{part} {size / 1e6:.2f} MB" for part, size in parts.items()))
+    balanced, aggressive = (report["settings"][label]["bytes"] for label in ("balanced",
+                                                                              "aggressive"))
+    parts = report["settings"]["balanced"]["parts"]
+    coarser = parts.get("weights", 0) + parts.get("first_moment", 0)
+    lines.append(f"  aggressive stores {balanced / aggressive:.2f}x less than balanced; with no "
+                 f"bytes at all for the two classes it codes more coarsely (weights, first "
+                 f"moments), at most {balanced / (balanced - coarser):.2f}x")
     full = report["restore"][0]["seconds"]
     lines.append("  restore (balanced, defaults), by depth: " + ", ".join(
         f"{d}: {r['seconds'] * 1e3:.0f} ms ({r['seconds'] / full:.2f}x)"
