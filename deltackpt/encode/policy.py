@@ -339,11 +339,10 @@ class CompressionConfig:
 # aggressive allows three times the weights' movement, twice their relative error and a first
 # moment within one learning rate (a momentum within 2 of its rms). Coarser moments cost more
 # than they saved: a first moment within two learning rates lost 2-3% of loss in early
-# restores, a second moment within four binades 0.7-0.9%; within two, its median drifted to
-# 1.12 over five restores with beta2 = 0.999 (an error uniform in log has a mean above 1,
-# 1.35x for two binades and 1.08x for one, and the optimizer averages it linearly): on the
-# matrix's GPT with that beta2 restored five times every 20 steps, aggressive with it lost 4.6
-# steps against 0.2 for 3.5% more ratio (6-13% on six single-restore cells, docs/fidelity.md).
+# restores, a second moment within four binades 0.7-0.9%. Within two binades a second moment
+# gives aggressive 3-13% more ratio at a cost that three training seeds of seven cells could not
+# tell from what the seed alone moves (docs/fidelity.md): it stays at balanced's step until the
+# whole matrix, over several seeds, judges it.
 PRESETS = {
     "lossless": CompressionConfig(deltas=False, name="lossless"),
     "balanced": CompressionConfig(name="balanced"),
