@@ -978,9 +978,9 @@ def main() -> None:
                         help="torch intra-op threads (default 1: faster for these small models)")
     args = parser.parse_args()
     if args.fit_cost:
-        model, check = fit_cost([c for path in args.fit_cost
-                                 for c in json.loads(Path(path).read_text())["cells"]])
-        print(model, *check, sep="\n")
+        model, predictions = fit_cost([c for path in args.fit_cost
+                                       for c in json.loads(Path(path).read_text())["cells"]])
+        print(model, *predictions, sep="\n")
         return
     torch.set_num_threads(args.threads)
     cells = QUICK if args.quick else MATRIX
