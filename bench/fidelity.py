@@ -97,8 +97,12 @@ and ``aggressive`` beside ``balanced`` with one class's errors K times
 larger, and with every class's (:func:`class_variants`): what each class's
 precision costs a resumed run, and what it saves.
 
+``--seeds N`` runs each cell with training seeds 0 to N - 1 and reports each preset's steps
+lost over them (:func:`over_seeds`): the floor perturbs the restores of one trajectory, while
+what a preset's errors cost changes with the trajectory, by several steps on the GPT's cells.
+
 Run ``python bench/fidelity.py --quick`` or ``python bench/fidelity.py
-[--json FILE] [--cells NAME,...] [--by-class K]``.
+[--json FILE] [--cells NAME,...] [--by-class K] [--seeds N]``.
 """
 
 from __future__ import annotations
@@ -740,7 +744,8 @@ def run_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None = None,
                 "max_err": max(errors.values(), default=math.nan), "max_err_by_class": errors,
                 "deltas": len(disk), "restored_kinds": kinds, "moments": moments,
                 "losses": run.losses[c.restores[0]:]}
-        return {**asdict(c), "name": c.name, "family": spec.family, "resume": c.resume,
+        return {**asdict(c), "name": c.name, "seed": seed, "family": spec.family,
+                "resume": c.resume,
                 "dtype": str(spec.dtype).removeprefix("torch."), "raw_bytes": raw,
                 "params": sum(p.numel() for p in base.model.parameters()),
                 "exact": {"loss": exact_loss, "eval": exact_eval,
@@ -775,17 +780,49 @@ def cached_cell(c: Cell, presets: dict[str, str | CompressionConfig] | None, cac
 
 
 def run_matrix(cells: Iterable[Cell], presets: dict[str, str | CompressionConfig] | None = None,
-               log: Callable[[str], None] | None = print, cache: str | Path | None = None) -> dict:
-    """Run every cell; ``log`` gets each cell's table rows as it finishes. ``cache``: a directory
-    where each cell's results are kept and reused (:func:`cached_cell`)."""
+               log: Callable[[str], None] | None = print, cache: str | Path | None = None,
+               seeds: int = 1) -> dict:
+    """Run every cell with training seeds ``0 .. seeds - 1``; ``log`` gets each run's table rows
+    as it finishes. ``cache``: a directory where each run's results are kept and reused
+    (:func:`cached_cell`)."""
     started = time.perf_counter()
     report: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cells": []}
     for c in cells:
-        report["cells"].append(run_cell(c, presets) if cache is None else cached_cell(c, presets, cache))
-        if log is not None:
-            log(table({"cells": report["cells"][-1:]}, header=not report["cells"][1:]))
+        for seed in range(seeds):
+            report["cells"].append(run_cell(c, presets, seed) if cache is None
+                                   else cached_cell(c, presets, cache, seed))
+            if log is not None:
+                log(table({"cells": report["cells"][-1:]}, header=not report["cells"][1:]))
     report["seconds"] = time.perf_counter() - started
     return report
+
+
+def over_seeds(report: dict) -> str:
+    """Each cell run with several training seeds: every preset's steps lost (or loss deviation,
+    where the loss no longer falls) as the mean and standard deviation over the seeds, with
+    their range, beside the noise floor's mean. The floor perturbs one trajectory's restores;
+    the seed changes the trajectory, and with it what a preset's errors cost."""
+    runs: dict[str, list[dict]] = {}
+    for c in report["cells"]:
+        runs.setdefault(c["name"], []).append(c)
+    lines = []
+    for name, cells in runs.items():
+        if len(cells) < 2:
+            continue
+        seeds = ",".join(str(c.get("seed", 0)) for c in cells)
+        floor = statistics.fmean(c["floor"]["steps_lost"] for c in cells)
+        for preset in cells[0]["presets"]:
+            steps = [c["presets"][preset]["steps_lost"] for c in cells]
+            if all(math.isfinite(v) for v in steps):
+                values, unit, floor_text = steps, "steps", f"{floor:.2f}"
+            else:
+                values = [100 * c["presets"][preset]["loss_dev"] for c in cells]
+                unit = "% loss"
+                floor_text = f"{100 * statistics.fmean(c['floor']['loss_dev'] for c in cells):.3f}"
+            lines.append(f"{name:<36} seeds {seeds:<7} {preset:<13} "
+                         f"{statistics.fmean(values):7.2f} +- {statistics.stdev(values):6.2f} {unit} "
+                         f"[{min(values):.2f}, {max(values):.2f}]; floor {floor_text}")
+    return "\n".join(lines)
 
 
 # --- the expected cost of errors ----------------------------------------------------------------
@@ -909,7 +946,7 @@ def check(report: dict, targets: dict[str, Targets] | None = None) -> list[str]:
             r = c["presets"].get(name)
             if r is None:
                 continue
-            where = f"{c['name']} {name}:"
+            where = f"{c['name']}" + (f" seed {c['seed']}" if c.get("seed") else "") + f" {name}:"
             limit = want.loss_limit(c["interval"])
             if not r["loss_dev"] <= limit:
                 misses.append(f"{where} loss_dev {100 * r['loss_dev']:.2f}% > {100 * limit:.2f}%")
@@ -944,7 +981,8 @@ def table(report: dict, header: bool = True) -> str:
     loss_dev of the same cell."""
     lines = []
     if header:
-        lines.append(f"{'cell':<36} {'restores':<19} {'preset':<13} {'ratio':>7} {'loss dev':>8} "
+        lines.append(f"{'cell':<36} {'seed':>4} {'restores':<19} {'preset':<13} {'ratio':>7} "
+                     f"{'loss dev':>8} "
                      f"{'steps':>6} {'floor dev':>15} {'floor steps':>11} {'ref dev':>7} "
                      f"{'eval dev':>8} {'logit':>7} {'max err':>8}  "
                      f"moments: median restored/true [5%,95%] slope")
@@ -955,7 +993,8 @@ def table(report: dict, header: bool = True) -> str:
         floor_dev = f"{100 * floor['loss_dev']:.3f}+-{100 * floor['loss_dev_spread']:.3f}%"
         floor_steps = f"{floor['steps_lost']:.1f}+-{floor['steps_lost_spread']:.1f}"
         for name, r in c["presets"].items():
-            lines.append(f"{c['name']:<36} {restores:<19} {name:<13} {r['ratio']:>6.1f}x "
+            lines.append(f"{c['name']:<36} {c.get('seed', 0):>4} {restores:<19} {name:<13} "
+                         f"{r['ratio']:>6.1f}x "
                          f"{100 * r['loss_dev']:>7.3f}% {r['steps_lost']:>6.1f} "
                          f"{floor_dev:>15} {floor_steps:>11} {100 * ref:>6.3f}% "
                          f"{100 * r['eval_dev']:>7.3f}% {r['logit_diff']:>7.3f} {r['max_err']:>8.4f}  "
@@ -974,6 +1013,8 @@ def main() -> None:
     parser.add_argument("--fit-cost", nargs="+", metavar="REPORT",
                         help="fit the expected cost model to --by-class reports (--json) and "
                              "print it with what it predicts for each config against them")
+    parser.add_argument("--seeds", type=int, default=1, metavar="N",
+                        help="run each cell with training seeds 0 .. N-1 and report the spread")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: faster for these small models)")
     args = parser.parse_args()
@@ -987,11 +1028,16 @@ def main() -> None:
     if args.cells:
         known = {c.name: c for c in MATRIX + QUICK}
         cells = [known[name] for name in args.cells.split(",")]
-    report = run_matrix(cells, class_variants(args.by_class) if args.by_class else None)
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    report = run_matrix(cells, class_variants(args.by_class) if args.by_class else None,
+                        seeds=args.seeds)
+    if args.seeds > 1:
+        print(f"\nover {args.seeds} training seeds:\n{over_seeds(report)}")
     for what, targets in (("issue 14's targets", ISSUE_TARGETS),
                           ("the noise floor's targets", FLOOR_TARGETS)):
         misses = check(report, targets)
-        print(f"\n{len(report['cells'])} cells in {report['seconds']:.0f} s; "
+        print(f"\n{len(report['cells'])} cell runs in {report['seconds']:.0f} s; "
               f"{len(misses)} misses of {what}:")
         print("\n".join(misses))
     if args.json:
