@@ -11,6 +11,7 @@ bits of their arithmetic.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import multiprocessing
 import sys
@@ -234,3 +235,47 @@ def test_cost_fit_prices_each_class_by_its_squared_factor() -> None:
     assert model.floor == pytest.approx(0.3)
     assert "all x2: predicted 3.10, measured median 3.00 steps over 3 cells" in check
     assert "balanced: predicted 1.00, measured median 1.00 steps over 3 cells" in check
+
+
+def _seed_run(name: str, seed: int, steps: float, loss_dev: float, floor_steps: float) -> dict:
+    """A cell's result as run_cell reports it, cut to what over_seeds reads."""
+    return {"name": name, "seed": seed,
+            "floor": {"steps_lost": floor_steps, "loss_dev": 0.0001},
+            "presets": {"balanced": {"steps_lost": steps, "loss_dev": loss_dev}}}
+
+
+def test_over_seeds_gives_each_presets_spread_over_training_seeds() -> None:
+    """Steps lost as mean +- sd and range over the seeds of a cell, beside the floor's mean;
+    loss deviation where the loss no longer falls; a cell run with one seed has no row."""
+    report = {"cells": [_seed_run("a", 0, 1.0, 0.001, 0.0), _seed_run("a", 1, 3.0, 0.002, 0.5),
+                        _seed_run("a", 2, 8.0, 0.003, 0.1),
+                        _seed_run("b", 0, math.nan, 0.001, math.nan),
+                        _seed_run("b", 1, math.nan, 0.003, math.nan),
+                        _seed_run("c", 0, 1.0, 0.001, 0.0)]}
+    rows = fidelity.over_seeds(report).splitlines()
+    assert len(rows) == 2
+    assert rows[0].split()[:4] == ["a", "seeds", "0,1,2", "balanced"]
+    assert "4.00 +-   3.61 steps [1.00, 8.00]; floor 0.20" in rows[0]
+    assert rows[1].split()[:4] == ["b", "seeds", "0,1", "balanced"]
+    assert "0.20 +-   0.14 % loss [0.10, 0.30]; floor 0.010" in rows[1]
+
+
+def test_main_writes_its_report(report: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line runs the cells it is given, lists the misses of both sets of targets
+    and writes --json (it once died after the cells: the name check was bound in one branch)."""
+    asked = {}
+
+    def run_matrix(cells, presets, seeds):
+        asked.update(cells=[c.name for c in cells], seeds=seeds)
+        return {**report, "seconds": 1.0}
+
+    monkeypatch.setattr(fidelity, "run_matrix", run_matrix)
+    monkeypatch.setattr(fidelity.torch, "set_num_threads", lambda n: None)
+    name = report["cells"][0]["name"]  # a matrix cell: the run is the fixture's report
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["fidelity.py", "--cells", name, "--json", str(out)])
+    fidelity.main()
+    assert asked == {"cells": [name], "seeds": 1}
+    assert len(json.loads(out.read_text())["cells"]) == len(report["cells"])
+    assert "misses of the noise floor's targets" in capsys.readouterr().out
