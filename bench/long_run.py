@@ -12,7 +12,7 @@ never change the training.
 Per run and setting it reports the directory's bytes (every file), the bytes ``torch.save``
 writes for the same state at every save (model, optimizer and scheduler, measured at each
 save), their ratio, the full steps, the deepest restore and the bytes by part
-(:func:`bytes_by_part`: with them, how much less ``aggressive`` could store at most if the two
+(:func:`bytes_by_part`: with them, how much less ``aggressive`` could store at most if the
 classes it codes more coarsely took none), and for ``balanced`` under each schedule the time to
 restore steps by their depth, each in a fresh read-only manager as a
 resuming process does (median of ``--repeats``, after one restore untimed), against restoring
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import OPTIMIZERS, TASKS, Run
 
 from deltackpt import CheckpointManager
-from deltackpt.encode.policy import CompressionConfig
+from deltackpt.encode.policy import CLASSES, CompressionConfig
 from deltackpt.format.metadata import METADATA_FILE
 
 RUNS = {"gpt-adamw": ("gpt-tiny", "adamw-0.95"), "cnn-sgd": ("cnn-bn", "sgd"),
@@ -157,6 +157,12 @@ def gc_estimate(path: Path, keep: str) -> dict:
             "held": len(done.held)}
 
 
+def coarser_classes() -> list[str]:
+    """The classes ``aggressive`` codes otherwise than ``balanced``."""
+    balanced, aggressive = (CompressionConfig.preset(name) for name in ("balanced", "aggressive"))
+    return [cls for cls in CLASSES if getattr(balanced, cls) != getattr(aggressive, cls)]
+
+
 def table(report: dict) -> str:
     """The report as text."""
     lines = [f"{report['run']} ({report['task']}, {report['optimizer']}): {report['saves']} saves "
@@ -176,10 +182,11 @@ def table(report: dict) -> str:
     balanced, aggressive = (report["settings"][label]["bytes"] for label in ("balanced",
                                                                               "aggressive"))
     parts = report["settings"]["balanced"]["parts"]
-    coarser = parts.get("weights", 0) + parts.get("first_moment", 0)
+    classes = coarser_classes()
+    coarser = sum(parts.get(cls, 0) for cls in classes)
     lines.append(f"  aggressive stores {balanced / aggressive:.2f}x less than balanced; with no "
-                 f"bytes at all for the two classes it codes more coarsely (weights, first "
-                 f"moments), at most {balanced / (balanced - coarser):.2f}x")
+                 f"bytes at all for the classes it codes more coarsely ({', '.join(classes)}), "
+                 f"at most {balanced / (balanced - coarser):.2f}x")
     full = report["restore"][0]["seconds"]
     lines.append("  restore (balanced, defaults), by depth: " + ", ".join(
         f"{d}: {r['seconds'] * 1e3:.0f} ms ({r['seconds'] / full:.2f}x)"
