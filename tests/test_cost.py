@@ -23,11 +23,12 @@ W, M, V = (MATRIX.per_class[c] for c in ("weights", "first_moment", "second_mome
 
 def test_presets_cost_their_errors_squared() -> None:
     """balanced prices every class at its own errors; aggressive's weights move three times as
-    far (move_step 96 against 32, its largest bound's ratio) and its first moment 2 / 1.4 times:
-    each class's coefficient times the square of that ratio."""
+    far (move_step 96 against 32, its largest bound's ratio), its first moment 2 / 1.4 times
+    and its second moment twice: each class's coefficient times the square of that ratio."""
     assert expected_steps(BALANCED) == round(MATRIX.floor + W + M + V, 2)
     aggressive = CompressionConfig.preset("aggressive")
-    assert expected_steps(aggressive) == round(MATRIX.floor + 9 * W + (2 / 1.4) ** 2 * M + V, 2)
+    assert expected_steps(aggressive) == round(
+        MATRIX.floor + 9 * W + (2 / 1.4) ** 2 * M + 4 * V, 2)
     assert expected_steps(BALANCED) < expected_steps(aggressive)
 
 

@@ -77,8 +77,9 @@ def _bounds(quantizer: Quantizer) -> dict[str, float]:
 # x2 and x4 on 8; 20 cells in all: GPTs with AdamW early, mid, after warm-up, over five restores
 # and on bf16 masters, with SGD early, mid and over five restores; MLPs with AdamW, SGD and
 # Adagrad; BatchNorm CNNs with AdamW and SGD; a GRU with RMSprop). Against those runs it
-# predicts aggressive's median within 9% (2.36 steps against 2.17 over 16 cells) and every class
-# x1.41's and x2's within 7%, every class x4's at twice the measure (9.7 against 4.8 steps):
+# predicted aggressive's median (when its second moment had balanced's step) within 9% (2.36
+# steps against 2.17 over 16 cells) and every class x1.41's and x2's within 7%, every class
+# x4's at twice the measure (9.7 against 4.8 steps):
 # beyond twice balanced's errors it is an upper estimate. SGD's momentum costs less than Adam's
 # first moment, which the single coefficient of first moments overstates (docs/fidelity.md).
 MATRIX = CostModel(floor=0.375, per_class={"weights": 0.118, "first_moment": 0.445,
