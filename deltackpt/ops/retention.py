@@ -94,7 +94,7 @@ import functools
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -103,6 +103,7 @@ import numpy as np
 from deltackpt.codecs.bnb8 import NAME as BNB8
 from deltackpt.codecs.bnb8 import self_contained
 from deltackpt.codecs.quant import NAME as QUANT
+from deltackpt.codecs.quant import uses_base
 from deltackpt.encode.encoder import StepEncoder
 from deltackpt.encode.policy import ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
@@ -110,7 +111,9 @@ from deltackpt.errors import ConfigError, DeltackptError, UnsafePathError
 from deltackpt.format.checks import check_int, config_error
 from deltackpt.format.metadata import (
     METADATA_FILE,
+    Chunk,
     StepMetadata,
+    TensorRecord,
     layout_of,
     step_dir_name,
 )
@@ -463,14 +466,70 @@ def _replacements(plan: _Plan, bases_allowed: bool, depth: int,
 
 
 def _full_estimate(plan: _Plan, step: int) -> int:
-    """Bytes a full step of ``step``'s tensors would take: those of the nearest full step of
-    its layout, else its raw bytes / FULL_STEP_RATIO."""
+    """Bytes a full step of ``step``'s restored values would take.
+
+    Those of the nearest full step of its layout (else its raw bytes /
+    FULL_STEP_RATIO), raised for the share of each tensor that dithered
+    chunks have made dense since: a dithered chunk restores a zero as a
+    value near it, which a full step stores with all its mantissa bytes,
+    at the rate its dtype's parameters take there (the densest values a
+    run has). A full step saved early, its moments mostly zero, would
+    otherwise promise space a rewrite does not free.
+    """
     meta = plan.metas[step]
     layout = layout_of(meta)
     fulls = [s for s, m in plan.metas.items() if m.kind == "full" and layout_of(m) == layout]
     if not fulls:
         return int(meta.stats.raw_bytes / FULL_STEP_RATIO)
-    return plan.sizes[min(fulls, key=lambda s: (abs(s - step), s))]
+    near = min(fulls, key=lambda s: (abs(s - step), s))
+    records = {r.name: r for r in plan.metas[near].tensors if r.alias_of is None}
+    rates = _dense_rates(records.values())
+    grown = 0.0
+    for name, share in _dithered_shares(plan, step).items():
+        record = records[name]
+        raw = sum(chunk.raw_length for chunk in _chunks(record))
+        stored = sum(chunk.length for chunk in _chunks(record))
+        grown += share * max(0.0, raw * rates.get(record.dtype, 1 / FULL_STEP_RATIO) - stored)
+    return plan.sizes[near] + int(grown)
+
+
+def _chunks(record: TensorRecord) -> list[Chunk]:
+    return [chunk for fragment in record.fragments for chunk in fragment.chunks]
+
+
+def _dense_rates(records: Iterable[TensorRecord]) -> dict[str, float]:
+    """Stored bytes per raw byte of a full step's parameters, by dtype."""
+    totals: dict[str, list[int]] = {}
+    for record in records:
+        if record.role == "param":
+            total = totals.setdefault(record.dtype, [0, 0])
+            for chunk in _chunks(record):
+                total[0] += chunk.length
+                total[1] += chunk.raw_length
+    return {dtype: stored / raw for dtype, (stored, raw) in totals.items() if raw}
+
+
+def _dithered_shares(plan: _Plan, step: int) -> dict[str, float]:
+    """Per tensor, the share of its elements whose restored value at ``step`` a dithered chunk
+    of its chain (since its full step) has made dense: a dithered chunk makes its elements
+    dense, one coded on its base without dither keeps what the base had, and one coded from
+    zero without dither, or stored exactly, restores the values a full step would store."""
+    chain = []
+    meta = plan.metas.get(step)
+    while meta is not None and meta.kind == "delta" and meta.base_step < meta.step:
+        chain.append(meta)
+        meta = plan.metas.get(meta.base_step)
+    shares: dict[str, float] = {}
+    for meta in reversed(chain):
+        for record in meta.tensors:
+            chunks = _chunks(record)
+            total = sum(chunk.raw_length for chunk in chunks)
+            coded = [chunk for chunk in chunks if chunk.codec == QUANT]
+            dithered = sum(c.raw_length for c in coded if c.params.get("dither") is not None)
+            kept = sum(c.raw_length for c in coded if uses_base(c.params) and c.params.get("dither") is None)
+            if total:
+                shares[record.name] = (dithered + shares.get(record.name, 0.0) * kept) / total
+    return {name: share for name, share in shares.items() if share > 0}
 
 
 def _delta_estimate(plan: _Plan, step: int, base: int,
