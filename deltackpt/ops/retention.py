@@ -484,9 +484,10 @@ def _full_estimate(plan: _Plan, step: int) -> int:
     near = min(fulls, key=lambda s: (abs(s - step), s))
     records = {r.name: r for r in plan.metas[near].tensors if r.alias_of is None}
     rates = _dense_rates(records.values())
+    shares = _dithered_shares(plan, step)
     grown = 0.0
-    for name, share in _dithered_shares(plan, step).items():
-        record = records[name]
+    for name, record in records.items():
+        share = shares.get(name, 0.0)
         raw = sum(chunk.raw_length for chunk in _chunks(record))
         stored = sum(chunk.length for chunk in _chunks(record))
         grown += share * max(0.0, raw * rates.get(record.dtype, 1 / FULL_STEP_RATIO) - stored)
@@ -529,7 +530,7 @@ def _dithered_shares(plan: _Plan, step: int) -> dict[str, float]:
             kept = sum(c.raw_length for c in coded if uses_base(c.params) and c.params.get("dither") is None)
             if total:
                 shares[record.name] = (dithered + shares.get(record.name, 0.0) * kept) / total
-    return {name: share for name, share in shares.items() if share > 0}
+    return shares
 
 
 def _delta_estimate(plan: _Plan, step: int, base: int,
