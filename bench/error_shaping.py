@@ -135,8 +135,9 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=20)
     parser.add_argument("--cls", choices=("weights", "first_moment"), default="weights")
     parser.add_argument("--multiples", default=None,
-                        help="step multiples, comma-separated (default: 3, 6 and 12 times "
-                             "balanced's: 96,192,384 for weights, 2.8,5.6,11.2 for first moments)")
+                        help="step multiples, comma-separated (default: 96,192,384 for "
+                             "weights, 3, 6 and 12 times balanced's; 2.8,5.6,11.2 for first "
+                             "moments, 2, 4 and 8 times)")
     parser.add_argument("--alphas", default="0,0.125,0.25")
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--json")
