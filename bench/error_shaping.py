@@ -9,8 +9,7 @@ recent gradients), so this bench gives element ``i`` the step ``c * unit * s_i``
 (sqrt(v_i) + floor) ** (-2 * alpha)``, normalized to a geometric mean of 1 over the tensor (as
 many bits in the fine-step limit), ``floor`` being ``KAPPA`` times the tensor's root mean
 square of ``sqrt(v)`` (so that elements whose gradients were all zero do not take unbounded
-errors).
-``alpha = 0`` is the presets' uniform error.
+errors). ``alpha = 0`` is the presets' uniform error.
 
 For a cell (a :mod:`fidelity` task and optimizer, restored at ``--at`` after saves every
 ``--interval`` steps) it trains the run once, then for each step multiple ``c`` and ``alpha``

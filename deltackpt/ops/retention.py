@@ -364,7 +364,7 @@ def _codes_unstored_against_base(meta: StepMetadata) -> bool:
     return any((chunk.codec == QUANT and chunk.params.get("pred") == "base")
                or (chunk.codec == BNB8 and not self_contained(chunk.params))
                for record in meta.tensors if record.dtype != "float32"
-               for fragment in record.fragments for chunk in fragment.chunks)
+               for chunk in _chunks(record))
 
 
 def _holds_unstored(meta: StepMetadata, layout: dict) -> bool:
@@ -495,6 +495,7 @@ def _full_estimate(plan: _Plan, step: int) -> int:
 
 
 def _chunks(record: TensorRecord) -> list[Chunk]:
+    """Every chunk of a record, fragment by fragment."""
     return [chunk for fragment in record.fragments for chunk in fragment.chunks]
 
 
