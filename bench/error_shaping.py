@@ -15,9 +15,10 @@ For a cell (a :mod:`fidelity` task and optimizer, restored at ``--at`` after sav
 ``--interval`` steps) it trains the run once, then for each step multiple ``c`` and ``alpha``
 adds the error a dithered quantizer would leave (uniform within half a step, independent per
 element) to one class, resumes 100 steps with ``--seeds`` draws and reports the steps of
-progress lost against the exact run (:func:`fidelity.steps_lost`) beside the order-0 entropy of
-the symbols such a quantizer would code (weights: the residual over the last interval; first
-moments: the values). Comparing ``alpha`` at equal bits is the measure: an ``alpha`` whose
+progress lost against the exact run (:func:`fidelity.steps_lost`) beside the bits an element
+that the codec's kernel, packing and zstd store of the symbols such a quantizer would code,
+and their order-0 entropy (weights: the residual over the last interval; first moments: the
+values). Comparing ``alpha`` at equal bits is the measure: an ``alpha`` whose
 frontier lies below uniform's loses fewer steps for the same bytes.
 
 Run ``python bench/error_shaping.py --task gpt-tiny --optimizer adamw-0.95 --cls weights``
@@ -32,10 +33,15 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import OPTIMIZERS, TASKS, Run, steps_lost
+
+from deltackpt.codecs.lossless import zstd_compress
+from deltackpt.encode.policy import CompressionConfig
+from deltackpt.kernels.quant import encode_block_stream
 
 RESUME = 100
 KAPPA = 1 / 16
@@ -79,20 +85,29 @@ def class_steps(run: Run, cls: str, alpha: float, c: float) -> list[tuple[torch.
     return out
 
 
-def entropy_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                 references: list[torch.Tensor] | None) -> float:
-    """Order-0 entropy, bits an element, of the dithered symbols coding each tensor (its
-    residual against ``references`` where given, else its values) at its steps."""
+def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+               references: list[torch.Tensor] | None) -> tuple[float, float]:
+    """Bits an element of the dithered symbols coding each tensor (its residual against
+    ``references`` where given, else its values) at its steps: their order-0 entropy, and what
+    the codec's packing and zstd store of them (a tensor a chunk). Shaped steps ``g * s_i``
+    give the symbols of the values ``x_i / s_i`` at the uniform step ``g``, which the codec's
+    own kernel then codes."""
     gen = torch.Generator().manual_seed(0)
-    bits = elements = 0.0
+    entropy = stored = elements = 0.0
     for i, (tensor, steps) in enumerate(pairs):
         x = tensor.detach().float() - (references[i] if references else 0)
         q = torch.round(x / steps + torch.rand(x.shape, generator=gen) - 0.5).to(torch.int64)
         _, counts = torch.unique(q, return_counts=True)
         p = counts.double() / q.numel()
-        bits += float(-(p * p.log2()).sum()) * q.numel()
+        entropy += float(-(p * p.log2()).sum()) * q.numel()
+        g = float(np.float32(steps.log().mean().exp()))
+        values = (x * (g / steps)).flatten().numpy().astype(np.float32)
+        stream, _ = encode_block_stream(values, None, np.empty_like(values), ordinal=False,
+                                        step=g, block=CompressionConfig().block, dither=i,
+                                        dither_signs=True)
+        stored += 8 * len(zstd_compress(stream, packed=True))
         elements += q.numel()
-    return bits / elements
+    return entropy / elements, stored / elements
 
 
 def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multiples: list[float],
@@ -107,8 +122,8 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
     rows = []
     for c in multiples:
         for alpha in alphas:
-            bits = entropy_bits(class_steps(base.rebuilt(snap), cls, alpha, c),
-                                previous if cls == "weights" else None)
+            entropy, bits = coded_bits(class_steps(base.rebuilt(snap), cls, alpha, c),
+                                       previous if cls == "weights" else None)
             lost = []
             for seed in range(seeds):
                 run = base.rebuilt(snap)
@@ -118,10 +133,12 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
                         tensor.add_(steps * (torch.rand(tensor.shape, generator=gen) - 0.5))
                 run.train(RESUME)
                 lost.append(steps_lost(run.losses[-RESUME:], exact.losses[-RESUME:]))
-            row = {"c": c, "alpha": alpha, "bits": bits, "steps_lost": statistics.mean(lost),
+            row = {"c": c, "alpha": alpha, "entropy": entropy, "bits": bits,
+                   "steps_lost": statistics.mean(lost),
                    "se": statistics.stdev(lost) / len(lost) ** 0.5 if len(lost) > 1 else 0.0}
             rows.append(row)
             print(f"  c={c:7.1f} alpha={alpha:5.3f} bits/element {bits:6.3f} "
+                  f"(entropy {entropy:6.3f}) "
                   f"steps lost {row['steps_lost']:7.2f} (se {row['se']:.2f})", flush=True)
     return rows
 
