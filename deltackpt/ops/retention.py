@@ -384,6 +384,8 @@ class _Plan:
     skipped: list[int]
     metas: dict[int, StepMetadata]
     sizes: dict[int, int]  # bytes of each step's directory
+    # per step, the share of each tensor its chain's dithered chunks made dense (_dithered_shares)
+    dense: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def _plan(directory: Steps, policy: RetentionPolicy | KeepSteps) -> _Plan:
@@ -515,14 +517,19 @@ def _dithered_shares(plan: _Plan, step: int) -> dict[str, float]:
     """Per tensor, the share of its elements whose restored value at ``step`` a dithered chunk
     of its chain (since its full step) has made dense: a dithered chunk makes its elements
     dense, one coded on its base without dither keeps what the base had, and one coded from
-    zero without dither, or stored exactly, restores the values a full step would store."""
-    chain = []
-    meta = plan.metas.get(step)
-    while meta is not None and meta.kind == "delta" and meta.base_step < meta.step:
-        chain.append(meta)
-        meta = plan.metas.get(meta.base_step)
-    shares: dict[str, float] = {}
-    for meta in reversed(chain):
+    zero without dither, or stored exactly, restores the values a full step would store.
+    Kept per step in ``plan.dense``, so that a gc walks each chain once."""
+    walked = []
+    while step not in plan.dense:
+        meta = plan.metas.get(step)
+        if meta is None or meta.kind != "delta" or meta.base_step >= step:
+            plan.dense[step] = {}
+            break
+        walked.append(meta)
+        step = meta.base_step
+    shares = plan.dense[step]
+    for meta in reversed(walked):
+        shares = dict(shares)
         for record in meta.tensors:
             chunks = _chunks(record)
             total = sum(chunk.raw_length for chunk in chunks)
@@ -531,6 +538,7 @@ def _dithered_shares(plan: _Plan, step: int) -> dict[str, float]:
             kept = sum(c.raw_length for c in coded if uses_base(c.params) and c.params.get("dither") is None)
             if total:
                 shares[record.name] = (dithered + shares.get(record.name, 0.0) * kept) / total
+        plan.dense[meta.step] = shares
     return shares
 
 
