@@ -7,7 +7,7 @@ the same bits spent unevenly cost less. Adam's bias-corrected second moment ``v`
 run's own per-element sensitivity estimate (its square root is the scale of the element's
 recent gradients), so this bench gives element ``i`` the step ``c * unit * s_i`` with ``s_i =
 (sqrt(v_i) + floor) ** (-2 * alpha)``, normalized to a geometric mean of 1 over the tensor (as
-many bits in the fine-step limit), ``floor`` being ``KAPPA`` times the tensor's root mean
+many bits in the fine-step limit), ``floor`` being ``--kappa`` (1/16) times the tensor's root mean
 square of ``sqrt(v)`` (so that elements whose gradients were all zero do not take unbounded
 errors). ``alpha = 0`` is the presets' uniform error.
 
@@ -59,22 +59,24 @@ def _adam_states(run: Run) -> list[tuple[torch.Tensor, dict, float, float, float
     return out
 
 
-def _shape(v_hat: torch.Tensor, eps: float, alpha: float) -> torch.Tensor:
-    """Per-element step multipliers ``(sqrt(v_hat) + floor) ** (-2 alpha)``, geometric mean 1."""
+def _shape(v_hat: torch.Tensor, eps: float, alpha: float, kappa: float = KAPPA) -> torch.Tensor:
+    """Per-element step multipliers ``(sqrt(v_hat) + floor) ** (-2 alpha)``, geometric mean 1,
+    ``floor`` being ``kappa`` times the root mean square of ``sqrt(v_hat)``."""
     root = v_hat.sqrt()
-    floor = KAPPA * float(v_hat.mean().sqrt()) + eps
+    floor = kappa * float(v_hat.mean().sqrt()) + eps
     s = (root + floor).pow(-2 * alpha)
     return s / s.log().mean().exp()
 
 
-def class_steps(run: Run, cls: str, alpha: float, c: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def class_steps(run: Run, cls: str, alpha: float, c: float,
+                kappa: float = KAPPA) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(tensor, per-element step)`` for every tensor of class ``cls`` (``weights`` or
     ``first_moment``) of an Adam-family run, at ``c`` times the class's unit."""
     betas = run.optimizer.param_groups[0]["betas"]
     out = []
     for p, state, lr, eps, t in _adam_states(run):
         v_hat = state["exp_avg_sq"].float() / (1 - betas[1] ** t)
-        shape = _shape(v_hat, eps, alpha)
+        shape = _shape(v_hat, eps, alpha, kappa)
         if cls == "weights":  # lr times the root mean square of the update: a step's movement
             update = state["exp_avg"].float() / (1 - betas[0] ** t) / (v_hat.sqrt() + eps)
             unit = lr * float(update.square().mean().sqrt())
@@ -111,7 +113,7 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multiples: list[float],
-            alphas: list[float], seeds: int) -> list[dict]:
+            alphas: list[float], seeds: int, kappa: float = KAPPA) -> list[dict]:
     base = Run.fresh(TASKS[task], OPTIMIZERS[optimizer], 0)
     base.train(at - interval)
     previous = [p.detach().float().clone() for p, *_ in _adam_states(base)]
@@ -122,14 +124,14 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
     rows = []
     for c in multiples:
         for alpha in alphas:
-            entropy, bits = coded_bits(class_steps(base.rebuilt(snap), cls, alpha, c),
+            entropy, bits = coded_bits(class_steps(base.rebuilt(snap), cls, alpha, c, kappa),
                                        previous if cls == "weights" else None)
             lost = []
             for seed in range(seeds):
                 run = base.rebuilt(snap)
                 gen = torch.Generator().manual_seed(1000 + seed)
                 with torch.no_grad():
-                    for tensor, steps in class_steps(run, cls, alpha, c):
+                    for tensor, steps in class_steps(run, cls, alpha, c, kappa):
                         tensor.add_(steps * (torch.rand(tensor.shape, generator=gen) - 0.5))
                 run.train(RESUME)
                 lost.append(steps_lost(run.losses[-RESUME:], exact.losses[-RESUME:]))
@@ -156,6 +158,8 @@ def main() -> None:
                              "moments, 2, 4 and 8 times)")
     parser.add_argument("--alphas", default="0,0.125,0.25")
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--kappa", type=float, default=KAPPA,
+                        help="the floor under sqrt(v), as a multiple of its root mean square")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -165,7 +169,7 @@ def main() -> None:
     print(f"{args.task} {args.optimizer}, restored at {args.at} (saves every {args.interval}), "
           f"{args.cls}:")
     rows = measure(args.task, args.optimizer, args.at, args.interval, args.cls, multiples, alphas,
-                   args.seeds)
+                   args.seeds, args.kappa)
     if args.json:
         Path(args.json).write_text(json.dumps({**vars(args), "rows": rows}, indent=1))
 

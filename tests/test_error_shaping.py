@@ -29,6 +29,8 @@ def test_shape_is_uniform_at_zero_and_finer_where_the_second_moment_is_larger() 
     # the floor, 1/16 of the root mean square of sqrt(v), bounds the largest step
     floor = error_shaping.KAPPA * float(v_hat.mean().sqrt())
     assert float(s[0] / s[-1]) <= ((0.1 + floor) / floor) ** 0.5 * (1 + 1e-5)
+    narrow = error_shaping._shape(v_hat, 1e-8, 0.25, kappa=1.0)  # a higher floor, a narrower range
+    assert float(narrow[0] / narrow[-1]) < float(s[0] / s[-1])
 
 
 def test_steps_follow_each_class_unit() -> None:
