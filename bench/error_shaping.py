@@ -40,22 +40,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import OPTIMIZERS, TASKS, Run, steps_lost
 
 from deltackpt.codecs.lossless import zstd_compress
+from deltackpt.encode.optimizers import movement_units
 from deltackpt.encode.policy import CompressionConfig
 from deltackpt.kernels.quant import encode_block_stream
+from deltackpt.save.capture import capture, parameter_names
 
 RESUME = 100
 KAPPA = 1 / 16
 
 
-def _adam_states(run: Run) -> list[tuple[torch.Tensor, dict, float, float, float]]:
-    """Per parameter with Adam state: the parameter, its state, learning rate, eps and the
-    bias corrections' step count."""
+def _adam_states(run: Run) -> list[tuple[torch.Tensor, dict, float, float]]:
+    """Per parameter with Adam state: the parameter, its state, eps and the bias corrections'
+    step count."""
     out = []
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             state = run.optimizer.state[p]
             if "exp_avg_sq" in state:
-                out.append((p, state, group["lr"], group["eps"], float(state["step"])))
+                out.append((p, state, group["eps"], float(state["step"])))
     return out
 
 
@@ -73,14 +75,15 @@ def class_steps(run: Run, cls: str, alpha: float, c: float,
     """``(tensor, per-element step)`` for every tensor of class ``cls`` (``weights`` or
     ``first_moment``) of an Adam-family run, at ``c`` times the class's unit."""
     betas = run.optimizer.param_groups[0]["betas"]
+    if cls == "weights":  # the codec's unit: how far a training step moves the parameter
+        movement = movement_units(capture(run.model, run.optimizer, None, False))
+        names = parameter_names(run.model)
     out = []
-    for p, state, lr, eps, t in _adam_states(run):
+    for p, state, eps, t in _adam_states(run):
         v_hat = state["exp_avg_sq"].float() / (1 - betas[1] ** t)
         shape = _shape(v_hat, eps, alpha, kappa)
-        if cls == "weights":  # lr times the root mean square of the update: a step's movement
-            update = state["exp_avg"].float() / (1 - betas[0] ** t) / (v_hat.sqrt() + eps)
-            unit = lr * float(update.square().mean().sqrt())
-            out.append((p, c * unit * shape))
+        if cls == "weights":
+            out.append((p, c * movement[names[id(p)]] * shape))
         else:  # the exp_avg that moves the update m_hat / (sqrt(v_hat) + eps) by one
             unit = (v_hat.sqrt() + eps) * (1 - betas[0] ** t)
             out.append((state["exp_avg"], c * unit * shape))
@@ -114,6 +117,7 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
 
 def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multiples: list[float],
             alphas: list[float], seeds: int, kappa: float = KAPPA) -> list[dict]:
+    """Train the cell, then one row a step multiple and ``alpha`` (see the module doc)."""
     base = Run.fresh(TASKS[task], OPTIMIZERS[optimizer], 0)
     base.train(at - interval)
     previous = [p.detach().float().clone() for p, *_ in _adam_states(base)]
