@@ -61,17 +61,25 @@ def _adam_states(run: Run) -> list[tuple[torch.Tensor, dict, float, float]]:
     return out
 
 
-def _shape(v_hat: torch.Tensor, eps: float, alpha: float, kappa: float = KAPPA) -> torch.Tensor:
+def _shape(v_hat: torch.Tensor, eps: float, alpha: float, kappa: float = KAPPA,
+           group: str = "element") -> torch.Tensor:
     """Per-element step multipliers ``(sqrt(v_hat) + floor) ** (-2 alpha)``, geometric mean 1,
-    ``floor`` being ``kappa`` times the root mean square of ``sqrt(v_hat)``."""
+    ``floor`` being ``kappa`` times the root mean square of ``sqrt(v_hat)``; with ``group``
+    ``row`` (a tensor's first dimension) or a number of consecutive elements, each group's
+    elements share their geometric mean (what a step stored a group would give)."""
     root = v_hat.sqrt()
     floor = kappa * float(v_hat.mean().sqrt()) + eps
-    s = (root + floor).pow(-2 * alpha)
-    return s / s.log().mean().exp()
+    logs = (root + floor).log().mul(-2 * alpha).flatten()
+    if group != "element":
+        size = logs.numel() // v_hat.shape[0] if group == "row" else int(group)
+        index = torch.arange(logs.numel()) // size
+        sums = torch.zeros(int(index[-1]) + 1).index_add_(0, index, logs)
+        logs = (sums / torch.bincount(index))[index]
+    return (logs - logs.mean()).exp().reshape(v_hat.shape)
 
 
-def class_steps(run: Run, cls: str, alpha: float, c: float,
-                kappa: float = KAPPA) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def class_steps(run: Run, cls: str, alpha: float, c: float, kappa: float = KAPPA,
+                group: str = "element") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(tensor, per-element step)`` for every tensor of class ``cls`` (``weights`` or
     ``first_moment``) of an Adam-family run, at ``c`` times the class's unit."""
     betas = run.optimizer.param_groups[0]["betas"]
@@ -81,7 +89,7 @@ def class_steps(run: Run, cls: str, alpha: float, c: float,
     out = []
     for p, state, eps, t in _adam_states(run):
         v_hat = state["exp_avg_sq"].float() / (1 - betas[1] ** t)
-        shape = _shape(v_hat, eps, alpha, kappa)
+        shape = _shape(v_hat, eps, alpha, kappa, group)
         if cls == "weights":
             out.append((p, c * movement[names[id(p)]] * shape))
         else:  # the exp_avg that moves the update m_hat / (sqrt(v_hat) + eps) by one
@@ -116,7 +124,8 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multiples: list[float],
-            alphas: list[float], seeds: int, kappa: float = KAPPA) -> list[dict]:
+            alphas: list[float], seeds: int, kappa: float = KAPPA,
+            group: str = "element") -> list[dict]:
     """Train the cell, then one row a step multiple and ``alpha`` (see the module doc)."""
     base = Run.fresh(TASKS[task], OPTIMIZERS[optimizer], 0)
     base.train(at - interval)
@@ -128,14 +137,14 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
     rows = []
     for c in multiples:
         for alpha in alphas:
-            entropy, bits = coded_bits(class_steps(base.rebuilt(snap), cls, alpha, c, kappa),
+            entropy, bits = coded_bits(class_steps(base.rebuilt(snap), cls, alpha, c, kappa, group),
                                        previous if cls == "weights" else None)
             lost = []
             for seed in range(seeds):
                 run = base.rebuilt(snap)
                 gen = torch.Generator().manual_seed(1000 + seed)
                 with torch.no_grad():
-                    for tensor, steps in class_steps(run, cls, alpha, c, kappa):
+                    for tensor, steps in class_steps(run, cls, alpha, c, kappa, group):
                         tensor.add_(steps * (torch.rand(tensor.shape, generator=gen) - 0.5))
                 run.train(RESUME)
                 lost.append(steps_lost(run.losses[-RESUME:], exact.losses[-RESUME:]))
@@ -164,6 +173,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--kappa", type=float, default=KAPPA,
                         help="the floor under sqrt(v), as a multiple of its root mean square")
+    parser.add_argument("--group", default="element",
+                        help="shape by element, by 'row' or by a number of consecutive elements")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -173,7 +184,7 @@ def main() -> None:
     print(f"{args.task} {args.optimizer}, restored at {args.at} (saves every {args.interval}), "
           f"{args.cls}:")
     rows = measure(args.task, args.optimizer, args.at, args.interval, args.cls, multiples, alphas,
-                   args.seeds, args.kappa)
+                   args.seeds, args.kappa, args.group)
     if args.json:
         Path(args.json).write_text(json.dumps({**vars(args), "rows": rows}, indent=1))
 

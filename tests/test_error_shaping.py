@@ -59,3 +59,15 @@ def test_a_coarser_step_codes_fewer_bits() -> None:
     # the codec's own packing and zstd store about the entropy of the same symbols
     assert all(0.5 * r["entropy"] < r["bits"] < 1.5 * r["entropy"] for r in rows)
     assert all(math.isfinite(r["steps_lost"]) for r in rows)
+
+
+def test_grouped_shape_shares_each_groups_geometric_mean() -> None:
+    gen = torch.Generator().manual_seed(0)
+    v_hat = torch.rand(6, 10, generator=gen) ** 4
+    s = error_shaping._shape(v_hat, 1e-8, 0.25)
+    by_row = error_shaping._shape(v_hat, 1e-8, 0.25, group="row")
+    assert math.isclose(float(by_row.log().mean()), 0.0, abs_tol=1e-5)
+    assert torch.allclose(by_row, s.log().mean(1, keepdim=True).exp().expand(6, 10), rtol=1e-5)
+    by_four = error_shaping._shape(v_hat, 1e-8, 0.25, group="4").flatten()
+    assert torch.allclose(by_four[:4], s.flatten()[:4].log().mean().exp().expand(4), rtol=1e-5)
+    assert torch.allclose(by_four[-4:], s.flatten()[-4:].log().mean().exp().expand(4), rtol=1e-5)
