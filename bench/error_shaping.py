@@ -66,11 +66,17 @@ def _shape(v_hat: torch.Tensor, eps: float, alpha: float, kappa: float = KAPPA,
     """Per-element step multipliers ``(sqrt(v_hat) + floor) ** (-2 alpha)``, geometric mean 1,
     ``floor`` being ``kappa`` times the root mean square of ``sqrt(v_hat)``; with ``group``
     ``row`` (a tensor's first dimension) or a number of consecutive elements, each group's
-    elements share their geometric mean (what a step stored a group would give)."""
+    elements share their geometric mean (what a step stored a group would give); ``rowcol``
+    gives a matrix's element the product of a factor of its row and one of its column (the
+    least-squares fit of the logarithms: what a step stored per row and per column would
+    give)."""
     root = v_hat.sqrt()
     floor = kappa * float(v_hat.mean().sqrt()) + eps
     logs = (root + floor).log().mul(-2 * alpha).flatten()
-    if group != "element":
+    if group == "rowcol" and v_hat.dim() > 1:  # log s_ij fitted by a_i + b_j
+        table = logs.reshape(v_hat.shape[0], -1)
+        logs = (table.mean(1, keepdim=True) + table.mean(0, keepdim=True) - table.mean()).flatten()
+    elif group not in ("element", "rowcol"):
         size = logs.numel() // v_hat.shape[0] if group == "row" else int(group)
         index = torch.arange(logs.numel()) // size
         sums = torch.zeros(int(index[-1]) + 1).index_add_(0, index, logs)
@@ -174,7 +180,8 @@ def main() -> None:
     parser.add_argument("--kappa", type=float, default=KAPPA,
                         help="the floor under sqrt(v), as a multiple of its root mean square")
     parser.add_argument("--group", default="element",
-                        help="shape by element, by 'row' or by a number of consecutive elements")
+                        help="shape by element, by 'row', by 'rowcol' (a factor a row times one a "
+                             "column) or by a number of consecutive elements")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)

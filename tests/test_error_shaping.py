@@ -71,3 +71,17 @@ def test_grouped_shape_shares_each_groups_geometric_mean() -> None:
     by_four = error_shaping._shape(v_hat, 1e-8, 0.25, group="4").flatten()
     assert torch.allclose(by_four[:4], s.flatten()[:4].log().mean().exp().expand(4), rtol=1e-5)
     assert torch.allclose(by_four[-4:], s.flatten()[-4:].log().mean().exp().expand(4), rtol=1e-5)
+
+
+def test_row_and_column_factors_keep_each_rows_and_columns_mean() -> None:
+    gen = torch.Generator().manual_seed(1)
+    v_hat = torch.rand(5, 3, 4, generator=gen) ** 4
+    logs = error_shaping._shape(v_hat, 1e-8, 0.25).log().reshape(5, 12)
+    fitted = error_shaping._shape(v_hat, 1e-8, 0.25, group="rowcol").log().reshape(5, 12)
+    assert torch.allclose(fitted.mean(1), logs.mean(1), atol=1e-5)
+    assert torch.allclose(fitted.mean(0), logs.mean(0), atol=1e-5)
+    row_factor = fitted - fitted[:, :1]  # a row factor times a column factor: rank one
+    assert torch.allclose(row_factor, row_factor[:1].expand(5, 12), atol=1e-5)
+    bias = torch.rand(7, generator=gen)  # a vector keeps its elements' own steps
+    assert torch.equal(error_shaping._shape(bias, 1e-8, 0.25, group="rowcol"),
+                       error_shaping._shape(bias, 1e-8, 0.25))
