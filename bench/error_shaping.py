@@ -104,6 +104,39 @@ def class_steps(run: Run, cls: str, alpha: float, c: float, kappa: float = KAPPA
     return out
 
 
+def _entropy(x: torch.Tensor, steps: torch.Tensor, seed: int) -> float:
+    """Order-0 entropy, in bits an element, of the dithered symbols coding ``x`` at ``steps``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.round(x / steps + torch.rand(x.shape, generator=gen) - 0.5).to(torch.int64)
+    _, counts = torch.unique(q, return_counts=True)
+    p = counts.double() / q.numel()
+    return float(-(p * p.log2()).sum())
+
+
+def _residuals(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+               references: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """What each tensor's symbols code: its residual against ``references``, else its values."""
+    return [t.detach().float() - (references[i] if references else 0)
+            for i, (t, _) in enumerate(pairs)]
+
+
+def equal_bits(shaped: list[tuple[torch.Tensor, torch.Tensor]], uniform: list[torch.Tensor],
+               references: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Each tensor's ``shaped`` steps times the power of two (bisected to 1/64 octave) at which
+    its symbols' entropy is that of its ``uniform`` steps: shaping at the bits of the moving
+    elements, where a geometric mean of 1 holds the bits of all (elements that do not move
+    cost none at any step)."""
+    out = []
+    for i, (x, (_, steps), flat) in enumerate(zip(_residuals(shaped, references), shaped, uniform,
+                                                  strict=True)):
+        target, lo, hi = _entropy(x, flat, i), -8.0, 8.0
+        while hi - lo > 1 / 64:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _entropy(x, steps * 2 ** mid, i) > target else (lo, mid)
+        out.append(steps * 2 ** hi)
+    return out
+
+
 def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                references: list[torch.Tensor] | None) -> tuple[float, float]:
     """Bits an element of the dithered symbols coding each tensor (its residual against
@@ -111,27 +144,22 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
     the codec's packing and zstd store of them (a tensor a chunk). Shaped steps ``g * s_i``
     give the symbols of the values ``x_i / s_i`` at the uniform step ``g``, which the codec's
     own kernel then codes."""
-    gen = torch.Generator().manual_seed(0)
     entropy = stored = elements = 0.0
-    for i, (tensor, steps) in enumerate(pairs):
-        x = tensor.detach().float() - (references[i] if references else 0)
-        q = torch.round(x / steps + torch.rand(x.shape, generator=gen) - 0.5).to(torch.int64)
-        _, counts = torch.unique(q, return_counts=True)
-        p = counts.double() / q.numel()
-        entropy += float(-(p * p.log2()).sum()) * q.numel()
+    for i, (x, (_, steps)) in enumerate(zip(_residuals(pairs, references), pairs, strict=True)):
+        entropy += _entropy(x, steps, i) * x.numel()
         g = float(np.float32(steps.log().mean().exp()))
         values = (x * (g / steps)).flatten().numpy().astype(np.float32)
         stream, _ = encode_block_stream(values, None, np.empty_like(values), ordinal=False,
                                         step=g, block=CompressionConfig().block, dither=i,
                                         dither_signs=True)
         stored += 8 * len(zstd_compress(stream, packed=True))
-        elements += q.numel()
+        elements += x.numel()
     return entropy / elements, stored / elements
 
 
 def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multiples: list[float],
-            alphas: list[float], seeds: int, kappa: float = KAPPA,
-            group: str = "element") -> list[dict]:
+            alphas: list[float], seeds: int, kappa: float = KAPPA, group: str = "element",
+            normalize: str = "mean") -> list[dict]:
     """Train the cell, then one row a step multiple and ``alpha`` (see the module doc)."""
     base = Run.fresh(TASKS[task], OPTIMIZERS[optimizer], 0)
     base.train(at - interval)
@@ -140,17 +168,26 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
     snap = base.snapshot()
     exact = base.rebuilt(snap)
     exact.train(RESUME)
+    references = previous if cls == "weights" else None
+
+    def steps_of(run: Run, alpha: float, c: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pairs = class_steps(run, cls, alpha, c, kappa, group)
+        if normalize == "bits" and alpha:
+            flat = [s for _, s in class_steps(run, cls, 0.0, c)]
+            pairs = list(zip([t for t, _ in pairs], equal_bits(pairs, flat, references),
+                             strict=True))
+        return pairs
+
     rows = []
     for c in multiples:
         for alpha in alphas:
-            entropy, bits = coded_bits(class_steps(base.rebuilt(snap), cls, alpha, c, kappa, group),
-                                       previous if cls == "weights" else None)
+            entropy, bits = coded_bits(steps_of(base.rebuilt(snap), alpha, c), references)
             lost = []
             for seed in range(seeds):
                 run = base.rebuilt(snap)
                 gen = torch.Generator().manual_seed(1000 + seed)
                 with torch.no_grad():
-                    for tensor, steps in class_steps(run, cls, alpha, c, kappa, group):
+                    for tensor, steps in steps_of(run, alpha, c):
                         tensor.add_(steps * (torch.rand(tensor.shape, generator=gen) - 0.5))
                 run.train(RESUME)
                 lost.append(steps_lost(run.losses[-RESUME:], exact.losses[-RESUME:]))
@@ -182,6 +219,9 @@ def main() -> None:
     parser.add_argument("--group", default="element",
                         help="shape by element, by 'row', by 'rowcol' (a factor a row times one a "
                              "column) or by a number of consecutive elements")
+    parser.add_argument("--normalize", choices=("mean", "bits"), default="mean",
+                        help="hold each tensor's geometric-mean step (mean) or its symbols' "
+                             "entropy (bits) at the uniform step's")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -191,7 +231,7 @@ def main() -> None:
     print(f"{args.task} {args.optimizer}, restored at {args.at} (saves every {args.interval}), "
           f"{args.cls}:")
     rows = measure(args.task, args.optimizer, args.at, args.interval, args.cls, multiples, alphas,
-                   args.seeds, args.kappa, args.group)
+                   args.seeds, args.kappa, args.group, args.normalize)
     if args.json:
         Path(args.json).write_text(json.dumps({**vars(args), "rows": rows}, indent=1))
 

@@ -327,26 +327,28 @@ def test_chunks_coded_on_threads_at_once(ordinal: bool) -> None:
 # -- 2b. per-element steps scaled by another tensor (Adam's exp_avg by sqrt(exp_avg_sq)) ------
 
 EPSILONS = [float(np.float32(e)) for e in (1e-8, 1e-3, 1.0)]
+FLOORS = [0.0, *EPSILONS]  # 0: unshaped
 
 
 @SETTINGS
 @given(n=st.integers(0, 3000), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**32 - 1),
        x_pattern=st.sampled_from(PATTERNS), scale_pattern=st.sampled_from(PATTERNS),
        step=st.sampled_from(LINEAR_STEPS), eps=st.sampled_from(EPSILONS),
-       dither=st.none() | st.integers(0, 2**32 - 1), first=st.integers(0, 2**34),
-       signs=st.booleans())
+       floor=st.sampled_from(FLOORS), dither=st.none() | st.integers(0, 2**32 - 1),
+       first=st.integers(0, 2**34), signs=st.booleans())
 def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pattern: str,
                                             scale_pattern: str, step: float, eps: float,
-                                            dither: int | None, first: int, signs: bool) -> None:
-    """Each element's step is ``step * (sqrt(scale) + eps)``, dithered or not: encoder, decoder
-    and the numpy references agree bit for bit, and every unclipped element is within half its
-    step."""
+                                            floor: float, dither: int | None, first: int,
+                                            signs: bool) -> None:
+    """Each element's step is ``step * (sqrt(scale) + eps)``, shaped by a positive ``floor``
+    (divided by ``sqrt(sqrt(scale) + floor)``), dithered or not: encoder, decoder and the numpy
+    references agree bit for bit, and every unclipped element is within half its step."""
     x = _values(n, seed, x_pattern)
     scale = np.abs(_values(n, seed + 7, scale_pattern))
     recon = np.full(n, np.nan, np.float32)
     signs = signs and dither is not None
-    coding = {"ordinal": False, "step": step, "scale": scale, "eps": eps, "dither": dither,
-              "dither_signs": signs, "first": first}
+    coding = {"ordinal": False, "step": step, "scale": scale, "eps": eps, "floor": floor,
+              "dither": dither, "dither_signs": signs, "first": first}
     stream, stats = encode_block_stream(x, None, recon, block=block, **coding)
     q, expected = numpy_quantize(x, None, **coding)
     assert_stream_equal(stream, numpy_pack(q, block))
@@ -355,7 +357,7 @@ def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pat
     decoded = np.full(n, np.nan, np.float32)
     decode_block_stream(stream, None, decoded, block=block, **coding)
     assert_bits_equal(decoded, recon, "decoded")
-    steps = numpy_element_steps(step, scale, eps).astype(np.float64)
+    steps = numpy_element_steps(step, scale, eps, floor).astype(np.float64)
     ok = ~_clipped(q, signs)
     err = np.abs(recon.astype(np.float64) - x)
     bound = steps / 2 * (1 + 1e-6) + 4 * np.spacing(np.abs(x)).astype(np.float64)
@@ -375,6 +377,26 @@ def test_scale_only_without_prediction_or_ordinal_domain() -> None:
         with pytest.raises(ValueError, match="eps"):
             decode_block_stream(np.zeros(2, np.uint8), None, out, ordinal=False, step=0.5, block=4,
                                 scale=scale, eps=eps)
+    for floor in (-1.0, 0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="floor must be 0 or a positive float32"):
+            encode_block_stream(x, None, out, ordinal=False, step=0.5, block=4, scale=scale,
+                                eps=1.0, floor=floor)
+    with pytest.raises(ValueError, match="floor shapes the steps of a scale"):
+        encode_block_stream(x, None, out, ordinal=False, step=0.5, block=4, floor=1.0)
+
+
+def test_shaped_steps_are_finer_where_the_scale_is_larger() -> None:
+    """A floor divides each scaled step by ``sqrt(sqrt(scale) + floor)``: the error of an
+    element whose second moment is larger is a smaller share of its update's unit, and where
+    ``sqrt(scale)`` is far below the floor the steps are the unshaped ones over
+    ``sqrt(floor)``."""
+    scale = np.array([0.0, 1e-12, 1e-4, 1.0, 1e4], np.float32)
+    unshaped = numpy_element_steps(0.5, scale, 1e-8)
+    shaped = numpy_element_steps(0.5, scale, 1e-8, 1e-3)
+    ratio = (shaped / unshaped).astype(np.float64)
+    assert np.all(np.diff(ratio) < 0)
+    np.testing.assert_allclose(ratio[:2], 1 / np.sqrt(1e-3), rtol=1e-3)
+    np.testing.assert_allclose(ratio[-1], 1 / np.sqrt(100 + 1e-3), rtol=1e-5)
 
 
 # -- 3. packing ---------------------------------------------------------------------------

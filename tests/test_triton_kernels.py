@@ -39,6 +39,8 @@ from deltackpt.errors import ConfigError
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
+    SCALED,
+    SHAPED,
     STAT_BAD,
     STAT_CLIPPED,
     STAT_MAX_ABS,
@@ -46,6 +48,7 @@ from deltackpt.kernels.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
+    UNSCALED,
     decode_block_stream,
     decode_step_streams,
     encode_block_stream,
@@ -64,9 +67,12 @@ pytestmark = [pytest.mark.filterwarnings(f"ignore:{what} encountered:RuntimeWarn
               for what in ("overflow", "invalid value", "divide by zero")]
 BIG = DEVICE == "cuda"  # compiled kernels: also test sizes the interpreter would take minutes on
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (ordinal, with prediction, dithered, scaled): every kernel variant
-VARIANTS = [(o, p, d, False) for o in (False, True) for p in (False, True) for d in (False, True)] \
-    + [(False, False, d, True) for d in (False, True)]
+# (ordinal, with prediction, dithered, per-element steps): every kernel variant
+VARIANTS = [(o, p, d, UNSCALED) for o in (False, True) for p in (False, True)
+            for d in (False, True)] \
+    + [(False, False, d, s) for d in (False, True) for s in (SCALED, SHAPED)]
+SCALING = {UNSCALED: {}, SCALED: {"eps": float(np.float32(1e-8))},
+           SHAPED: {"eps": float(np.float32(1e-8)), "floor": float(np.float32(1e-3))}}
 NAN_INF_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000]
 
 
@@ -148,9 +154,10 @@ def _step(ordinal: bool, dithered: bool) -> float | int:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
 @pytest.mark.parametrize("variant", VARIANTS,
                          ids=lambda v: "-".join(k for k, on in zip(
-                             ("ordinal", "pred", "dither", "scaled"), v, strict=True) if on)
+                             ("ordinal", "pred", "dither", ("", "scaled", "shaped")[v[3]]),
+                             v, strict=True) if on)
                          or "plain")
-def test_encode_matches_numba(variant: tuple[bool, bool, bool, bool], dtype: torch.dtype) -> None:
+def test_encode_matches_numba(variant: tuple[bool, bool, bool, int], dtype: torch.dtype) -> None:
     """Every kernel variant on every codec input dtype: the Numba stream bytes, reconstruction
     and statistics. The wide values clip symbols to 16 bits (STAT_CLIPPED) in the linear
     domain."""
@@ -165,8 +172,7 @@ def test_encode_matches_numba(variant: tuple[bool, bool, bool, bool], dtype: tor
     numba, triton = _encode_both(
         x, pred, ordinal=ordinal, step=_step(ordinal, dithered), block=block,
         dither=12345 + seed if dithered else None, dither_signs=dithered and not ordinal,
-        first=seed, scale=scale,
-        eps=float(np.float32(1e-8)) if scaled else 0.0)
+        first=seed, scale=scale, **SCALING[scaled])
     _assert_same_coding(numba, triton, n, block, ordinal)
     coded = numba[1][:, STAT_BAD] == 0  # the other blocks' statistics are undefined
     assert coded.mean() > 0.5 and numba[1][coded, STAT_NONZERO].sum() > 0
@@ -269,7 +275,7 @@ def test_scaled_steps_that_underflow_or_overflow() -> None:
 # -- decode -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
-def test_decode_matches_numba(variant: tuple[bool, bool, bool, bool]) -> None:
+def test_decode_matches_numba(variant: tuple[bool, bool, bool, int]) -> None:
     """A stream decodes to the Numba decoder's values (pred kept, or in place)."""
     ordinal, use_pred, dithered, scaled = variant
     n, block = (1 << 20) + 5 if BIG else 1100, 64
@@ -278,8 +284,7 @@ def test_decode_matches_numba(variant: tuple[bool, bool, bool, bool]) -> None:
     scale = np.abs(_values(n, 6)) if scaled else None
     kwargs = {"ordinal": ordinal, "step": _step(ordinal, dithered), "block": block,
               "dither": 99 if dithered else None, "dither_signs": dithered and not ordinal,
-              "first": 17,
-              "eps": float(np.float32(1e-8)) if scaled else 0.0}
+              "first": 17, **SCALING[scaled]}
     stream, _ = encode_block_stream(x, None if pred is None else pred.copy(),
                                     np.empty(n, np.float32), scale=scale, **kwargs)
     expected = np.empty(n, np.float32)
@@ -478,13 +483,14 @@ from deltackpt.kernels import gpu_quant as g, gpu_xxh3 as x
 ENCODE = {"x_ptr": "*fp32", "pred_ptr": "*fp32", "out_ptr": "*fp32", "scale_ptr": "*fp32",
           "packed_ptr": "*u8", "widths_ptr": "*u8", "lengths_ptr": "*i64", "stats_ptr": "*fp64",
           "n": "i64", "n_blocks": "i64", "first": "i64", "seed": "u32", "signs": "i32",
-          "step_f": "fp32", "step_i": "i32", "eps": "fp32"}
+          "step_f": "fp32", "step_i": "i32", "eps": "fp32", "floor": "fp32"}
 PACK = {"packed_ptr": "*u8", "widths_ptr": "*u8", "offsets_ptr": "*i64", "stream_ptr": "*u8",
         "n": "i64", "n_blocks": "i64"}
 DECODE = {"streams_ptr": "*u8", "bounds_ptr": "*i64", "offsets_ptr": "*i64",
           "ordinal_ptr": "*i32", "step_f_ptr": "*fp32", "step_i_ptr": "*i64",
           "seeds_ptr": "*i64", "n_steps": "i32", "pred_ptr": "*fp32", "out_ptr": "*fp32",
-          "scale_ptr": "*fp32", "n": "i64", "n_blocks": "i64", "first": "i64", "eps": "fp32"}
+          "scale_ptr": "*fp32", "n": "i64", "n_blocks": "i64", "first": "i64", "eps": "fp32",
+          "floor": "fp32"}
 
 
 XXH3 = {"data_ptr": "*u8", "table_ptr": "*i64", "sums_ptr": "*i64", "acc_ptr": "*i64"}
@@ -508,18 +514,19 @@ def ptx(fn, types, **constants):
 
 
 out = {}
-for ordinal, pred, dither, scaled, bf16, block in [
-        (False, True, True, False, False, 1024), (True, True, True, False, False, 1024),
-        (False, False, True, True, False, 3000), (True, False, False, False, True, 7)]:
+for ordinal, pred, dither, scaled, shaped, bf16, block in [
+        (False, True, True, False, False, False, 1024), (True, True, True, False, False, False, 1024),
+        (False, False, True, True, False, False, 3000), (False, False, True, True, True, False, 1024),
+        (True, False, False, False, False, True, 7)]:
     types = {**ENCODE, "x_ptr": "*i16"} if bf16 else ENCODE
-    out[f"encode ordinal={ordinal} scaled={scaled} bf16={bf16}"] = ptx(
+    out[f"encode ordinal={ordinal} scaled={scaled} shaped={shaped} bf16={bf16}"] = ptx(
         g._encode_kernel, types, BLOCK=block, ORDINAL=ordinal, USE_PRED=pred,
-        DITHERED=dither, SCALED=scaled, X_BF16=bf16)
+        DITHERED=dither, SCALED=scaled, SHAPED=shaped, X_BF16=bf16)
 for block in (1024, 3000):
     out[f"pack block={block}"] = ptx(g._pack_kernel, PACK, BLOCK=block)
-for scaled in (False, True):
-    out[f"decode scaled={scaled}"] = ptx(g._decode_kernel, DECODE, BLOCK=64, ZERO_START=scaled,
-                                         SCALED=scaled)
+for scaled, shaped in ((False, False), (True, False), (True, True)):
+    out[f"decode scaled={scaled} shaped={shaped}"] = ptx(
+        g._decode_kernel, DECODE, BLOCK=64, ZERO_START=scaled, SCALED=scaled, SHAPED=shaped)
 for aligned in (True, False):
     out[f"xxh3 block sums aligned={aligned}"] = ptx(x._block_sums_kernel, XXH3, RANGES=x._RANGES,
                                                     BLOCKS=x._BLOCKS, ALIGNED=aligned)
@@ -539,15 +546,18 @@ def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(done.stdout.splitlines()[-1])
-    assert len(kernels) == 11
+    assert len(kernels) == 13
     for name, code in kernels.items():
         assert code["fma"] == 0, f"{name}: {code['fma']} fused multiply-adds"
         floats = [op for op in code["ops"] if op.endswith(("f32", "f64"))]
         assert set(floats) <= {"div.rn.f32", "div.rn.f64", "sqrt.rn.f32"}, f"{name}: {floats}"
         # floor flushes subnormal inputs: harmless for _rint's non-negative ones (floor is 0)
         assert set(code["ftz"]) <= {"cvt.rmi.ftz.f32.f32"}, f"{name}: {code['ftz']}"
-    assert "div.rn.f64" in kernels["encode ordinal=True scaled=False bf16=False"]["ops"]
-    assert "sqrt.rn.f32" in kernels["decode scaled=True"]["ops"]
+    assert "div.rn.f64" in kernels["encode ordinal=True scaled=False shaped=False bf16=False"]["ops"]
+    assert "sqrt.rn.f32" in kernels["decode scaled=True shaped=False"]["ops"]
+    for name in ("encode ordinal=False scaled=True shaped=True bf16=False",
+                 "decode scaled=True shaped=True"):  # the shaped step's division and roots
+        assert {"div.rn.f32", "sqrt.rn.f32"} <= set(kernels[name]["ops"]), name
     assert all(kernels[k]["ops"] == [] for k in kernels if k.startswith("xxh3"))
 
 

@@ -74,6 +74,7 @@ from deltackpt.kernels.quant import (
     _seed,
     _steps,
     _stream_problem,
+    check_scale_constants,
     kernel_seeds,
     n_blocks_of,
 )
@@ -154,9 +155,14 @@ def _reconstruct(p, q, ORDINAL: tl.constexpr, st, step_k, u):
 
 
 @triton.jit
-def _element_step(step_f, scale, eps):
-    """A scaled element's step ``f32(step * f32(sqrt(scale) + eps))``."""
-    return step_f * (tl.sqrt_rn(scale) + eps)
+def _element_step(step_f, scale, eps, floor, SHAPED: tl.constexpr):
+    """A scaled element's step ``f32(step * f32(sqrt(scale) + eps))``, ``SHAPED`` divided by
+    ``f32(sqrt(f32(sqrt(scale) + floor)))``."""
+    root = tl.sqrt_rn(scale)
+    st = step_f * (root + eps)
+    if SHAPED:
+        st = tl.div_rn(st, tl.sqrt_rn(root + floor))
+    return st
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -171,12 +177,13 @@ def _byte_part(z, shift, take):
 
 
 @triton.jit(do_not_specialize=["n", "n_blocks", "first", "seed", "signs", "step_f", "step_i",
-                              "eps"])
+                              "eps", "floor"])
 def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, lengths_ptr,
-                   stats_ptr, n, n_blocks, first, seed, signs, step_f, step_i, eps,
+                   stats_ptr, n, n_blocks, first, seed, signs, step_f, step_i, eps, floor,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                    ORDINAL: tl.constexpr, USE_PRED: tl.constexpr, DITHERED: tl.constexpr,
-                   SCALED: tl.constexpr, X_BF16: tl.constexpr, FUSED: tl.constexpr):
+                   SCALED: tl.constexpr, SHAPED: tl.constexpr, X_BF16: tl.constexpr,
+                   FUSED: tl.constexpr):
     """Quantize blocks ``pid * ROWS ...`` of ``x``: reconstruction, widths, byte lengths and
     statistics, as ``kernels.quant._make_encoder``'s loop, and the symbols: ``FUSED`` (a block
     is one tile), each block's packed bytes from ``packed[b * 2 * BLOCK]``; else the zigzag
@@ -210,7 +217,8 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
         ok = _finite(x) & _finite(p)
         u = _dither(first + idx, seed32) if DITHERED else tl.zeros([ROWS, COLS], tl.float32)
         if SCALED:
-            st = _element_step(step_f, tl.load(scale_ptr + idx, mask=valid, other=1.0), eps)
+            st = _element_step(step_f, tl.load(scale_ptr + idx, mask=valid, other=1.0), eps, floor,
+                               SHAPED)
         else:
             st = tl.zeros([ROWS, COLS], tl.float32) + step_f
         if ORDINAL:
@@ -313,11 +321,11 @@ def _pack_kernel(packed_ptr, widths_ptr, offsets_ptr, stream_ptr, n, n_blocks,
         tl.store(stream_ptr + pos[:, None] + i, byte.to(tl.uint8), mask=inside)
 
 
-@triton.jit(do_not_specialize=["n", "n_blocks", "n_steps", "first", "eps"])
+@triton.jit(do_not_specialize=["n", "n_blocks", "n_steps", "first", "eps", "floor"])
 def _decode_kernel(streams_ptr, bounds_ptr, offsets_ptr, ordinal_ptr, step_f_ptr, step_i_ptr,
                    seeds_ptr, n_steps, pred_ptr, out_ptr, scale_ptr, n, n_blocks, first, eps,
-                   BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                   ZERO_START: tl.constexpr, SCALED: tl.constexpr):
+                   floor, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                   ZERO_START: tl.constexpr, SCALED: tl.constexpr, SHAPED: tl.constexpr):
     """Apply the ``n_steps`` streams ``streams[bounds[t]:bounds[t + 1]]`` (block ``b``'s bits at
     ``offsets[t, b]``) in turn to the running values ``pred`` (or zero), into ``out``."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -354,7 +362,8 @@ def _decode_kernel(streams_ptr, bounds_ptr, offsets_ptr, ordinal_ptr, step_f_ptr
             else:
                 step_f = tl.load(step_f_ptr + t)
                 if SCALED:
-                    st = _element_step(step_f, tl.load(scale_ptr + idx, mask=valid, other=1.0), eps)
+                    st = _element_step(step_f, tl.load(scale_ptr + idx, mask=valid, other=1.0),
+                                       eps, floor, SHAPED)
                 else:
                     st = tl.zeros([ROWS, COLS], tl.float32) + step_f
                 run = _reconstruct(run, q, False, st, step_k, u)
@@ -396,6 +405,15 @@ def _device(x: torch.Tensor) -> torch.device:
         raise RuntimeError("Triton kernels run CPU tensors only in its interpreter: set "
                            "TRITON_INTERPRET=1 before triton is imported")
     return x.device
+
+
+def _check_scale(scale: torch.Tensor | None, floor: float, unscalable: bool, where: str) -> None:
+    """Raise ``ValueError`` for a scale given where none applies (``unscalable``) or a floor
+    without a scale."""
+    if scale is None and floor:
+        raise ValueError("a floor shapes the steps of a scale, and there is none")
+    if scale is not None and unscalable:
+        raise ValueError(f"a scale applies to the linear domain, {where}")
 
 
 def _launch_options() -> dict:
@@ -450,7 +468,8 @@ def _done(device: torch.device) -> torch.cuda.Event | None:
 def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                      ordinal: bool, step: float | int, block: int, dither: int | None = None,
                      dither_signs: bool = False, first: int = 0,
-                     scale: torch.Tensor | None = None, eps: float = 0.0) -> DeviceStream:
+                     scale: torch.Tensor | None = None, eps: float = 0.0,
+                     floor: float = 0.0) -> DeviceStream:
     """:func:`deltackpt.kernels.quant.encode_block_stream` on ``x``'s device, queued on its
     current stream without waiting (the caller orders it after the work that writes ``x``).
 
@@ -472,12 +491,10 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
         _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step, dither_signs)
+    _check_scale(scale, floor, ordinal or pred is not None, "without prediction")
     if scale is not None:
-        if ordinal or pred is not None:
-            raise ValueError("a scale applies to the linear domain, without prediction")
         _check_tensor("scale", scale, None, n)
-        if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
-            raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
+        check_scale_constants(eps, floor)
     pred_on, scale_on = _to(pred, device), _to(scale, device)
     out_on = pred_on if out is pred else out if out.device == device else \
         torch.empty(n, dtype=torch.float32, device=device)
@@ -500,9 +517,10 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
             x if scale_on is None else scale_on, packed, widths,
             lengths, stats, n, n_blocks, first, int(seed) & 0xFFFFFFFF, int(dither_signs),
             float(step_f),
-            int(step_i), float(np.float32(eps)), BLOCK=block, ROWS=rows, COLS=cols,
-            ORDINAL=ordinal, USE_PRED=pred is not None, DITHERED=bool(seed >= 0),
-            SCALED=scale is not None, X_BF16=bf16, FUSED=fused, **_launch_options())
+            int(step_i), float(np.float32(eps)), float(np.float32(floor)), BLOCK=block, ROWS=rows,
+            COLS=cols, ORDINAL=ordinal, USE_PRED=pred is not None, DITHERED=bool(seed >= 0),
+            SCALED=scale is not None, SHAPED=floor > 0, X_BF16=bf16, FUSED=fused,
+            **_launch_options())
         ends = torch.cumsum(lengths, 0) + n_blocks
         _pack_kernel[(triton.cdiv(n_blocks, rows),)](
             packed, widths, ends - lengths, stream, n, n_blocks, BLOCK=block, ROWS=rows,
@@ -515,13 +533,13 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
 def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
                         dither_signs: bool = False, first: int = 0,
-                        scale: torch.Tensor | None = None,
-                        eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                        scale: torch.Tensor | None = None, eps: float = 0.0,
+                        floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """:func:`encode_on_device`, then the stream and statistics copied to the host: the same
     return values as :func:`deltackpt.kernels.quant.encode_block_stream`."""
     return encode_on_device(x, pred, out, ordinal=ordinal, step=step, block=block,
                             dither=dither, dither_signs=dither_signs, first=first, scale=scale,
-                            eps=eps).to_host()
+                            eps=eps, floor=floor).to_host()
 
 
 @dataclass(frozen=True)
@@ -570,7 +588,7 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
                   dithers: list[int | None] | None = None,
                   dither_signs: list[bool] | None = None, first: int = 0,
                   pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                  eps: float = 0.0) -> None:
+                  eps: float = 0.0, floor: float = 0.0) -> None:
     """Apply uploaded streams in order to the float32 tensor ``out`` on their device: one pass,
     each tile's running values kept through every step.
 
@@ -578,8 +596,8 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
     itself) unless ``zero_start``; ``ordinal``, ``steps``, ``dithers`` and
     ``dither_signs`` give each stream's domain, step, dither seed and folded signs (as
     :func:`deltackpt.kernels.quant.decode_step_streams`); a single linear
-    stream predicted from zero may be ``scale``d (as
-    :func:`deltackpt.kernels.quant.decode_block_stream`).
+    stream predicted from zero may be ``scale``d, its steps shaped by a
+    positive ``floor`` (as :func:`deltackpt.kernels.quant.decode_block_stream`).
     """
     device = _device(out)
     n, n_steps = streams.n, streams.bounds.shape[0] - 1
@@ -587,13 +605,11 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
     if pred is not None:
         _check_tensor("pred", pred, device, n)
     seeds = kernel_seeds(n_steps, ordinal, steps, dithers, dither_signs)
+    _check_scale(scale, floor, n_steps != 1 or ordinal[0] or not zero_start,
+                  "one stream of the linear domain, without prediction")
     if scale is not None:
-        if n_steps != 1 or ordinal[0] or not zero_start:
-            raise ValueError("a scale applies to one stream of the linear domain, without "
-                             "prediction")
         _check_tensor("scale", scale, device, n)
-        if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
-            raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
+        check_scale_constants(eps, floor)
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
     if n == 0 or not n_steps:
         return
@@ -609,8 +625,9 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
             upload([f for f, _ in coded], np.float32), upload([i for _, i in coded], np.int64),
             upload(seeds, np.int64), n_steps, out if pred is None else pred, out,
             out if scale is None else scale, n, n_blocks, first, float(np.float32(eps)),
-            BLOCK=streams.block, ROWS=rows, COLS=cols, ZERO_START=zero_start,
-            SCALED=scale is not None, **_launch_options())
+            float(np.float32(floor)), BLOCK=streams.block, ROWS=rows, COLS=cols,
+            ZERO_START=zero_start, SCALED=scale is not None, SHAPED=floor > 0,
+            **_launch_options())
 
 
 def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal: list[bool],
@@ -618,7 +635,7 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
                         dithers: list[int | None] | None = None,
                         dither_signs: list[bool] | None = None, first: int = 0,
                         pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                        eps: float = 0.0) -> None:
+                        eps: float = 0.0, floor: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_step_streams` into the float32 tensor ``out``: the
     host streams (uint8) checked and uploaded (:func:`upload_streams`), then applied in one
     pass (:func:`apply_streams`, whose arguments the others are). Raises ``ValueError`` naming
@@ -626,17 +643,18 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
     """
     apply_streams(upload_streams(streams, out.shape[0], block, _device(out)), out,
                   ordinal=ordinal, steps=steps, zero_start=zero_start, dithers=dithers,
-                  dither_signs=dither_signs, first=first, pred=pred, scale=scale, eps=eps)
+                  dither_signs=dither_signs, first=first, pred=pred, scale=scale, eps=eps,
+                  floor=floor)
 
 
 def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torch.Tensor, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
                         dither_signs: bool = False, first: int = 0,
-                        scale: torch.Tensor | None = None, eps: float = 0.0) -> None:
+                        scale: torch.Tensor | None = None, eps: float = 0.0,
+                        floor: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_block_stream` into the float32 tensor ``out`` (may
     be ``pred``) from the host stream ``stream``."""
-    if scale is not None and (ordinal or pred is not None):
-        raise ValueError("a scale applies to the linear domain, without prediction")
+    _check_scale(scale, floor, ordinal or pred is not None, "without prediction")
     decode_step_streams([stream], out, ordinal=[ordinal], steps=[step], block=block,
                         zero_start=pred is None, dithers=[dither], dither_signs=[dither_signs],
-                        first=first, pred=pred, scale=scale, eps=eps)
+                        first=first, pred=pred, scale=scale, eps=eps, floor=floor)

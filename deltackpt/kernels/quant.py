@@ -209,10 +209,14 @@ def _sqrt32(typingctx, value):
 
 
 @njit(inline="always")
-def _element_step(step_f: np.float32, scale: np.float32, eps: np.float32) -> np.float32:
+def _element_step(step_f: np.float32, scale: np.float32, eps: np.float32, floor: np.float32,
+                  shaped: bool) -> np.float32:
     """FORMAT.md 3.2's step of an element of a ``scale``d chunk: ``step * (sqrt(scale) + eps)``,
-    each operation rounded to float32 (sqrt included: IEEE rounds it exactly)."""
-    return np.float32(step_f * np.float32(_sqrt32(np.float32(scale)) + eps))
+    ``shaped`` divided by ``sqrt(sqrt(scale) + floor)``, each operation rounded to float32
+    (square roots and the division included: IEEE rounds them exactly)."""
+    root = _sqrt32(np.float32(scale))
+    st = np.float32(step_f * np.float32(root + eps))
+    return np.float32(st / _sqrt32(np.float32(root + floor))) if shaped else st
 
 
 @njit(inline="always")
@@ -419,15 +423,15 @@ def _block_stats(x, out, sym, width, relative, clip_at, row):
     row[STAT_CLIPPED] = clipped
 
 
-def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
+def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
     """The fused encode kernel for one domain, prediction, dithering and per-element scaling
-    (compile-time constants)."""
+    (compile-time constants; ``scaled``: ``UNSCALED``, ``SCALED`` or ``SHAPED``)."""
 
     # error_model="numpy": a float division by zero is inf, not Python's ZeroDivisionError,
     # whose check on every element's own step (scaled chunks) keeps the loop from vectorizing.
     @njit(cache=True, nogil=True, error_model="numpy")
     def encode(x, pred, out, step_f, step_i, block, widths, slots, stats, seed, first, scale,
-               eps):
+               eps, floor):
         n = x.shape[0]
         step_k = np.float64(step_i)
         signs = _folds_signs(seed)
@@ -462,7 +466,8 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
                 p = pb[j] if use_pred else np.float32(0.0)
                 ok = _finite(xb[j]) & _finite(p)
                 u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
-                st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
+                st = _element_step(step_f, scale[start + j], eps, floor, scaled == SHAPED) \
+                    if scaled else step_f
                 if ordinal:
                     kx, kp = np.float64(_key_of(xb[j])), np.float64(_key_of(p))
                     d = kx - kp - off
@@ -500,10 +505,12 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
     return encode
 
 
+# Per-element steps: none, scaled by sqrt(scale) + eps, or that shaped by sqrt(scale) + floor.
+UNSCALED, SCALED, SHAPED = range(3)
 # A scaled chunk is of the linear domain and predicts from zero.
-_VARIANTS = [(ordinal, use_pred, dithered, False) for ordinal in (False, True)
+_VARIANTS = [(ordinal, use_pred, dithered, UNSCALED) for ordinal in (False, True)
              for use_pred in (False, True) for dithered in (False, True)] + [
-    (False, False, dithered, True) for dithered in (False, True)]
+    (False, False, dithered, scaled) for dithered in (False, True) for scaled in (SCALED, SHAPED)]
 _ENCODERS = {variant: _make_encoder(*variant) for variant in _VARIANTS}
 _NO_SCALE = np.zeros(0, np.float32)
 
@@ -551,7 +558,7 @@ def n_blocks_of(n: int, block: int) -> int:
 def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int,
                         dither: int | None = None, dither_signs: bool = False, first: int = 0,
-                        scale: np.ndarray | None = None, eps: float = 0.0,
+                        scale: np.ndarray | None = None, eps: float = 0.0, floor: float = 0.0,
                         ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
 
@@ -564,7 +571,9 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
 
     ``scale`` (float32, one per element; linear domain, no prediction)
     gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``: Adam's
-    first moment coded relative to the second's square root.
+    first moment coded relative to the second's square root. A positive
+    ``floor`` divides that by ``sqrt(sqrt(scale[i]) + floor)``: finer where
+    the second moment is larger (``numpy_element_steps``).
 
     Writes the reconstruction a reader will get into ``out`` (float32, may
     be ``pred`` itself: the encoder's reconstruction is updated in place).
@@ -581,10 +590,10 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step, dither_signs)
-    variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
+    variant, scale, eps32, floor32 = _variant(ordinal, pred is not None, seed, scale, eps, floor, n)
     slots = _slots(n_blocks, block)
     _ENCODERS[variant](x, out if pred is None else pred, out, step_f, step_i, block, widths, slots,
-                       stats, seed, np.int64(first), scale, eps32)
+                       stats, seed, np.int64(first), scale, eps32, floor32)
     offsets = _block_offsets(widths, n, block, n_blocks)
     stream = np.empty(offsets[-1], np.uint8)
     _compact(slots, widths, offsets, stream)
@@ -631,11 +640,11 @@ def check_stream(stream: np.ndarray, n: int, block: int) -> None:
         raise ValueError(_stream_problem(status, stream, n, block))
 
 
-def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
+def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
     """The decode kernel for one domain, prediction, dithering and per-element scaling."""
 
     @njit(cache=True, nogil=True, error_model="numpy")  # as the encoder's
-    def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps):
+    def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps, floor):
         n = out.shape[0]
         step_k = np.float64(step_i)
         signs = _folds_signs(seed)
@@ -654,7 +663,8 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: bool):
             for j in range(m):
                 p = pred[start + j] if use_pred else np.float32(0.0)
                 u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
-                st = _element_step(step_f, scale[start + j], eps) if scaled else step_f
+                st = _element_step(step_f, scale[start + j], eps, floor, scaled == SHAPED) \
+                    if scaled else step_f
                 sign = _fold_sign(u, signs) if dithered and not ordinal else np.float32(1.0)
                 out_block[j] = _reconstruct(p, q[j], ordinal, st, step_k, u, off, sign)
             out[start:stop] = out_block[:m]
@@ -668,9 +678,11 @@ _DECODERS = {variant: _make_decoder(*variant) for variant in _VARIANTS}
 def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
                         dither_signs: bool = False, first: int = 0,
-                        scale: np.ndarray | None = None, eps: float = 0.0) -> None:
+                        scale: np.ndarray | None = None, eps: float = 0.0,
+                        floor: float = 0.0) -> None:
     """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
-    ``dither``, ``dither_signs``, ``first``, ``scale`` and ``eps`` are as the encoder had them.
+    ``dither``, ``dither_signs``, ``first``, ``scale``, ``eps`` and ``floor`` are as the encoder
+    had them.
 
     Raises ``ValueError`` when the stream's length does not match its block
     widths, or a width is over 16, so damaged streams never index out of bounds.
@@ -681,11 +693,11 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
         raise ValueError(_stream_problem(status, stream, n, block))
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step, dither_signs)
-    variant, scale, eps32 = _variant(ordinal, pred is not None, seed, scale, eps, n)
+    variant, scale, eps32, floor32 = _variant(ordinal, pred is not None, seed, scale, eps, floor, n)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
     _DECODERS[variant](padded, offsets, out if pred is None else pred, out, step_f, step_i, block,
-                       seed, np.int64(first), scale, eps32)
+                       seed, np.int64(first), scale, eps32, floor32)
 
 
 @njit(inline="always")
@@ -874,17 +886,31 @@ def kernel_seeds(n_streams: int, ordinal: list[bool], steps: list[float | int],
 
 
 def _variant(ordinal: bool, use_pred: bool, seed: np.int64, scale: np.ndarray | None,
-             eps: float, n: int) -> tuple[tuple[bool, bool, bool, bool], np.ndarray, np.float32]:
-    """The kernel variant of a call, and its scale array and epsilon as the kernels take them."""
+             eps: float, floor: float, n: int
+             ) -> tuple[tuple[bool, bool, bool, int], np.ndarray, np.float32, np.float32]:
+    """The kernel variant of a call, and its scale array, epsilon and floor as the kernels take
+    them."""
     if scale is None:
-        return (ordinal, use_pred, bool(seed >= 0), False), _NO_SCALE, np.float32(0)
+        if floor:
+            raise ValueError("a floor shapes the steps of a scale, and there is none")
+        return (ordinal, use_pred, bool(seed >= 0), UNSCALED), _NO_SCALE, np.float32(0), \
+            np.float32(0)
     if ordinal or use_pred:
         raise ValueError("a scale applies to the linear domain, without prediction")
     if scale.dtype != np.float32 or scale.shape != (n,):
         raise ValueError(f"scale must be float32 of shape ({n},), got {scale.dtype} {scale.shape}")
+    check_scale_constants(eps, floor)
+    return (False, False, bool(seed >= 0), SHAPED if floor else SCALED), scale, np.float32(eps), \
+        np.float32(floor)
+
+
+def check_scale_constants(eps: float, floor: float) -> None:
+    """Raise ``ValueError`` unless ``eps`` is a positive float32 value and ``floor`` zero (no
+    shaping) or one too (FORMAT.md 3.2)."""
     if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
         raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
-    return (False, False, bool(seed >= 0), True), scale, np.float32(eps)
+    if not (floor == 0 or (np.isfinite(floor) and floor > 0 and float(np.float32(floor)) == floor)):
+        raise ValueError(f"floor must be 0 or a positive float32 value, got {floor!r}")
 
 
 # -- numpy references (the executable spec) ---------------------------------------------
@@ -920,11 +946,15 @@ def numpy_key_offsets(u: np.ndarray, step: int) -> np.ndarray:
     return (d * step >> 24) - step // 2
 
 
-def numpy_element_steps(step: float, scale: np.ndarray | None, eps: float) -> np.ndarray | np.float32:
-    """The step of each element: ``step``, or ``step * (sqrt(scale) + eps)`` in float32."""
+def numpy_element_steps(step: float, scale: np.ndarray | None, eps: float,
+                        floor: float = 0.0) -> np.ndarray | np.float32:
+    """The step of each element: ``step``, or ``step * (sqrt(scale) + eps)`` in float32, with a
+    positive ``floor`` divided by ``sqrt(sqrt(scale) + floor)``."""
     if scale is None:
         return np.float32(step)
-    return np.float32(step) * (np.sqrt(scale.astype(np.float32)) + np.float32(eps))
+    root = np.sqrt(scale.astype(np.float32))
+    steps = np.float32(step) * (root + np.float32(eps))
+    return steps / np.sqrt(root + np.float32(floor)) if floor else steps
 
 
 def numpy_fold(q: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -934,8 +964,8 @@ def numpy_fold(q: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, step: float | int,
                    dither: int | None = None, dither_signs: bool = False, first: int = 0,
-                   scale: np.ndarray | None = None,
-                   eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                   scale: np.ndarray | None = None, eps: float = 0.0,
+                   floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Stored symbols (int64) and reconstruction of finite ``x`` against ``pred`` (or zero)."""
     p = np.zeros_like(x) if pred is None else pred
     u = np.zeros(x.shape, np.float32) if dither is None else numpy_dither(x.size, dither, first)
@@ -948,12 +978,13 @@ def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, ste
         return q, numpy_dequantize(q, p, ordinal=True, step=step, dither=dither, first=first)
     r = (x - p).astype(np.float32)
     with np.errstate(over="ignore"):  # a quotient beyond float32 is clipped like any large one
-        q = np.clip(np.rint(r / numpy_element_steps(step, scale, eps) + u),
+        q = np.clip(np.rint(r / numpy_element_steps(step, scale, eps, floor) + u),
                     -Q_MAX if dither_signs else Q_MIN, Q_MAX).astype(np.int64)
     if dither_signs:
         q = numpy_fold(q, u)
     return q, numpy_dequantize(q, p, ordinal=False, step=step, dither=dither,
-                               dither_signs=dither_signs, first=first, scale=scale, eps=eps)
+                               dither_signs=dither_signs, first=first, scale=scale, eps=eps,
+                               floor=floor)
 
 
 def numpy_pack(q: np.ndarray, block: int) -> np.ndarray:
@@ -987,8 +1018,8 @@ def numpy_unpack(stream: np.ndarray, n: int, block: int) -> np.ndarray:
 
 def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
                      step: float | int, dither: int | None = None, dither_signs: bool = False,
-                     first: int = 0, scale: np.ndarray | None = None,
-                     eps: float = 0.0) -> np.ndarray:
+                     first: int = 0, scale: np.ndarray | None = None, eps: float = 0.0,
+                     floor: float = 0.0) -> np.ndarray:
     """Reconstruction from stored symbols ``q`` and ``pred`` (or zero), dithered with seed
     ``dither`` (and its signs folded by it with ``dither_signs``), scaled per element by
     ``scale``."""
@@ -998,7 +1029,7 @@ def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
         q = numpy_fold(q, u)
     if ordinal:
         return numpy_from_keys(numpy_keys(p) + q * step + numpy_key_offsets(u, step))
-    return (p + (q.astype(np.float32) - u) * numpy_element_steps(step, scale, eps)).astype(
+    return (p + (q.astype(np.float32) - u) * numpy_element_steps(step, scale, eps, floor)).astype(
         np.float32)
 
 
