@@ -137,6 +137,19 @@ def equal_bits(shaped: list[tuple[torch.Tensor, torch.Tensor]], uniform: list[to
     return out
 
 
+def equal_symbols(shaped: list[tuple[torch.Tensor, torch.Tensor]], uniform: list[torch.Tensor],
+                  references: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Each tensor's ``shaped`` steps scaled so that its symbols' mean magnitude is the
+    ``uniform`` steps' (``sum |x| / steps`` held): at low rates, where most symbols are 0 and a
+    dithered quantizer codes ``x`` as nonzero about ``|x| / step`` of the time, the count of
+    nonzero symbols and with it the bits, in one pass (what an encoder can afford)."""
+    out = []
+    for x, (_, steps), flat in zip(_residuals(shaped, references), shaped, uniform, strict=True):
+        held = float((x.abs() / flat).sum())
+        out.append(steps * (float((x.abs() / steps).sum()) / held) if held > 0 else steps)
+    return out
+
+
 def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                references: list[torch.Tensor] | None) -> tuple[float, float]:
     """Bits an element of the dithered symbols coding each tensor (its residual against
@@ -172,10 +185,10 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
 
     def steps_of(run: Run, alpha: float, c: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
         pairs = class_steps(run, cls, alpha, c, kappa, group)
-        if normalize == "bits" and alpha:
+        if normalize != "mean" and alpha:
             flat = [s for _, s in class_steps(run, cls, 0.0, c)]
-            pairs = list(zip([t for t, _ in pairs], equal_bits(pairs, flat, references),
-                             strict=True))
+            held = (equal_bits if normalize == "bits" else equal_symbols)(pairs, flat, references)
+            pairs = list(zip([t for t, _ in pairs], held, strict=True))
         return pairs
 
     rows = []
@@ -219,9 +232,10 @@ def main() -> None:
     parser.add_argument("--group", default="element",
                         help="shape by element, by 'row', by 'rowcol' (a factor a row times one a "
                              "column) or by a number of consecutive elements")
-    parser.add_argument("--normalize", choices=("mean", "bits"), default="mean",
-                        help="hold each tensor's geometric-mean step (mean) or its symbols' "
-                             "entropy (bits) at the uniform step's")
+    parser.add_argument("--normalize", choices=("mean", "bits", "symbols"), default="mean",
+                        help="hold each tensor's geometric-mean step (mean), its symbols' "
+                             "entropy (bits) or their mean magnitude (symbols) at the uniform "
+                             "step's")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -44,7 +44,7 @@ from deltackpt.encode.optimizers import (
     movement_units,
     sampled_rms,
 )
-from deltackpt.encode.policy import SIGN_FLIP_STEP, ScaleController
+from deltackpt.encode.policy import SHAPE_FLOOR, SIGN_FLIP_STEP, ScaleController, shaped_steps
 from deltackpt.format.metadata import StepMetadata
 from deltackpt.save.capture import capture
 
@@ -152,9 +152,10 @@ def check_chunk_bounds(meta: StepMetadata, name: str, restored: torch.Tensor,
         params = chunk.params
         if params["domain"] == "linear":
             step = params["step"]
-            if "scale" in params:
-                step = step * (scales[params["scale"]].reshape(-1)[lo:hi].double().sqrt()
-                               + params["eps"])
+            if "scale" in params:  # FORMAT.md 3.2's scaled (and shaped) steps
+                root = scales[params["scale"]].reshape(-1)[lo:hi].double().sqrt()
+                step = step * (root + params["eps"]) / (root + params.get("floor", 0.0)).sqrt() \
+                    if "floor" in params else step * (root + params["eps"])
             err = (r[lo:hi].double() - x[lo:hi].double()).abs()
             slack = 4 * F32_EPS * (r[lo:hi].double().abs() + x[lo:hi].double().abs() + step)
             assert bool((err <= step / 2 + slack).all()), \
@@ -990,10 +991,11 @@ def test_bf16_adam_first_moments_are_coded_in_update_units(ckpt: Path) -> None:
         # balanced: 0.7 learning rates from the first moment, a factor sqrt(2) from the second
         assert error.max() < 1.5, (fqn, error.max().item())
 
-    def as_format_2_0(obj: dict) -> None:  # and without 2.2's dither_signs, refused before
+    def as_format_2_0(obj: dict) -> None:  # without 2.2's dither_signs, 2.3's floor: refused
         obj.update(format_version="2.0")
         for chunk in (c for t in obj["tensors"] for f in t["fragments"] for c in f["chunks"]):
             chunk.get("params", {}).pop("dither_signs", None)
+            chunk.get("params", {}).pop("floor", None)
 
     edit_metadata(step_dir(ckpt, 2) / "metadata.json", as_format_2_0)
     with pytest.raises(CorruptionError, match=r"tensor 'optimizer/state/0\.weight/exp_avg': "
@@ -1168,11 +1170,39 @@ SCALED = dataclasses.replace(CompressionConfig.preset("balanced"),
                              first_moment=Quantizer(update_step=1.0, pred="zero"))
 
 
+def test_shaped_steps_hold_the_count_of_nonzero_symbols() -> None:
+    """shaped_steps: the floor is SHAPE_FLOOR of the sample's root mean square of sqrt(v), plus
+    eps; the factor keeps sum(|m| / step) (the nonzero symbols a dithered quantizer codes at low
+    rates) what the unshaped steps give; steps are finer where v is larger; non-finite elements
+    are left out; an all-zero moment keeps the steps' geometric mean."""
+    rng = np.random.default_rng(0)
+    v = (rng.standard_normal(4000) ** 2 * 10.0 ** rng.uniform(-8, -4, 4000)).astype(np.float32)
+    m = (rng.standard_normal(4000) * np.sqrt(v)).astype(np.float32)
+    m[:5], v[5:10] = np.nan, np.inf
+    eps = 1e-8
+    floor, factor, units = shaped_steps(m, v, eps)
+    root = np.sqrt(v[10:].astype(np.float64))
+    assert floor == float(np.float32(SHAPE_FLOOR * np.sqrt(np.mean(root**2)) + eps))
+    np.testing.assert_allclose(units[10:], (root + eps) / np.sqrt(root + floor), rtol=1e-12)
+    assert np.isnan(units[:10]).all()
+    unshaped = np.abs(m[10:]) / (root + eps)
+    np.testing.assert_allclose(np.sum(np.abs(m[10:]) / (factor * units[10:])), np.sum(unshaped),
+                               rtol=1e-9)
+    order = np.argsort(root)
+    assert np.all(np.diff(units[10:][order] / (root[order] + eps)) <= 0)  # finer where v larger
+    _, geometric, units = shaped_steps(np.zeros(100, np.float32), v[10:110], eps)
+    np.testing.assert_allclose(np.mean(np.log(geometric * units)),
+                               np.mean(np.log(np.sqrt(v[10:110].astype(np.float64)) + eps)),
+                               rtol=1e-9)
+
+
 def test_first_moment_coded_relative_to_the_second(ckpt: Path) -> None:
     """update_step: each exp_avg element's step is update_step learning rates of the update it
     drives, (m / c1) / (sqrt(v) / c2 + eps) with Adam's bias corrections, v the restored
-    exp_avg_sq of the same step and eps the group's, small moments included; the chunks are
-    coded on threads after their scales, and the chain restores and continues from a load."""
+    exp_avg_sq of the same step and eps the group's, small moments included, shaped by
+    ``s = factor / sqrt(sqrt(v) + floor)`` (FORMAT.md 3.2; ``factor`` holds the count of nonzero
+    symbols: policy.shaped_steps); the chunks are coded on threads after their scales, and the
+    chain restores and continues from a load."""
     model = mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-6)
     saved = {}
@@ -1190,8 +1220,13 @@ def test_first_moment_coded_relative_to_the_second(ckpt: Path) -> None:
                 float(np.float32(float(np.float32(1e-6)) * c2))}
             v = restored[f"{name}_sq"].double()
             error = (restored[name].double() - saved[step][name].double()).abs()
-            # within half a learning rate of the bias-corrected update (m / c1) / (sqrt(v) / c2 + eps)
-            assert (error / c1 <= (v.sqrt() / c2 + 1e-6) / 2 * (1 + 1e-5)).all(), (step, name)
+            (step_param, floor), = {(c.params["step"], c.params["floor"])
+                                    for c in record.fragments[0].chunks}
+            assert floor > float(np.float32(float(np.float32(1e-6)) * c2))  # eps', and more
+            shape = step_param * c2 / c1 / (v.sqrt() + floor).sqrt()  # s, update_step being 1
+            # within half a learning rate of the bias-corrected update (m / c1) / (sqrt(v) / c2 + eps),
+            # times the element's shape
+            assert (error / c1 <= (v.sqrt() / c2 + 1e-6) * shape / 2 * (1 + 1e-5)).all(), (step, name)
             assert restored[name].count_nonzero() > restored[name].numel() / 2  # not zeroed
 
     with CheckpointManager(ckpt, full_every=100, compression=SCALED, chunk_bytes=1024,

@@ -8,6 +8,7 @@ each step restored to at the time. A new version must read them unchanged.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -49,17 +50,22 @@ def test_old_format_restores_bit_for_bit(fixture: Path, tmp_path: Path) -> None:
 def test_fixtures_exist() -> None:
     """The old-format fixtures are in the tree (a missing directory would skip every check)."""
     assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1",
-            "format-2.2"} <= {p.name for p in FIXTURES}
+            "format-2.2", "format-2.3"} <= {p.name for p in FIXTURES}
 
 
-def test_folded_signs_are_refused_in_metadata_before_2_2(tmp_path: Path) -> None:
-    """A quant chunk whose signs are folded by its dither (2.2's ``dither_signs``) in a step
-    that says it is of format 2.1: refused when read, naming the tensor and both versions,
-    rather than decoded with the wrong signs."""
-    shutil.copytree(Path(__file__).parent / "fixtures" / "format-2.2" / "ckpt", tmp_path / "ckpt")
+@pytest.mark.parametrize(("fixture", "key", "older"), [("format-2.2", "dither_signs", "2.1"),
+                                                       ("format-2.3", "floor", "2.2")])
+def test_newer_params_are_refused_in_older_metadata(fixture: str, key: str, older: str,
+                                                    tmp_path: Path) -> None:
+    """A quant chunk with a param of a later version (2.2's ``dither_signs``: its signs folded by
+    its dither; 2.3's ``floor``: its scaled steps shaped) in a step that says it is of an
+    earlier format: refused when read, naming the tensor and both versions, rather than decoded
+    with the wrong signs or steps."""
+    shutil.copytree(Path(__file__).parent / "fixtures" / fixture / "ckpt", tmp_path / "ckpt")
     edit_metadata(step_dir(tmp_path / "ckpt", 2) / "metadata.json",
-                  lambda obj: obj.update(format_version="2.1"))
-    with pytest.raises(FormatError, match=r"step-000000000002/metadata\.json: tensor '[^']+': a "
-                       r"chunk's 'dither_signs' is of format 2\.2, this step's format_version "
-                       r"is 2\.1"):
+                  lambda obj: obj.update(format_version=older))
+    since = re.escape(fixture.removeprefix("format-"))
+    with pytest.raises(FormatError, match=rf"step-000000000002/metadata\.json: tensor '[^']+': a "
+                       rf"chunk's '{key}' is of format {since}, this step's format_version "
+                       rf"is {re.escape(older)}"):
         CheckpointManager(tmp_path / "ckpt", read_only=True).restore(2)

@@ -5,7 +5,8 @@ A chunk's stored bytes are one zstd frame of the packed symbol stream of
 or the reconstruction of the same elements in the base step (``pred:
 "base"``), which the restore chain (:mod:`deltackpt.restore.chain`) supplies, and for
 a chunk with a ``scale`` the decoded values of the tensor it names, whose
-square roots scale its step element by element. The decoded values are
+square roots scale its step element by element (and, with a ``floor``, shape
+it: finer where they are larger). The decoded values are
 float32: the running reconstruction. A tensor of a 16-bit dtype is that
 reconstruction rounded to its dtype.
 
@@ -60,7 +61,7 @@ from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
 PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs", "scale",
-                        "eps"})
+                        "eps", "floor"})
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
 
 
@@ -104,7 +105,7 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
                  scale: Scale | None = None) -> tuple[EncodedChunk | None, np.ndarray]:
     """Quantize float32 ``x`` against ``pred`` (or zero), writing the reconstruction to ``recon``;
     dithered with seed ``dither`` (``first``: index of the chunk's first element in its tensor),
-    or with steps scaled element by element by ``scale``. Arrays are numpy arrays or torch
+    and with steps scaled (and shaped) element by element by ``scale``. Arrays are numpy arrays or torch
     tensors; CUDA tensors are coded on their device (module docstring), where ``x`` may also
     be bfloat16 or float16, and ``recon`` stays (or, given on the host, is copied back).
 
@@ -119,12 +120,13 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
         dither=dither, dither_signs=folds_signs(ordinal, dither), first=first,
         scale=None if scale is None else convert(scale.values),
-        eps=0.0 if scale is None else scale.eps)
+        eps=0.0 if scale is None else scale.eps, floor=0.0 if scale is None else scale.floor)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
     return quant_chunk(stream, ordinal=ordinal, with_base=pred is not None, step=step,
                        block=block, dither=dither,
-                       scale=None if scale is None else (scale.tensor, scale.eps)), stats
+                       scale=None if scale is None else (scale.tensor, scale.eps, scale.floor)), \
+        stats
 
 
 def on_device(*arrays: Any) -> bool:
@@ -135,10 +137,11 @@ def on_device(*arrays: Any) -> bool:
 
 def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: float | int,
                 block: int, dither: int | None = None,
-                scale: tuple[str, float] | None = None) -> EncodedChunk:
+                scale: tuple[str, float, float] | None = None) -> EncodedChunk:
     """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
     :func:`encode_quant`, its signs folded as :func:`folds_signs` says; ``with_base``: coded
-    against a prediction; ``scale``: the tensor whose values scale the steps, and eps)."""
+    against a prediction; ``scale``: the tensor whose values scale the steps, eps and the floor
+    that shapes them, 0 for none)."""
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
@@ -147,18 +150,22 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
         params["dither_signs"] = True
     if scale is not None:
         params.update(scale=scale[0], eps=scale[1])
+        if scale[2]:
+            params["floor"] = scale[2]
     return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)])
 
 
 @dataclass(frozen=True)
 class Scale:
     """The per-element scale of a quant chunk (FORMAT.md 3.2): the decoded ``values`` of the
-    elements of tensor ``tensor`` in the same step (an array as the chunk's), and ``eps`` (a
-    positive float32 value)."""
+    elements of tensor ``tensor`` in the same step (an array as the chunk's), ``eps`` (a
+    positive float32 value) and the ``floor`` that shapes the steps (a positive float32
+    value; 0: not shaped)."""
 
     tensor: str
     values: Any
     eps: float
+    floor: float = 0.0
 
 
 def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, int | None, bool]:
@@ -179,14 +186,19 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
     signs = params.get("dither_signs", False)
     if ok and "dither_signs" in params:
         ok = signs is True and dither is not None and domain == "linear"
-    if ok and ("scale" in params or "eps" in params):
-        eps = params.get("eps")
+    if ok and ("scale" in params or "eps" in params or "floor" in params):
         ok = (isinstance(params.get("scale"), str) and (domain, pred) == ("linear", "zero")
-              and isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0
-              and math.isfinite(eps) and float(np.float32(eps)) == eps)
+              and _positive_float32(params.get("eps"))
+              and ("floor" not in params or _positive_float32(params["floor"])))
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
     return domain == "ordinal", pred == "base", step, block, dither, signs
+
+
+def _positive_float32(value: Any) -> bool:
+    """Whether a param is a positive, finite float32 value."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
+        and math.isfinite(value) and float(np.float32(value)) == value
 
 
 def scale_source(params: dict[str, Any]) -> str | None:
@@ -211,6 +223,7 @@ class QuantStream:
     dither: int | None
     dither_signs: bool
     eps: float | None  # set for a chunk whose steps are scaled by another tensor
+    floor: float  # the floor that shapes those steps; 0 for none
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
@@ -227,7 +240,8 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
         check_stream(data, n, block)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
-    return QuantStream(data, ordinal, with_base, step, block, dither, signs, params.get("eps"))
+    return QuantStream(data, ordinal, with_base, step, block, dither, signs, params.get("eps"),
+                       params.get("floor", 0.0))
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
@@ -247,7 +261,7 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
         stream.data, convert(pred) if stream.with_base else None, convert(out),
         ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
         dither_signs=stream.dither_signs, first=first, scale=convert(scale),
-        eps=stream.eps or 0.0)
+        eps=stream.eps or 0.0, floor=stream.floor)
 
 
 def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:

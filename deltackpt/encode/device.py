@@ -299,7 +299,8 @@ class DeviceDelta:
             x[lo:hi], recon if coding.with_base else None, recon, ordinal=coding.ordinal,
             step=coding.step, block=coding.block, dither=coding.dither,
             dither_signs=folds_signs(coding.ordinal, coding.dither), first=lo, scale=scale,
-            eps=0.0 if coding.scale is None else coding.scale[1])
+            eps=0.0 if coding.scale is None else coding.scale[1],
+            floor=0.0 if coding.scale is None else coding.scale[2])
         chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded)
         check = self.encoder.variance_check(name)
         if check is not None:

@@ -69,6 +69,7 @@ from deltackpt.encode.policy import (
     ordinal_floor,
     sample_stride,
     sample_values,
+    shaped_steps,
     tensor_class,
 )
 from deltackpt.encode.reconstruction import Reconstruction
@@ -123,6 +124,7 @@ class _Plan:
     dither: int | None = None  # seed of the dither that shifts its quantization grid
     # (exp_avg_sq, eps, factor) scaling its steps per element: update_step * factor is its step
     scale: tuple[str, float, float] | None = None
+    floor: float = 0.0  # Adam's first moment: the floor that shapes its scaled steps (0: none)
     centres: str | None = None  # centered RMSprop's grad_avg: the square_avg it is subtracted from
     variance_floor: float = 0.0  # grad_avg: the least its restored variance may shrink to
     centred_sample: np.ndarray | None = None  # grad_avg: its sample, in sqrt(square_avg) units
@@ -150,14 +152,14 @@ class QuantCoding:
     """How the chunks of a tensor are quantized in a delta (the arguments of
     :func:`codecs.quant.encode_quant` but the arrays): coded against the base's values
     (``with_base``) or from zero, and with steps scaled by the running values of tensor
-    ``scale[0]`` with ``eps = scale[1]``."""
+    ``scale[0]`` with ``eps = scale[1]``, shaped by the floor ``scale[2]`` (0: not shaped)."""
 
     ordinal: bool
     with_base: bool
     step: float | int
     block: int
     dither: int | None
-    scale: tuple[str, float] | None
+    scale: tuple[str, float, float] | None
 
 
 @dataclass
@@ -362,9 +364,11 @@ class StepEncoder:
             plan.dither = zlib.crc32(f"{self.base.step}/{item.name}".encode())
         plan.scale = meanings.scales.get(item.name) if quantizer.update_step is not None else None
         centred = plan.centres is not None
+        shaped = plan.scale is not None and not centred and plan.bnb is None
+        shaping = 1.0
         sample, value_rms = None, None
-        if self.controller is not None or centred or (plan.scale is None
-                                                       and needs_sample(quantizer, unit)):
+        if self.controller is not None or centred or shaped or (
+                plan.scale is None and needs_sample(quantizer, unit)):
             stride = sample_stride(numel)
             xs = self._dequantized[item.name][::stride] if plan.bnb is not None else \
                 tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
@@ -372,15 +376,20 @@ class StepEncoder:
             if self.controller is not None or centred or needs_residuals(quantizer, unit):
                 ps = host_array(self._values[item.name][::stride]) if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
-            if sample is not None and plan.scale is not None:  # in units of each element's step
+            if plan.scale is not None:
                 # The scale will be this save's reconstruction of exp_avg_sq, which moves
                 # only where exp_avg_sq moved by more than its step: the base's is closer
                 # to it than exp_avg_sq itself. A grad_avg's bound is on the variance of this
                 # save: against this save's square_avg (which its square never exceeds).
-                source, eps, factor = plan.scale
+                source, eps, _ = plan.scale
                 v = self.local[source].detach().reshape(-1)[::stride].float().cpu().numpy() \
                     if centred else host_array(self._values[source][::stride])
-                sample /= factor * (np.sqrt(np.maximum(v, 0)) + eps)
+                if shaped:
+                    plan.floor, shaping, units = shaped_steps(xs, v, eps)
+                else:
+                    units = np.sqrt(np.maximum(v, 0)) + eps
+                if sample is not None:  # in units of each element's step over plan.step
+                    sample /= units
         if centred:
             second = self.config.quantizer_for(plan.centres, item.fqn, "second_moment")
             plan.step, _ = centred_steps(second.step, sample)  # for the scale; set once scaled
@@ -388,7 +397,7 @@ class StepEncoder:
             if plan.step <= 0:
                 plan.quantizer = Quantizer(exact=True)
         elif plan.scale is not None:
-            plan.step = quantizer.update_step * plan.scale[2]
+            plan.step = quantizer.update_step * plan.scale[2] * shaping
         else:
             carried = self.base.errors.get(item.name, 0.0) if plan.pred else 0.0
             plan.step = base_step(
@@ -541,7 +550,7 @@ class StepEncoder:
             return None
         return QuantCoding(plan.quantizer.domain == "ordinal", plan.pred, plan.step,
                            self.config.block, plan.dither,
-                           None if plan.scale is None else plan.scale[:2])
+                           None if plan.scale is None else (*plan.scale[:2], plan.floor))
 
     def variance_check(self, name: str) -> tuple[str, float] | None:
         """For a lossy centered RMSprop ``grad_avg``: its ``square_avg`` and the least its
@@ -587,7 +596,7 @@ class StepEncoder:
         x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
         recon = self._values[record.name][lo:hi]
         scale = None if coding.scale is None else Scale(  # coded by now: see coded_last
-            coding.scale[0], self._values[coding.scale[0]][lo:hi], coding.scale[1])
+            coding.scale[0], self._values[coding.scale[0]][lo:hi], *coding.scale[1:])
         chunk, stats = encode_quant(x, recon if coding.with_base else None, recon,
                                     ordinal=coding.ordinal, step=coding.step, block=coding.block,
                                     dither=coding.dither, first=lo, scale=scale)

@@ -15,7 +15,10 @@ class's error is bounded in a unit that keeps its meaning from run to run:
   ``momentum_buffer``, centered RMSprop's ``grad_avg``): coded from zero,
   dithered (unbiased, never zeroed wholesale), with a step in units of the
   update it drives: per element ``sqrt(exp_avg_sq) + eps`` for Adam, the
-  tensor's root mean square otherwise; ``grad_avg`` per element in units of
+  tensor's root mean square otherwise; Adam's shaped within the tensor by
+  its second moment (:func:`shaped_steps`): finer where the gradients are
+  larger, coarser where they are small, at the same count of nonzero
+  symbols; ``grad_avg`` per element in units of
   ``sqrt(square_avg) + eps``, so that the variance it centres keeps the
   second moment's error bound (:func:`centred_steps`);
 * ``second_moment`` (``exp_avg_sq``, ``max_exp_avg_sq``, RMSprop's
@@ -79,6 +82,10 @@ ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step", "rms_step")
 # flips while it lasts, about as far as Adam's first moment at update_step (derived in
 # Quantizer.rms_unit_step).
 SIGN_FLIP_STEP = 5 * math.sqrt(2 * math.pi)
+# Adam's first moment: its steps are divided by sqrt(sqrt(v) + floor), the floor this fraction of
+# the tensor's root mean square of sqrt(v) (bench/error_shaping.py: at about the same bits, 1.3-2x
+# fewer steps of progress lost on a GPT, a BatchNorm CNN and an MLP; docs/fidelity.md).
+SHAPE_FLOOR = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -427,6 +434,36 @@ class Sample:
         counts = np.bincount(q)
         p = counts[counts > 0] / q.size
         return float(-(p * np.log2(p)).sum())
+
+
+def shaped_steps(moment: np.ndarray, second: np.ndarray, eps: float) -> tuple[float, float, np.ndarray]:
+    """How an Adam first moment's scaled steps are shaped, from samples of it and of the
+    second moment that scales them (FORMAT.md 3.2: an element's step ``step * (sqrt(v) + eps)
+    / sqrt(sqrt(v) + floor)``): the ``floor`` (a float32 value), the factor by which the
+    unshaped step is multiplied so that the symbols' mean magnitude, the count of nonzero
+    symbols at the low rates a first moment is coded at, stays what the unshaped steps give
+    (where the sample is all zero, so that the steps' geometric mean does), and each sampled
+    element's step over the shaped ``step``.
+
+    The error a dithered quantizer leaves in an element's update is then in proportion to
+    ``(sqrt(v) + floor) ** -0.5``: an element whose gradients are large moves the loss more
+    per unit of update, and its first moment is recomputed from new gradients more slowly
+    relative to its size than its error would take to matter (docs/fidelity.md).
+    """
+    m = np.abs(moment.astype(np.float64))
+    root = np.sqrt(np.maximum(second.astype(np.float64), 0.0))
+    finite = np.isfinite(m) & np.isfinite(root)
+    m, root = m[finite], root[finite]
+    rms = math.sqrt(float(np.mean(root * root))) if root.size else 0.0
+    floor = float(np.float32(SHAPE_FLOOR * rms + eps))
+    unshaped = root + eps
+    shaped = unshaped / np.sqrt(root + floor)
+    held = float(np.sum(m / unshaped))
+    factor = float(np.sum(m / shaped)) / held if held > 0 else \
+        float(np.exp(np.mean(np.log(unshaped / shaped)))) if root.size else math.sqrt(floor)
+    units = np.full(finite.shape, np.nan)
+    units[finite] = shaped
+    return floor, factor, units
 
 
 def needs_sample(quantizer: Quantizer, unit: float | None) -> bool:

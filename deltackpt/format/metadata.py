@@ -29,9 +29,12 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "2.2"
+FORMAT_VERSION = "2.3"
 SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 tensors (FORMAT.md 3.2)
-DITHER_SIGNS = (2, 2)  # since: quant chunks whose symbols' signs are folded by the dither (3.2)
+# quant params a version before the one given has not: a reader of it would decode their chunks
+# otherwise (FORMAT.md 3.2)
+QUANT_PARAMS_SINCE = {"dither_signs": (2, 2),  # symbols' signs folded by the dither
+                      "floor": (2, 3)}  # scaled steps shaped by the scale
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
@@ -530,23 +533,26 @@ def _parse_step(obj: Any) -> StepMetadata:
             raise FormatError(f"tensor {shown(record.name)} aliases {shown(record.alias_of)}, "
                               f"which is no stored tensor of its dtype and shape")
     _check_state(meta.state, records)
-    if check_format_version(meta.format_version, "") < DITHER_SIGNS:
-        _refuse_dither_signs(meta)
+    version = check_format_version(meta.format_version, "")
+    newer = [key for key, since in QUANT_PARAMS_SINCE.items() if version < since]
+    if newer:
+        _refuse_newer_params(meta, newer)
     return meta
 
 
-def _refuse_dither_signs(meta: StepMetadata) -> None:
-    """Refuse a quant chunk (or the quant chunk inside a bnb8 one) with ``dither_signs`` in
-    metadata of a version before 2.2, which has none: a reader of that version would decode
-    its symbols with the wrong signs."""
+def _refuse_newer_params(meta: StepMetadata, keys: list[str]) -> None:
+    """Refuse a quant chunk (or the quant chunk inside a bnb8 one) with one of ``keys``, params
+    of a version later than the metadata's: a reader of that version would decode it
+    otherwise (with the wrong signs, or unshaped steps)."""
     for record in meta.tensors:
         for chunk in (c for f in record.fragments for c in f.chunks):
             inner = chunk.params.get("params")
-            if "dither_signs" in chunk.params or (isinstance(inner, dict)
-                                                  and "dither_signs" in inner):
-                raise FormatError(f"tensor {shown(record.name)}: a chunk's 'dither_signs' is of "
-                                  f"format {'.'.join(map(str, DITHER_SIGNS))}, this step's "
-                                  f"format_version is {meta.format_version}")
+            for key in keys:
+                if key in chunk.params or (isinstance(inner, dict) and key in inner):
+                    since = ".".join(map(str, QUANT_PARAMS_SINCE[key]))
+                    raise FormatError(f"tensor {shown(record.name)}: a chunk's {key!r} is of "
+                                      f"format {since}, this step's format_version is "
+                                      f"{meta.format_version}")
 
 
 def _check_disjoint(meta: StepMetadata) -> None:
