@@ -363,6 +363,8 @@ SCALED_QUANT = {**QUANT_BASE, "scale": "optimizer/state/w/exp_avg_sq", "eps": fl
     {"domain": "ordinal", "pred": "base", "step": 1 << 29, "block": 64, "dither": 5},
     {**SCALED_QUANT, "dither": 3, "dither_signs": True},  # since 2.2
     {**QUANT_BASE, "pred": "base", "dither": 7, "dither_signs": True},
+    {**SCALED_QUANT, "floor_log2": -20}, {**SCALED_QUANT, "floor_log2": -126},  # since 2.3
+    {**SCALED_QUANT, "dither": 3, "dither_signs": True, "floor_log2": 127},
 ])
 def test_valid_quant_params(params: dict[str, Any]) -> None:
     quant_params(params)
@@ -378,6 +380,10 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
     {**QUANT_BASE, "dither_signs": True},  # signs folded by a dither it does not have
     {**QUANT_BASE, "dither": 7, "dither_signs": False}, {**QUANT_BASE, "dither": 7, "dither_signs": 1},
     {"domain": "ordinal", "pred": "base", "step": 256, "block": 64, "dither": 5, "dither_signs": True},
+    {**QUANT_BASE, "floor_log2": -20},  # a floor shapes a scale it does not have
+    {**SCALED_QUANT, "floor_log2": -127}, {**SCALED_QUANT, "floor_log2": 128},
+    {**SCALED_QUANT, "floor_log2": -20.0}, {**SCALED_QUANT, "floor_log2": True},
+    {**SCALED_QUANT, "floor_log2": 2**70},
 ])
 def test_invalid_quant_params_are_refused(params: dict[str, Any]) -> None:
     with pytest.raises(FormatError, match="quant params"):

@@ -54,11 +54,11 @@ def test_fixtures_exist() -> None:
 
 
 @pytest.mark.parametrize(("fixture", "key", "older"), [("format-2.2", "dither_signs", "2.1"),
-                                                       ("format-2.3", "floor", "2.2")])
+                                                       ("format-2.3", "floor_log2", "2.2")])
 def test_newer_params_are_refused_in_older_metadata(fixture: str, key: str, older: str,
                                                     tmp_path: Path) -> None:
     """A quant chunk with a param of a later version (2.2's ``dither_signs``: its signs folded by
-    its dither; 2.3's ``floor``: its scaled steps shaped) in a step that says it is of an
+    its dither; 2.3's ``floor_log2``: its scaled steps shaped) in a step that says it is of an
     earlier format: refused when read, naming the tensor and both versions, rather than decoded
     with the wrong signs or steps."""
     shutil.copytree(Path(__file__).parent / "fixtures" / fixture / "ckpt", tmp_path / "ckpt")

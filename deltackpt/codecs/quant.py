@@ -61,7 +61,9 @@ from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
 PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs", "scale",
-                        "eps", "floor"})
+                        "eps", "floor_log2"})
+MAX_FLOOR_LOG2 = 127  # a scaled chunk's floor is 2**floor_log2, a normal float32 value
+MIN_FLOOR_LOG2 = -126
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
 
 
@@ -141,7 +143,7 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
     """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
     :func:`encode_quant`, its signs folded as :func:`folds_signs` says; ``with_base``: coded
     against a prediction; ``scale``: the tensor whose values scale the steps, eps and the floor
-    that shapes them, 0 for none)."""
+    that shapes them, a power of two, 0 for none)."""
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
@@ -151,7 +153,7 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
     if scale is not None:
         params.update(scale=scale[0], eps=scale[1])
         if scale[2]:
-            params["floor"] = scale[2]
+            params["floor_log2"] = floor_log2(scale[2])
     return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)])
 
 
@@ -160,7 +162,7 @@ class Scale:
     """The per-element scale of a quant chunk (FORMAT.md 3.2): the decoded ``values`` of the
     elements of tensor ``tensor`` in the same step (an array as the chunk's), ``eps`` (a
     positive float32 value) and the ``floor`` that shapes the steps (a positive float32
-    value; 0: not shaped)."""
+    power of two; 0: not shaped)."""
 
     tensor: str
     values: Any
@@ -186,10 +188,12 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
     signs = params.get("dither_signs", False)
     if ok and "dither_signs" in params:
         ok = signs is True and dither is not None and domain == "linear"
-    if ok and ("scale" in params or "eps" in params or "floor" in params):
+    if ok and ("scale" in params or "eps" in params or "floor_log2" in params):
+        exponent = params.get("floor_log2", 0)
         ok = (isinstance(params.get("scale"), str) and (domain, pred) == ("linear", "zero")
               and _positive_float32(params.get("eps"))
-              and ("floor" not in params or _positive_float32(params["floor"])))
+              and isinstance(exponent, int) and not isinstance(exponent, bool)
+              and MIN_FLOOR_LOG2 <= exponent <= MAX_FLOOR_LOG2)
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
     return domain == "ordinal", pred == "base", step, block, dither, signs
@@ -199,6 +203,16 @@ def _positive_float32(value: Any) -> bool:
     """Whether a param is a positive, finite float32 value."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
         and math.isfinite(value) and float(np.float32(value)) == value
+
+
+def floor_log2(floor: float) -> int:
+    """The exponent of a floor that shapes scaled steps, a power of two in float32's normal range
+    (FORMAT.md 3.2's ``floor_log2``)."""
+    exponent = math.frexp(floor)[1] - 1
+    if not (MIN_FLOOR_LOG2 <= exponent <= MAX_FLOOR_LOG2 and floor == 2.0**exponent):
+        raise ValueError(f"a floor must be a power of two from 2**{MIN_FLOOR_LOG2} to "
+                         f"2**{MAX_FLOOR_LOG2}, got {floor!r}")
+    return exponent
 
 
 def scale_source(params: dict[str, Any]) -> str | None:
@@ -223,7 +237,7 @@ class QuantStream:
     dither: int | None
     dither_signs: bool
     eps: float | None  # set for a chunk whose steps are scaled by another tensor
-    floor: float  # the floor that shapes those steps; 0 for none
+    floor: float  # the floor that shapes those steps (2**floor_log2); 0 for none
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
@@ -241,7 +255,7 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
     return QuantStream(data, ordinal, with_base, step, block, dither, signs, params.get("eps"),
-                       params.get("floor", 0.0))
+                       2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0)
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,

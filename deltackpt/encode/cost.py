@@ -82,6 +82,9 @@ def _bounds(quantizer: Quantizer) -> dict[str, float]:
 # x4's at twice the measure (9.7 against 4.8 steps):
 # beyond twice balanced's errors it is an upper estimate. SGD's momentum costs less than Adam's
 # first moment, which the single coefficient of first moments overstates (docs/fidelity.md).
+# Fitted at format 2.2: since 2.3 Adam's first moment is shaped by its second (policy.shaped_steps),
+# which on bench/error_shaping.py cost 1.3-2x fewer steps at the same bits, so for Adam's it is
+# an upper estimate too until the by-class runs are fitted again.
 MATRIX = CostModel(floor=0.375, per_class={"weights": 0.118, "first_moment": 0.445,
                                            "second_moment": 0.036})
 

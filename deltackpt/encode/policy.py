@@ -50,7 +50,9 @@ import numpy as np
 from deltackpt.codecs.cast import MASTER_KEYS
 from deltackpt.codecs.quant import (
     MAX_DITHERED_KEY_STEP,
+    MAX_FLOOR_LOG2,
     MAX_KEY,
+    MIN_FLOOR_LOG2,
     numpy_fold,
     numpy_keys,
 )
@@ -82,9 +84,10 @@ ERROR_BOUNDS = ("step", "move_step", "rel_step", "update_step", "rms_step")
 # flips while it lasts, about as far as Adam's first moment at update_step (derived in
 # Quantizer.rms_unit_step).
 SIGN_FLIP_STEP = 5 * math.sqrt(2 * math.pi)
-# Adam's first moment: its steps are divided by sqrt(sqrt(v) + floor), the floor this fraction of
-# the tensor's root mean square of sqrt(v) (bench/error_shaping.py: at about the same bits, 1.3-2x
-# fewer steps of progress lost on a GPT, a BatchNorm CNN and an MLP; docs/fidelity.md).
+# Adam's first moment: its steps are divided by sqrt(sqrt(v) + floor), the floor the power of two
+# nearest this fraction of the tensor's root mean square of sqrt(v) (bench/error_shaping.py: at
+# about the same bits, 1.3-2x fewer steps of progress lost on a GPT, a BatchNorm CNN and an MLP;
+# docs/fidelity.md).
 SHAPE_FLOOR = 1 / 16
 
 
@@ -439,7 +442,9 @@ class Sample:
 def shaped_steps(moment: np.ndarray, second: np.ndarray, eps: float) -> tuple[float, float, np.ndarray]:
     """How an Adam first moment's scaled steps are shaped, from samples of it and of the
     second moment that scales them (FORMAT.md 3.2: an element's step ``step * (sqrt(v) + eps)
-    / sqrt(sqrt(v) + floor)``): the ``floor`` (a float32 value), the factor by which the
+    / sqrt(sqrt(v) + floor)``): the ``floor`` (a power of two: FORMAT.md 3.2 stores its
+    exponent; the nearest to SHAPE_FLOOR of the root mean square of ``sqrt(v)``, plus eps), the
+    factor by which the
     unshaped step is multiplied so that the symbols' mean magnitude, the count of nonzero
     symbols at the low rates a first moment is coded at, stays what the unshaped steps give
     (where the sample is all zero, so that the steps' geometric mean does), and each sampled
@@ -455,7 +460,8 @@ def shaped_steps(moment: np.ndarray, second: np.ndarray, eps: float) -> tuple[fl
     finite = np.isfinite(m) & np.isfinite(root)
     m, root = m[finite], root[finite]
     rms = math.sqrt(float(np.mean(root * root))) if root.size else 0.0
-    floor = float(np.float32(SHAPE_FLOOR * rms + eps))
+    floor = 2.0 ** min(max(round(math.log2(SHAPE_FLOOR * rms + eps)), MIN_FLOOR_LOG2),
+                       MAX_FLOOR_LOG2)
     unshaped = root + eps
     shaped = unshaped / np.sqrt(root + floor)
     held = float(np.sum(m / unshaped))

@@ -34,7 +34,7 @@ SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 ten
 # quant params a version before the one given has not: a reader of it would decode their chunks
 # otherwise (FORMAT.md 3.2)
 QUANT_PARAMS_SINCE = {"dither_signs": (2, 2),  # symbols' signs folded by the dither
-                      "floor": (2, 3)}  # scaled steps shaped by the scale
+                      "floor_log2": (2, 3)}  # scaled steps shaped by the scale
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
