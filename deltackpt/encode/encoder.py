@@ -381,17 +381,17 @@ class StepEncoder:
                 # only where exp_avg_sq moved by more than its step: the base's is closer
                 # to it than exp_avg_sq itself. A grad_avg's bound is on the variance of this
                 # save: against this save's square_avg (which its square never exceeds). A
-                # shape is held at its count of symbols against this save's exp_avg_sq: the
-                # base's, 20 steps old at beta2 0.95, coded GPT 0.12M's first moments with 13%
-                # more nonzero symbols than unshaped steps.
+                # shape holds its count of symbols against this save's exp_avg_sq: against the
+                # base's, 20 steps old at beta2 0.95, GPT 0.12M's first moments coded 13% more
+                # nonzero symbols than unshaped steps (docs/fidelity.md).
                 source, eps, _ = plan.scale
                 now = self.local[source].detach().reshape(-1)[::stride].float().cpu().numpy() \
                     if centred or shaped else None
-                v = now if centred else host_array(self._values[source][::stride])
-                units = np.sqrt(np.maximum(v, 0)) + eps
                 if shaped:
-                    plan.floor, shaping, shaped_units = shaped_steps(xs, now, eps)
-                    units *= shaped_units / (np.sqrt(np.maximum(now, 0)) + eps)
+                    plan.floor, shaping, units = shaped_steps(xs, now, eps)
+                else:
+                    v = now if centred else host_array(self._values[source][::stride])
+                    units = np.sqrt(np.maximum(v, 0)) + eps
                 if sample is not None:  # in units of each element's step over plan.step
                     sample /= units
         if centred:
