@@ -255,6 +255,24 @@ def test_dither_index_wraps_at_2_32(ordinal: bool) -> None:
     np.testing.assert_array_equal(_bits(out), _bits(numba[2]))
 
 
+def test_scales_and_floors_where_none_apply_are_refused() -> None:
+    """As the Numba kernels: a scale with a prediction or of the ordinal domain, a floor
+    without a scale, a floor that is no positive float32 value."""
+    x = torch.ones(8, device=DEVICE)
+    out = torch.empty(8, device=DEVICE)
+    with pytest.raises(ValueError, match="a scale applies to the linear domain, without prediction"):
+        gpu.encode_block_stream(x, x.clone(), out, ordinal=False, step=0.5, block=4, scale=x,
+                                eps=1.0)
+    with pytest.raises(ValueError, match="a scale applies to one stream of the linear domain"):
+        gpu.decode_step_streams([np.zeros(2, np.uint8)] * 2, out, ordinal=[False, False],
+                                steps=[0.5, 0.5], block=4, zero_start=True, scale=x, eps=1.0)
+    with pytest.raises(ValueError, match="floor shapes the steps of a scale"):
+        gpu.encode_block_stream(x, None, out, ordinal=False, step=0.5, block=4, floor=1.0)
+    with pytest.raises(ValueError, match="floor must be 0 or a positive float32"):
+        gpu.decode_block_stream(np.zeros(2, np.uint8), None, out, ordinal=False, step=0.5,
+                                block=4, scale=x, eps=1.0, floor=-1.0)
+
+
 def test_scaled_steps_that_underflow_or_overflow() -> None:
     """Scales of 0 with a step * eps that underflows (a quotient 0 / 0: BAD), huge scales and
     infinities (steps of inf)."""

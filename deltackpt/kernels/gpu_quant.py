@@ -413,7 +413,7 @@ def _check_scale(scale: torch.Tensor | None, floor: float, unscalable: bool, whe
     if scale is None and floor:
         raise ValueError("a floor shapes the steps of a scale, and there is none")
     if scale is not None and unscalable:
-        raise ValueError(f"a scale applies to the linear domain, {where}")
+        raise ValueError(f"a scale applies to {where}")
 
 
 def _launch_options() -> dict:
@@ -491,7 +491,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
         _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step, dither_signs)
-    _check_scale(scale, floor, ordinal or pred is not None, "without prediction")
+    _check_scale(scale, floor, ordinal or pred is not None, "the linear domain, without prediction")
     if scale is not None:
         _check_tensor("scale", scale, None, n)
         check_scale_constants(eps, floor)
@@ -654,7 +654,7 @@ def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torc
                         floor: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_block_stream` into the float32 tensor ``out`` (may
     be ``pred``) from the host stream ``stream``."""
-    _check_scale(scale, floor, ordinal or pred is not None, "without prediction")
+    _check_scale(scale, floor, ordinal or pred is not None, "the linear domain, without prediction")
     decode_step_streams([stream], out, ordinal=[ordinal], steps=[step], block=block,
                         zero_start=pred is None, dithers=[dither], dither_signs=[dither_signs],
                         first=first, pred=pred, scale=scale, eps=eps, floor=floor)
