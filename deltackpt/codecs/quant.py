@@ -190,19 +190,15 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
         ok = signs is True and dither is not None and domain == "linear"
     if ok and ("scale" in params or "eps" in params or "floor_log2" in params):
         exponent = params.get("floor_log2", 0)
+        eps = params.get("eps")
         ok = (isinstance(params.get("scale"), str) and (domain, pred) == ("linear", "zero")
-              and _positive_float32(params.get("eps"))
+              and isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0
+              and math.isfinite(eps) and float(np.float32(eps)) == eps
               and isinstance(exponent, int) and not isinstance(exponent, bool)
               and MIN_FLOOR_LOG2 <= exponent <= MAX_FLOOR_LOG2)
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
     return domain == "ordinal", pred == "base", step, block, dither, signs
-
-
-def _positive_float32(value: Any) -> bool:
-    """Whether a param is a positive, finite float32 value."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
-        and math.isfinite(value) and float(np.float32(value)) == value
 
 
 def floor_log2(floor: float) -> int:

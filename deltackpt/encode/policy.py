@@ -442,13 +442,12 @@ class Sample:
 def shaped_steps(moment: np.ndarray, second: np.ndarray, eps: float) -> tuple[float, float, np.ndarray]:
     """How an Adam first moment's scaled steps are shaped, from samples of it and of the
     second moment that scales them (FORMAT.md 3.2: an element's step ``step * (sqrt(v) + eps)
-    / sqrt(sqrt(v) + floor)``): the ``floor`` (a power of two: FORMAT.md 3.2 stores its
-    exponent; the nearest to SHAPE_FLOOR of the root mean square of ``sqrt(v)``, plus eps), the
-    factor by which the
-    unshaped step is multiplied so that the symbols' mean magnitude, the count of nonzero
-    symbols at the low rates a first moment is coded at, stays what the unshaped steps give
-    (where the sample is all zero, so that the steps' geometric mean does), and each sampled
-    element's step over the shaped ``step``.
+    / sqrt(sqrt(v) + floor)``). Returns the ``floor`` (the power of two nearest SHAPE_FLOOR of
+    the root mean square of ``sqrt(v)``, plus eps: FORMAT.md 3.2 stores its exponent); the
+    factor the unshaped step is multiplied by so that the symbols' mean magnitude, the count of
+    nonzero symbols at the low rates a first moment is coded at, stays what unshaped steps give
+    (for an all-zero sample, so that the steps' geometric mean does); and each sampled element's
+    step over the shaped ``step``.
 
     The error a dithered quantizer leaves in an element's update is then in proportion to
     ``(sqrt(v) + floor) ** -0.5``: an element whose gradients are large moves the loss more
@@ -465,8 +464,12 @@ def shaped_steps(moment: np.ndarray, second: np.ndarray, eps: float) -> tuple[fl
     unshaped = root + eps
     shaped = unshaped / np.sqrt(root + floor)
     held = float(np.sum(m / unshaped))
-    factor = float(np.sum(m / shaped)) / held if held > 0 else \
-        float(np.exp(np.mean(np.log(unshaped / shaped)))) if root.size else math.sqrt(floor)
+    if held > 0:
+        factor = float(np.sum(m / shaped)) / held
+    elif root.size:
+        factor = float(np.exp(np.mean(np.log(unshaped / shaped))))
+    else:  # nothing finite sampled: the shape of v = 0
+        factor = math.sqrt(floor)
     units = np.full(finite.shape, np.nan)
     units[finite] = shaped
     return floor, factor, units

@@ -74,7 +74,7 @@ from deltackpt.kernels.quant import (
     _seed,
     _steps,
     _stream_problem,
-    check_scale_constants,
+    check_scaling,
     kernel_seeds,
     n_blocks_of,
 )
@@ -407,15 +407,6 @@ def _device(x: torch.Tensor) -> torch.device:
     return x.device
 
 
-def _check_scale(scale: torch.Tensor | None, floor: float, unscalable: bool, where: str) -> None:
-    """Raise ``ValueError`` for a scale given where none applies (``unscalable``) or a floor
-    without a scale."""
-    if scale is None and floor:
-        raise ValueError("a floor shapes the steps of a scale, and there is none")
-    if scale is not None and unscalable:
-        raise ValueError(f"a scale applies to {where}")
-
-
 def _launch_options() -> dict:
     """No fused multiply-add (FORMAT.md 3.2); 8 warps a program: 4 elements a thread, which
     keeps the kernels under 80 registers a thread on sm_90 (about 130 with 4 warps), so that
@@ -491,10 +482,10 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
         _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step, dither_signs)
-    _check_scale(scale, floor, ordinal or pred is not None, "the linear domain, without prediction")
+    check_scaling(scale is not None, not (ordinal or pred is not None),
+                  "the linear domain, without prediction", eps, floor)
     if scale is not None:
         _check_tensor("scale", scale, None, n)
-        check_scale_constants(eps, floor)
     pred_on, scale_on = _to(pred, device), _to(scale, device)
     out_on = pred_on if out is pred else out if out.device == device else \
         torch.empty(n, dtype=torch.float32, device=device)
@@ -605,11 +596,10 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
     if pred is not None:
         _check_tensor("pred", pred, device, n)
     seeds = kernel_seeds(n_steps, ordinal, steps, dithers, dither_signs)
-    _check_scale(scale, floor, n_steps != 1 or ordinal[0] or not zero_start,
-                  "one stream of the linear domain, without prediction")
+    check_scaling(scale is not None, n_steps == 1 and not ordinal[0] and zero_start,
+                  "one stream of the linear domain, without prediction", eps, floor)
     if scale is not None:
         _check_tensor("scale", scale, device, n)
-        check_scale_constants(eps, floor)
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
     if n == 0 or not n_steps:
         return
@@ -654,7 +644,8 @@ def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torc
                         floor: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_block_stream` into the float32 tensor ``out`` (may
     be ``pred``) from the host stream ``stream``."""
-    _check_scale(scale, floor, ordinal or pred is not None, "the linear domain, without prediction")
+    check_scaling(scale is not None, not (ordinal or pred is not None),
+                  "the linear domain, without prediction", eps, floor)
     decode_step_streams([stream], out, ordinal=[ordinal], steps=[step], block=block,
                         zero_start=pred is None, dithers=[dither], dither_signs=[dither_signs],
                         first=first, pred=pred, scale=scale, eps=eps, floor=floor)

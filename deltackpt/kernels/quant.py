@@ -890,23 +890,27 @@ def _variant(ordinal: bool, use_pred: bool, seed: np.int64, scale: np.ndarray | 
              ) -> tuple[tuple[bool, bool, bool, int], np.ndarray, np.float32, np.float32]:
     """The kernel variant of a call, and its scale array, epsilon and floor as the kernels take
     them."""
+    check_scaling(scale is not None, not (ordinal or use_pred),
+                  "the linear domain, without prediction", eps, floor)
     if scale is None:
-        if floor:
-            raise ValueError("a floor shapes the steps of a scale, and there is none")
         return (ordinal, use_pred, bool(seed >= 0), UNSCALED), _NO_SCALE, np.float32(0), \
             np.float32(0)
-    if ordinal or use_pred:
-        raise ValueError("a scale applies to the linear domain, without prediction")
     if scale.dtype != np.float32 or scale.shape != (n,):
         raise ValueError(f"scale must be float32 of shape ({n},), got {scale.dtype} {scale.shape}")
-    check_scale_constants(eps, floor)
     return (False, False, bool(seed >= 0), SHAPED if floor else SCALED), scale, np.float32(eps), \
         np.float32(floor)
 
 
-def check_scale_constants(eps: float, floor: float) -> None:
-    """Raise ``ValueError`` unless ``eps`` is a positive float32 value and ``floor`` zero (no
-    shaping) or one too (FORMAT.md 3.2)."""
+def check_scaling(scaled: bool, applies: bool, where: str, eps: float, floor: float) -> None:
+    """Raise ``ValueError`` for a floor without a scale, a scale where none ``applies`` (only to
+    ``where``), or, with a scale, an ``eps`` that is no positive float32 value or a ``floor``
+    neither 0 (no shaping) nor one (FORMAT.md 3.2). Both kernels' checks."""
+    if not scaled:
+        if floor:
+            raise ValueError("a floor shapes the steps of a scale, and there is none")
+        return
+    if not applies:
+        raise ValueError(f"a scale applies to {where}")
     if not (np.isfinite(eps) and eps > 0 and float(np.float32(eps)) == eps):
         raise ValueError(f"eps must be a positive float32 value, got {eps!r}")
     if not (floor == 0 or (np.isfinite(floor) and floor > 0 and float(np.float32(floor)) == floor)):
