@@ -73,6 +73,8 @@ def _shape(v_hat: torch.Tensor, eps: float, alpha: float, kappa: float = KAPPA,
     root = v_hat.sqrt()
     floor = kappa * float(v_hat.mean().sqrt()) + eps
     logs = (root + floor).log().mul(-2 * alpha).flatten()
+    if group == "tensor":  # one factor a tensor, normalized over the class by class_steps
+        return logs.mean().exp().expand(v_hat.shape)
     if group == "rowcol" and v_hat.dim() > 1:  # log s_ij fitted by a_i + b_j
         table = logs.reshape(v_hat.shape[0], -1)
         logs = (table.mean(1, keepdim=True) + table.mean(0, keepdim=True) - table.mean()).flatten()
@@ -92,16 +94,18 @@ def class_steps(run: Run, cls: str, alpha: float, c: float, kappa: float = KAPPA
     if cls == "weights":  # the codec's unit: how far a training step moves the parameter
         movement = movement_units(capture(run.model, run.optimizer, None, False))
         names = parameter_names(run.model)
-    out = []
+    shaped = []  # (tensor, unit, shape)
     for p, state, eps, t in _adam_states(run):
         v_hat = state["exp_avg_sq"].float() / (1 - betas[1] ** t)
         shape = _shape(v_hat, eps, alpha, kappa, group)
         if cls == "weights":
-            out.append((p, c * movement[names[id(p)]] * shape))
+            shaped.append((p, movement[names[id(p)]], shape))
         else:  # the exp_avg that moves the update m_hat / (sqrt(v_hat) + eps) by one
-            unit = (v_hat.sqrt() + eps) * (1 - betas[0] ** t)
-            out.append((state["exp_avg"], c * unit * shape))
-    return out
+            shaped.append((state["exp_avg"], (v_hat.sqrt() + eps) * (1 - betas[0] ** t), shape))
+    if group == "tensor":  # the tensors' factors held at a geometric mean of 1 over the class
+        mean = sum(s.log().sum() for _, _, s in shaped) / sum(s.numel() for _, _, s in shaped)
+        shaped = [(x, unit, s / mean.exp()) for x, unit, s in shaped]
+    return [(x, c * unit * s) for x, unit, s in shaped]
 
 
 def _entropy(x: torch.Tensor, steps: torch.Tensor, seed: int) -> float:
@@ -135,6 +139,24 @@ def equal_bits(shaped: list[tuple[torch.Tensor, torch.Tensor]], uniform: list[to
             lo, hi = (mid, hi) if _entropy(x, steps * 2 ** mid, i) > target else (lo, mid)
         out.append(steps * 2 ** hi)
     return out
+
+
+def equal_class_bits(shaped: list[tuple[torch.Tensor, torch.Tensor]], uniform: list[torch.Tensor],
+                     references: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Every tensor's ``shaped`` steps times one power of two (bisected to 1/64 octave) at which
+    the class's symbols take the entropy of its ``uniform`` steps' in all: the bits moved
+    between tensors (``--group tensor``), where :func:`equal_bits` holds each tensor's."""
+    xs = _residuals(shaped, references)
+
+    def bits(steps: list[torch.Tensor]) -> float:
+        return sum(_entropy(x, s, i) * x.numel() for i, (x, s) in enumerate(zip(xs, steps,
+                                                                                strict=True)))
+
+    target, lo, hi = bits(uniform), -8.0, 8.0
+    while hi - lo > 1 / 64:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if bits([s * 2 ** mid for _, s in shaped]) > target else (lo, mid)
+    return [s * 2 ** hi for _, s in shaped]
 
 
 def equal_symbols(shaped: list[tuple[torch.Tensor, torch.Tensor]], uniform: list[torch.Tensor],
@@ -187,7 +209,8 @@ def measure(task: str, optimizer: str, at: int, interval: int, cls: str, multipl
         pairs = class_steps(run, cls, alpha, c, kappa, group)
         if normalize != "mean" and alpha:
             flat = [s for _, s in class_steps(run, cls, 0.0, c)]
-            held = (equal_bits if normalize == "bits" else equal_symbols)(pairs, flat, references)
+            held = {"bits": equal_bits, "symbols": equal_symbols,
+                    "class": equal_class_bits}[normalize](pairs, flat, references)
             pairs = list(zip([t for t, _ in pairs], held, strict=True))
         return pairs
 
@@ -231,11 +254,13 @@ def main() -> None:
                         help="the floor under sqrt(v), as a multiple of its root mean square")
     parser.add_argument("--group", default="element",
                         help="shape by element, by 'row', by 'rowcol' (a factor a row times one a "
-                             "column) or by a number of consecutive elements")
-    parser.add_argument("--normalize", choices=("mean", "bits", "symbols"), default="mean",
+                             "column), by a number of consecutive elements or by 'tensor' (one "
+                             "factor a tensor, normalized over the class)")
+    parser.add_argument("--normalize", choices=("mean", "bits", "symbols", "class"),
+                        default="mean",
                         help="hold each tensor's geometric-mean step (mean), its symbols' "
-                             "entropy (bits) or their mean magnitude (symbols) at the uniform "
-                             "step's")
+                             "entropy (bits) or their mean magnitude (symbols), or the class's "
+                             "entropy in all (class), at the uniform step's")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)

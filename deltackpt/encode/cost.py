@@ -82,9 +82,10 @@ def _bounds(quantizer: Quantizer) -> dict[str, float]:
 # x4's at twice the measure (9.7 against 4.8 steps):
 # beyond twice balanced's errors it is an upper estimate. SGD's momentum costs less than Adam's
 # first moment, which the single coefficient of first moments overstates (docs/fidelity.md).
-# Fitted at format 2.2: since 2.3 Adam's first moment is shaped by its second (policy.shaped_steps),
-# which on bench/error_shaping.py cost 1.3-2x fewer steps at the same bits, so for Adam's it is
-# an upper estimate too until the by-class runs are fitted again.
+# Fitted at format 2.2. At 2.3, Adam's first moment shaped by its second (policy.shaped_steps),
+# its errors x4 on the 8 Adam-family cells of those runs with two seeds (2026-12-06) rose the
+# median by 0.52 per unit of K**2 - 1 (0.42 with seed 0 alone, 0.72 with seed 1): the same
+# coefficient within what the seed moves it, so it stands.
 MATRIX = CostModel(floor=0.375, per_class={"weights": 0.118, "first_moment": 0.445,
                                            "second_moment": 0.036})
 
