@@ -1043,11 +1043,11 @@ def test_bf16_adam_first_moments_are_coded_in_update_units(ckpt: Path) -> None:
         assert (own <= 0.7 * shape * 1.02 + 2**-8 * (m2 / c1 / unit).abs()).all(), fqn
         assert error.max() < 1.5 * step * c2 / c1 / 1.4 / math.sqrt(floor) < 6, fqn
 
-    def as_format_2_0(obj: dict) -> None:  # without 2.2's dither_signs, 2.3's floor: refused
-        obj.update(format_version="2.0")
+    def as_format_2_0(obj: dict) -> None:  # without 2.2's dither_signs, 2.3's floor, 2.4's
+        obj.update(format_version="2.0")     # zeros: refused
         for chunk in (c for t in obj["tensors"] for f in t["fragments"] for c in f["chunks"]):
-            chunk.get("params", {}).pop("dither_signs", None)
-            chunk.get("params", {}).pop("floor_log2", None)
+            for key in ("dither_signs", "floor_log2", "zeros"):
+                chunk.get("params", {}).pop(key, None)
 
     edit_metadata(step_dir(ckpt, 2) / "metadata.json", as_format_2_0)
     with pytest.raises(CorruptionError, match=r"tensor 'optimizer/state/0\.weight/exp_avg': "

@@ -20,6 +20,7 @@ from deltackpt.kernels.quant import (
     Q_MIN,
     STAT_BAD,
     STAT_CLIPPED,
+    STAT_LOST_ZEROS,
     STAT_MAX_ABS,
     STAT_MAX_REL,
     STAT_NONZERO,
@@ -192,6 +193,7 @@ def _expected_stats(x: np.ndarray, recon: np.ndarray, q: np.ndarray, block: int,
         row[STAT_SUM_SQ] = np.sum(xb.astype(np.float64) ** 2)
         row[STAT_NONZERO] = np.count_nonzero(qb)
         row[STAT_CLIPPED] = np.count_nonzero(_clipped(qb, dither_signs))
+        row[STAT_LOST_ZEROS] = np.count_nonzero((xb == 0) & (rb != 0))
         rows.append(row)
     return np.array(rows).reshape(-1, N_STATS)
 
@@ -204,6 +206,7 @@ def _check_stats(stats: np.ndarray, x: np.ndarray, recon: np.ndarray, q: np.ndar
     assert (stats[:, STAT_BAD] == 0).all()
     np.testing.assert_array_equal(stats[:, STAT_NONZERO], expected[:, STAT_NONZERO])
     np.testing.assert_array_equal(stats[:, STAT_CLIPPED], expected[:, STAT_CLIPPED])
+    np.testing.assert_array_equal(stats[:, STAT_LOST_ZEROS], expected[:, STAT_LOST_ZEROS])
     for col in (STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ):
         np.testing.assert_allclose(stats[:, col], expected[:, col], rtol=1e-6, atol=0, err_msg=f"stat {col}")
 

@@ -39,10 +39,12 @@ from deltackpt.errors import ConfigError
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
+    N_STATS,
     SCALED,
     SHAPED,
     STAT_BAD,
     STAT_CLIPPED,
+    STAT_LOST_ZEROS,
     STAT_MAX_ABS,
     STAT_MAX_REL,
     STAT_NONZERO,
@@ -133,13 +135,14 @@ def _assert_same_coding(numba: tuple, triton: tuple, n: int, block: int, ordinal
     """Same stream bytes, BAD counts and widths exactly; in the blocks that code, the same
     reconstruction bits, maxima and counts, sums to float tolerance."""
     (s1, st1, r1), (s2, st2, r2) = numba, triton
-    assert st2.shape == st1.shape == (n_blocks_of(n, block), 7)
+    assert st2.shape == st1.shape == (n_blocks_of(n, block), N_STATS)
     np.testing.assert_array_equal(st2[:, STAT_BAD], st1[:, STAT_BAD])
     np.testing.assert_array_equal(s2, s1)
     good = st1[:, STAT_BAD] == 0
     rows = np.repeat(good, block)[:n]
     np.testing.assert_array_equal(_bits(r2)[rows], _bits(r1)[rows])
-    exact = [STAT_MAX_ABS, STAT_NONZERO, STAT_CLIPPED] + ([STAT_MAX_REL] if ordinal else [])
+    exact = [STAT_MAX_ABS, STAT_NONZERO, STAT_CLIPPED, STAT_LOST_ZEROS] \
+        + ([STAT_MAX_REL] if ordinal else [])
     np.testing.assert_array_equal(st2[good][:, exact], st1[good][:, exact])
     np.testing.assert_allclose(st2[good][:, [STAT_SUM_SQ_ERR, STAT_SUM_SQ]],
                                st1[good][:, [STAT_SUM_SQ_ERR, STAT_SUM_SQ]], rtol=1e-12, atol=0)

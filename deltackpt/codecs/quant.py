@@ -10,6 +10,14 @@ it: finer where they are larger). The decoded values are
 float32: the running reconstruction. A tensor of a 16-bit dtype is that
 reconstruction rounded to its dtype.
 
+An element that is exactly zero stays exactly zero (since format 2.4): a
+dithered step would restore it as a fraction of a step, and an optimizer
+state that is zero says "no gradient yet" (an embedding row no input has
+used: Adam's update from a moment of a fraction of a step over ``eps`` is
+a learning rate a step). A chunk lists the elements its kernels did not
+restore as zero in a bitmap before its symbols (``zeros``), and both the
+writer's running reconstruction and a reader's set them to zero.
+
 :func:`decode_quant` decodes one chunk; a restore chain checks each step's
 chunk with :func:`quant_stream` and applies all of them at once with
 :func:`apply_quant_streams`.
@@ -50,6 +58,7 @@ from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_KEY, check_stream
 from deltackpt.kernels.quant import N_STATS as N_STATS
 from deltackpt.kernels.quant import STAT_BAD as STAT_BAD
 from deltackpt.kernels.quant import STAT_CLIPPED as STAT_CLIPPED
+from deltackpt.kernels.quant import STAT_LOST_ZEROS as STAT_LOST_ZEROS
 from deltackpt.kernels.quant import STAT_MAX_ABS as STAT_MAX_ABS
 from deltackpt.kernels.quant import STAT_MAX_REL as STAT_MAX_REL
 from deltackpt.kernels.quant import STAT_NONZERO as STAT_NONZERO
@@ -61,7 +70,7 @@ from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
 PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs", "scale",
-                        "eps", "floor_log2"})
+                        "eps", "floor_log2", "zeros"})
 MAX_FLOOR_LOG2 = 127  # a scaled chunk's floor is 2**floor_log2, a normal float32 value
 MIN_FLOOR_LOG2 = -126
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
@@ -127,8 +136,24 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         return None, stats
     return quant_chunk(stream, ordinal=ordinal, with_base=pred is not None, step=step,
                        block=block, dither=dither,
-                       scale=None if scale is None else (scale.tensor, scale.eps, scale.floor)), \
-        stats
+                       scale=None if scale is None else (scale.tensor, scale.eps, scale.floor),
+                       zeros=zeros_bitmap(zero_lost(convert(x), convert(recon)))
+                       if stats[:, STAT_LOST_ZEROS].any() else None), stats
+
+
+def zero_lost(x: Any, recon: Any) -> Any:
+    """Set to zero the elements of ``recon`` that are exactly zero in ``x`` (either sign) but
+    not in ``recon`` (numpy arrays, or torch tensors on one device: no synchronization), which
+    the kernels count (``STAT_LOST_ZEROS``); returns their mask."""
+    lost = (x == 0) & (recon != 0)
+    recon[lost] = 0
+    return lost
+
+
+def zeros_bitmap(lost: Any) -> np.ndarray:
+    """The bitmap a chunk stores of the mask ``lost`` (FORMAT.md 3.2, ``zeros``)."""
+    return np.packbits(lost if isinstance(lost, np.ndarray) else lost.cpu().numpy(),
+                       bitorder="little")
 
 
 def on_device(*arrays: Any) -> bool:
@@ -139,11 +164,13 @@ def on_device(*arrays: Any) -> bool:
 
 def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: float | int,
                 block: int, dither: int | None = None,
-                scale: tuple[str, float, float] | None = None) -> EncodedChunk:
+                scale: tuple[str, float, float] | None = None,
+                zeros: np.ndarray | None = None) -> EncodedChunk:
     """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
     :func:`encode_quant`, its signs folded as :func:`folds_signs` says; ``with_base``: coded
     against a prediction; ``scale``: the tensor whose values scale the steps, eps and the floor
-    that shapes them, a power of two, 0 for none)."""
+    that shapes them, a power of two, 0 for none; ``zeros``: the bitmap of
+    :func:`kept_zeros`, stored before the stream)."""
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
@@ -154,6 +181,9 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
         params.update(scale=scale[0], eps=scale[1])
         if scale[2]:
             params["floor_log2"] = floor_log2(scale[2])
+    if zeros is not None:
+        params["zeros"] = int(np.unpackbits(zeros).sum())
+        stream = np.concatenate([zeros, stream])
     return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)])
 
 
@@ -196,6 +226,9 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
               and math.isfinite(eps) and float(np.float32(eps)) == eps
               and isinstance(exponent, int) and not isinstance(exponent, bool)
               and MIN_FLOOR_LOG2 <= exponent <= MAX_FLOOR_LOG2)
+    if ok and "zeros" in params:
+        zeros = params["zeros"]
+        ok = isinstance(zeros, int) and not isinstance(zeros, bool) and zeros >= 1
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
     return domain == "ordinal", pred == "base", step, block, dither, signs
@@ -234,6 +267,7 @@ class QuantStream:
     dither_signs: bool
     eps: float | None  # set for a chunk whose steps are scaled by another tensor
     floor: float  # the floor that shapes those steps (2**floor_log2); 0 for none
+    zeros: np.ndarray | None  # the elements restored as zero (a boolean mask), if any
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
@@ -244,14 +278,27 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
     always decodes.
     """
     ordinal, with_base, step, block, dither, signs = quant_params(params)
+    mask_bytes = -(-n // 8) if "zeros" in params else 0
     # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
-    data = np.frombuffer(zstd_decompress_bounded(stored, -(-n // block) + 2 * n), dtype=np.uint8)
+    data = np.frombuffer(zstd_decompress_bounded(stored, mask_bytes + -(-n // block) + 2 * n),
+                         dtype=np.uint8)
+    zeros = None
+    if mask_bytes:
+        if data.size < mask_bytes:
+            raise CorruptionError(f"quant chunk holds {data.size} bytes, short of its "
+                                  f"{mask_bytes}-byte bitmap of zeros")
+        zeros = np.unpackbits(data[:mask_bytes], bitorder="little").view(bool)
+        if zeros[n:].any() or int(zeros.sum()) != params["zeros"]:
+            raise CorruptionError(f"quant chunk's bitmap of zeros holds {int(zeros[:n].sum())} "
+                                  f"of its {n} elements (and {int(zeros[n:].sum())} past "
+                                  f"them), its params say {params['zeros']}")
+        zeros, data = zeros[:n], data[mask_bytes:]
     try:
         check_stream(data, n, block)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
     return QuantStream(data, ordinal, with_base, step, block, dither, signs, params.get("eps"),
-                       2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0)
+                       2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0, zeros)
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
@@ -272,6 +319,19 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
         ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
         dither_signs=stream.dither_signs, first=first, scale=convert(scale),
         eps=stream.eps or 0.0, floor=stream.floor)
+    _set_zeros(convert(out), stream.zeros)
+
+
+def _set_zeros(values: Any, zeros: np.ndarray | None) -> None:
+    """Set the elements of ``values`` (a numpy array or a torch tensor) that ``zeros`` marks."""
+    if zeros is None:
+        return
+    if isinstance(values, np.ndarray):
+        values[zeros] = 0
+    else:
+        import torch
+
+        values[torch.from_numpy(zeros).to(values.device)] = 0
 
 
 def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: int) -> None:
@@ -282,20 +342,21 @@ def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: i
     (unused when that step predicts from zero) and is updated in place: the
     result is bit for bit that of :func:`decode_quant` once per step. Runs of
     steps with one block size are decoded in a single pass (on the device of a
-    CUDA ``values``).
+    CUDA ``values``), up to a step that sets zeros.
     """
     convert, kernels = _kernels(values)
     values = convert(values)
     start = 0
     for i in range(1, len(streams) + 1):
         if i == len(streams) or streams[i].block != streams[start].block \
-                or not streams[i].with_base:
+                or not streams[i].with_base or streams[i - 1].zeros is not None:
             run = streams[start:i]
             kernels.decode_step_streams(
                 [s.data for s in run], values, ordinal=[s.ordinal for s in run],
                 steps=[s.step for s in run], block=run[0].block, zero_start=not run[0].with_base,
                 dithers=[s.dither for s in run], dither_signs=[s.dither_signs for s in run],
                 first=first)
+            _set_zeros(values, run[-1].zeros)
             start = i
 
 

@@ -52,6 +52,7 @@ from deltackpt.codecs.quant import (
     N_STATS,
     STAT_BAD,
     STAT_CLIPPED,
+    STAT_LOST_ZEROS,
     STAT_MAX_ABS,
     STAT_MAX_REL,
     STAT_NONZERO,
@@ -60,6 +61,8 @@ from deltackpt.codecs.quant import (
     folds_signs,
     on_device,
     quant_chunk,
+    zero_lost,
+    zeros_bitmap,
 )
 from deltackpt.dist.shards import Part, local_parts, local_values, with_local
 from deltackpt.encode.encoder import StepEncoder, host_array, shrunk_variances
@@ -202,6 +205,8 @@ class _Chunk:
     exact: np.ndarray | None = None  # the raw bytes at the call of a chunk stored exactly
     digest: PendingDigest | None = None  # of the decoded bytes, where they stay on the device
     shrunk: Any = 0  # grad_avg: elements whose variance shrank too far (a device count)
+    lost: Any = None  # elements exactly zero the kernels did not restore so (a device mask)
+    zeros: np.ndarray | None = None  # their bitmap, where there are some
     host: list[torch.Tensor] = field(default_factory=list)  # stream, statistics (, rounded)
 
 
@@ -301,7 +306,8 @@ class DeviceDelta:
             dither_signs=folds_signs(coding.ordinal, coding.dither), first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1],
             floor=0.0 if coding.scale is None else coding.scale[2])
-        chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded)
+        chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded,
+                       lost=zero_lost(x[lo:hi], recon))
         check = self.encoder.variance_check(name)
         if check is not None:
             chunk.shrunk = shrunk_variances(recon, x[lo:hi], values[check[0]][lo:hi], check[1])
@@ -320,18 +326,21 @@ class DeviceDelta:
             return
         from deltackpt.kernels.gpu_xxh3 import xxh3_64_on_device  # a device kernel
 
-        flags, lengths = torch.stack([
+        flags, lengths, lost = torch.stack([
             torch.stack([c.coded.stats[:, STAT_BAD].sum() + c.coded.stats[:, STAT_CLIPPED].sum()
-                         + c.shrunk, c.coded.length.double()]) for c in chunks]).cpu().T.tolist()
+                         + c.shrunk, c.coded.length.double(),
+                         c.coded.stats[:, STAT_LOST_ZEROS].sum()]) for c in chunks]).cpu().T.tolist()
         values = self.encoder.running_values
         pinned = device.type == "cuda"
-        for chunk, flag, length in zip(chunks, flags, lengths, strict=True):
+        for chunk, flag, length, zeros in zip(chunks, flags, lengths, lost, strict=True):
             x = self.encoder.local[chunk.name].detach().reshape(-1)[chunk.lo : chunk.hi]
             recon = values[chunk.name][chunk.lo : chunk.hi]
             if flag:
                 recon.copy_(x)
                 chunk.exact = raw_bytes(x).copy()  # (of a CPU tensor, a view otherwise)
             else:
+                if zeros:
+                    chunk.zeros = zeros_bitmap(chunk.lost)
                 if recon.device == device:
                     decoded = recon if chunk.spec.itemsize == 4 else recon.to(x.dtype)
                     chunk.digest = xxh3_64_on_device(decoded.view(torch.uint8))
@@ -342,7 +351,7 @@ class DeviceDelta:
                     host = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
                     host.copy_(source, non_blocking=pinned)
                     chunk.host.append(host)
-            chunk.coded = chunk.rounded = None  # their device memory is free once copied
+            chunk.coded = chunk.rounded = chunk.lost = None  # free once copied
             self.encoder.coded_before[chunk.name, chunk.raw_offset] = functools.partial(
                 self._finish, chunk)
 
@@ -365,7 +374,7 @@ class DeviceDelta:
         stream, stats, *rounded = (h.numpy() for h in chunk.host)
         stored = quant_chunk(stream, ordinal=coding.ordinal, with_base=coding.with_base,
                              step=coding.step, block=coding.block, dither=coding.dither,
-                             scale=coding.scale)
+                             scale=coding.scale, zeros=chunk.zeros)
         encoder.count_coded(chunk.name, stored, chunk.raw_offset, chunk.raw_size,
                             chunk.hi - chunk.lo, stats, rounded[0] if rounded else None)
         if chunk.digest is not None:

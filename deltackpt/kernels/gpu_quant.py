@@ -201,6 +201,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
     sum_sq = tl.zeros([ROWS], tl.float64)
     nonzero = tl.zeros([ROWS], tl.int32)
     clipped = tl.zeros([ROWS], tl.int32)
+    lost = tl.zeros([ROWS], tl.int32)
     if FUSED:
         tile = tl.zeros([ROWS, COLS], tl.int32)
     for c0 in range(0, BLOCK, COLS):
@@ -255,6 +256,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
         sum_sq += tl.sum(x64 * x64, axis=1)
         nonzero += tl.sum((z != 0).to(tl.int32), axis=1)
         clipped += tl.sum((z >= 0xFFFE - signs).to(tl.int32), axis=1)
+        lost += tl.sum((valid & (x == 0) & (s != 0)).to(tl.int32), axis=1)
         if ORDINAL:
             ax = tl.abs(x)
             rel = tl.where(ax > 0, tl.div_rn(tl.abs(err), tl.where(ax > 0, ax, 1.0)), 0.0)
@@ -278,7 +280,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
             pos = first_byte + k
             tl.store(packed_ptr + rows[:, None] * (2 * BLOCK) + pos, byte.to(tl.uint8),
                      mask=(k < width[:, None]) & (pos < n_bytes))
-    row = stats_ptr + rows * 7
+    row = stats_ptr + rows * 8  # N_STATS
     tl.store(row + 0, max_abs.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
     tl.store(row + 1, max_rel.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
     tl.store(row + 2, sum_sq_err, mask=row_ok)
@@ -286,6 +288,7 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
     tl.store(row + 4, nonzero.to(tl.float64), mask=row_ok)
     tl.store(row + 5, clipped.to(tl.float64), mask=row_ok)
     tl.store(row + 6, bad.to(tl.float64), mask=row_ok)
+    tl.store(row + 7, lost.to(tl.float64), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n", "n_blocks"])

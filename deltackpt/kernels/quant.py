@@ -61,8 +61,9 @@ MAX_DITHERED_KEY_STEP = 1 << 29  # dithered ordinal steps: key offsets exact in 
 # folded by the dither (FORMAT.md 3.2, ``dither_signs``).
 SIGNS_BIT = 1 << 32
 # Per-block statistics returned by the encoder, one row per block.
-STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO, STAT_CLIPPED, STAT_BAD = range(7)
-N_STATS = 7
+STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO, STAT_CLIPPED, STAT_BAD, \
+    STAT_LOST_ZEROS = range(8)
+N_STATS = 8
 
 
 @njit(inline="always")
@@ -394,17 +395,21 @@ def _block_stats(x, out, sym, width, relative, clip_at, row):
     the ordinal domain); symbols can only be clipped at the full 16-bit width,
     where a zigzag code ``sym`` of at least ``clip_at`` is a clamped one
     (0xFFFE: 32767 or -32768; 0xFFFD with folded signs, clamped to +-32767).
+    Lost zeros are elements exactly zero that did not reconstruct as zero (a
+    dithered step's fraction), which the codec then sets to zero.
     Maxima are taken over the bit patterns of the (non-negative, finite)
     errors, which order like the errors: LLVM vectorizes integer maxima, not
     float ones (2.5x faster).
     """
     max_abs, sum_sq_err, sum_sq, nonzero = np.int32(0), 0.0, 0.0, np.int32(0)
+    lost = np.int32(0)
     for j in range(x.shape[0]):
         err = out[j] - x[j]
         max_abs = max(max_abs, np.float32(err).view(np.int32) & np.int32(0x7FFFFFFF))
         sum_sq_err += np.float64(err) * np.float64(err)
         sum_sq += np.float64(x[j]) * np.float64(x[j])
         nonzero += np.int32(sym[j] != 0)
+        lost += np.int32((x[j] == 0) & (out[j] != 0))
     max_rel = np.int32(0)
     if relative:
         for j in range(x.shape[0]):
@@ -421,6 +426,7 @@ def _block_stats(x, out, sym, width, relative, clip_at, row):
     row[STAT_SUM_SQ] = sum_sq
     row[STAT_NONZERO] = nonzero
     row[STAT_CLIPPED] = clipped
+    row[STAT_LOST_ZEROS] = lost
 
 
 def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
