@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import io
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -147,8 +148,11 @@ def long_run(name: str, saves: int, interval: int, repeats: int, root: Path) -> 
 
 
 def gc_estimate(path: Path, keep: str) -> dict:
-    """A gc of ``keep`` on ``path``: what its dry run estimated, and what it then did."""
-    with CheckpointManager(path, reader_grace=0) as mgr:
+    """A gc of ``keep`` on a copy of ``path``: what its dry run estimated, and what it then
+    did."""
+    copy = path.with_name(f"{path.name}-gc")
+    shutil.copytree(path, copy)
+    with CheckpointManager(copy, reader_grace=0) as mgr:
         dry = mgr.gc(keep, dry_run=True)
         done = mgr.gc(keep)
     return {"keep": keep, "bytes_before": done.bytes_before, "estimated_after": dry.bytes_after,

@@ -109,6 +109,7 @@ from deltackpt.encode.policy import ScaleController
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import ConfigError, DeltackptError, UnsafePathError
 from deltackpt.format.checks import check_int, config_error
+from deltackpt.format.dtypes import spec_named
 from deltackpt.format.metadata import (
     METADATA_FILE,
     Chunk,
@@ -516,8 +517,9 @@ def _dense_rates(records: Iterable[TensorRecord]) -> dict[str, float]:
 def _dithered_shares(plan: _Plan, step: int) -> dict[str, float]:
     """Per tensor, the share of its elements whose restored value at ``step`` a dithered chunk
     of its chain (since its full step) has made dense: a dithered chunk makes its elements
-    dense, one coded on its base without dither keeps what the base had, and one coded from
-    zero without dither, or stored exactly, restores the values a full step would store.
+    dense but the zeros it lists (FORMAT.md 3.2), one coded on its base without dither keeps
+    what the base had, and one coded from zero without dither, or stored exactly, restores the
+    values a full step would store.
     Kept per step in ``plan.dense``, so that a gc walks each chain once."""
     walked = []
     while step not in plan.dense:
@@ -534,7 +536,9 @@ def _dithered_shares(plan: _Plan, step: int) -> dict[str, float]:
             chunks = _chunks(record)
             total = sum(chunk.raw_length for chunk in chunks)
             coded = [chunk for chunk in chunks if chunk.codec == QUANT]
-            dithered = sum(c.raw_length for c in coded if c.params.get("dither") is not None)
+            itemsize = spec_named(record.dtype, record.name).itemsize
+            dithered = sum(c.raw_length - c.params.get("zeros", 0) * itemsize for c in coded
+                           if c.params.get("dither") is not None)
             kept = sum(c.raw_length for c in coded if uses_base(c.params) and c.params.get("dither") is None)
             if total:
                 shares[record.name] = (dithered + shares.get(record.name, 0.0) * kept) / total
