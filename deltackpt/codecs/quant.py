@@ -170,7 +170,7 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
     :func:`encode_quant`, its signs folded as :func:`folds_signs` says; ``with_base``: coded
     against a prediction; ``scale``: the tensor whose values scale the steps, eps and the floor
     that shapes them, a power of two, 0 for none; ``zeros``: the bitmap of
-    :func:`kept_zeros`, stored before the stream)."""
+    :func:`zeros_bitmap`, stored before the stream)."""
     params = {"domain": "ordinal" if ordinal else "linear",
               "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
@@ -271,7 +271,8 @@ class QuantStream:
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
-    """The symbol stream of a quant chunk of ``n`` elements, decompressed and checked.
+    """The symbol stream of a quant chunk of ``n`` elements (and its bitmap of zeros),
+    decompressed and checked.
 
     Raises :class:`FormatError` for invalid params and :class:`CorruptionError`
     for a frame or stream that does not decode, so a stream returned here
