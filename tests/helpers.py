@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import zstandard
+from torch import nn
 
 from deltackpt import CheckpointManager
 from deltackpt.format.dtypes import BY_NAME
@@ -184,3 +185,28 @@ def manual_examples(page: str, after: str = "") -> list[str]:
     if after:
         text = text.split(f"\n{after}\n", 1)[1]
     return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+class Positions(nn.Module):
+    """Position embeddings for 64 positions, of which training (:func:`train_positions`) uses
+    the first 32: the other rows get no gradient, and Adam's moments keep them exactly zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.position.weight[:x.shape[1]])
+
+
+def train_positions(model: Positions, optimizer: torch.optim.Optimizer, steps: int,
+                    seed: int) -> None:
+    """``steps`` training steps of ``model`` on sequences of 32 positions (from ``seed``)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 32, 32, generator=generator)
+        loss = (model(x) - x[..., :8].roll(1, 1)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

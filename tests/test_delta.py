@@ -22,7 +22,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise_equal, data_files, edit_metadata, raw_bytes_of, step_dir
+from helpers import (
+    Positions,
+    assert_bitwise_equal,
+    data_files,
+    edit_metadata,
+    raw_bytes_of,
+    step_dir,
+    train_positions,
+)
 from torch import nn
 
 from deltackpt import (
@@ -384,19 +392,6 @@ def test_weights_step_is_capped_relative_to_their_magnitude(ckpt: Path) -> None:
     assert 0 < capped < len(float_names(saved, "model/"))  # both units bind somewhere
 
 
-
-class _Positions(nn.Module):
-    """Position embeddings for 64 positions, of which training uses the first 32."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.position = nn.Embedding(64, 32)
-        self.head = nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x + self.position.weight[:x.shape[1]])
-
-
 @pytest.mark.parametrize("preset", ["balanced", "aggressive"])
 def test_weights_a_run_never_uses_keep_the_rel_step_bound(ckpt: Path, preset: str) -> None:
     """Rows a run does not train (position embeddings past its sequences, a rare token's
@@ -405,18 +400,13 @@ def test_weights_a_run_never_uses_keep_the_rel_step_bound(ckpt: Path, preset: st
     element of every restored delta, those rows included, stays within ``rel_step / 2`` of the
     tensor's root mean square."""
     torch.manual_seed(0)
-    model = _Positions()
+    model = Positions()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = CompressionConfig.preset(preset)
     states = {}
     with CheckpointManager(ckpt, full_every=100, compression=config) as mgr:
         for step in range(4):
-            for _ in range(3):
-                x = torch.randn(16, 32, 32)
-                loss = (model(x) - x[..., :8].roll(1, 1)).pow(2).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+            train_positions(model, optimizer, 3, step)
             mgr.save(step, model, optimizer)
             states[step] = model.position.weight.detach().clone()
         restored = {step: mgr.restore(step).tensors["model/position.weight"] for step in (1, 2, 3)}
