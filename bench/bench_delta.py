@@ -55,6 +55,7 @@ from deltackpt.codecs.quant import (
     decode_quant,
     encode_quant,
     quant_params,
+    quant_stream,
     zstd_decompress_bounded,
 )
 from deltackpt.encode.policy import tensor_class
@@ -249,8 +250,7 @@ def saved_delta(run, tmp_path_factory) -> list[tuple[str, dict, np.ndarray, np.n
                              if params["pred"] == "base" else None,
                              None if scale is None else restored[scale].reshape(-1)[part].numpy(),
                              first))
-                stream = np.frombuffer(zstd_decompress_bounded(source.stored(rec, chunk), 3 * n),
-                                       np.uint8)
+                stream = quant_stream(source.stored(rec, chunk), params, n).data
                 assert np.array_equal(_encode_job(jobs[-1])[0], stream), rec.name
         source.close()
     return jobs
@@ -262,10 +262,16 @@ def _kernel_args(params: dict, first: int) -> dict:
             "dither_signs": dither_signs, "first": first}
 
 
+def _scaling(params: dict) -> dict:
+    """A scaled chunk's eps and the floor that shapes its steps (0: none), as its params say."""
+    return {"eps": params.get("eps", 0.0),
+            "floor": 2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0}
+
+
 def _encode_job(job) -> tuple[np.ndarray, np.ndarray]:
     _, params, x, pred, scale, first = job
     return encode_block_stream(x, pred, np.empty_like(x), **_kernel_args(params, first),
-                               scale=scale, eps=params.get("eps", 0.0))
+                               scale=scale, **_scaling(params))
 
 
 def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
@@ -273,7 +279,7 @@ def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
     _, params, _, pred, scale, first = job
     args = _kernel_args(params, first)
     if scale is not None:
-        decode_block_stream(stream, None, out, **args, scale=scale, eps=params["eps"])
+        decode_block_stream(stream, None, out, **args, scale=scale, **_scaling(params))
         return
     out[:] = 0 if pred is None else pred
     decode_step_streams([stream], out, ordinal=[args["ordinal"]], steps=[args["step"]],
