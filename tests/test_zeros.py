@@ -15,6 +15,7 @@ import pytest
 import torch
 import zstandard
 from helpers import Positions, edit_metadata, step_dir, train_positions
+from torch import nn
 
 from deltackpt import CheckpointManager, CompressionConfig
 from deltackpt.codecs.quant import (
@@ -175,3 +176,31 @@ def test_zeros_in_older_metadata_are_refused(tmp_path: Path) -> None:
                                           r"\w*': a chunk's 'zeros' is of format 2\.4, this "
                                           r"step's format_version is 2\.3"):
         CheckpointManager(tmp_path / "ckpt", read_only=True).restore(1)
+
+
+def test_pruned_weights_keep_their_sparsity(tmp_path: Path) -> None:
+    """Weights pruned to zero (a fixed mask on the weights and their gradients) stay exactly
+    zero through every delta, as they do in the run: a restored model is as sparse as the saved
+    one, where dithered steps alone would restore every pruned weight as a fraction of a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    keep = torch.rand(64, 64) < 0.3
+    with torch.no_grad():
+        model[0].weight.mul_(keep)
+    model[0].weight.register_hook(lambda grad: grad * keep)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(tmp_path / "ckpt", full_every=100) as mgr:
+        for step in range(4):
+            for _ in range(3):
+                x = torch.randn(32, 64)
+                loss = (model(x) - x[:, :8]).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            assert bool((model[0].weight[~keep] == 0).all())
+            mgr.save(step, model, optimizer)
+        for step in (1, 2, 3):
+            weight = mgr.restore(step).tensors["model/0.weight"]
+            assert not weight[~keep].any() and weight[keep].all(), step
+        assert any("zeros" in c.params for c in mgr.metadata(1).tensor(
+            "model/0.weight").fragments[0].chunks)
