@@ -99,18 +99,19 @@ def restore_times(path: Path, repeats: int) -> dict[int, dict]:
     in a fresh read-only manager, by depth. Each round restores every step once, so a change
     in the machine's speed (they are noisy) weighs on all depths alike."""
     by_depth: dict[int, list[int]] = {}
-    for step, depth in depth_of(CheckpointManager(path, read_only=True)).items():
-        by_depth.setdefault(depth, []).append(step)
-    CheckpointManager(path, read_only=True).restore(by_depth[max(by_depth)][-1])  # warm
+    with CheckpointManager(path, read_only=True) as mgr:
+        for step, depth in depth_of(mgr).items():
+            by_depth.setdefault(depth, []).append(step)
+        mgr.restore(by_depth[max(by_depth)][-1])  # warm
     picked = {depth: sorted({steps[0], steps[-1]}) for depth, steps in sorted(by_depth.items())}
     seconds: dict[int, list[float]] = {depth: [] for depth in picked}
     for _ in range(repeats):
         for depth, steps in picked.items():
             for step in steps:
-                mgr = CheckpointManager(path, read_only=True)
-                started = time.perf_counter()
-                mgr.restore(step)
-                seconds[depth].append(time.perf_counter() - started)
+                with CheckpointManager(path, read_only=True) as mgr:
+                    started = time.perf_counter()
+                    mgr.restore(step)
+                    seconds[depth].append(time.perf_counter() - started)
     return {depth: {"steps": picked[depth], "seconds": statistics.median(seconds[depth])}
             for depth in picked}
 
