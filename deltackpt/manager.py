@@ -647,4 +647,5 @@ def _resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box], g
 
 def load_universal(path: str | os.PathLike[str], step: int | None = None) -> UniversalCheckpoint:
     """Read a step (default: the latest) of the checkpoint directory at ``path``."""
-    return CheckpointManager(path, read_only=True).restore(step)
+    with CheckpointManager(path, read_only=True) as mgr:  # its threads stop on return
+        return mgr.restore(step)

@@ -390,10 +390,10 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     from deltackpt.interop.files import prepare_out
     from deltackpt.manager import CheckpointManager
 
-    mgr = CheckpointManager(args.path, read_only=True)
-    step = mgr.resolve_step(args.step)
-    out = prepare_out(Path(args.out), [Path(mgr.path)], args.force)
-    ckpt = mgr.restore(step, progress=_show_progress(args))
+    with CheckpointManager(args.path, read_only=True) as mgr:
+        step = mgr.resolve_step(args.step)
+        out = prepare_out(Path(args.out), [Path(mgr.path)], args.force)
+        ckpt = mgr.restore(step, progress=_show_progress(args))
     written = export(ckpt.captured(), step, out, "deltackpt" if args.format == "universal" else args.format,
                      overwrite=args.force)
     _print_written(args, f"restored step {step} of {mgr.path} as {args.format} into {out}",
@@ -605,11 +605,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         policy = RetentionPolicy.parse(args.keep)
     except ValueError as exc:
         raise ValueError(f"--keep: {exc}") from None
-    reader = CheckpointManager(args.path, read_only=True)  # refuses what is not a checkpoint directory
-    if args.dry_run:
-        report = reader.gc(policy, dry_run=True)
-        path = reader.path
-    else:
+    with CheckpointManager(args.path, read_only=True) as reader:  # refuses what is not one
+        if args.dry_run:
+            report = reader.gc(policy, dry_run=True)
+            path = reader.path
+    if not args.dry_run:
         with CheckpointManager(args.path, reader_grace=args.reader_grace) as mgr:
             try:
                 report = mgr.gc(policy)

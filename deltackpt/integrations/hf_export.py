@@ -73,10 +73,10 @@ def export_hf(path: str | os.PathLike[str], out: str | os.PathLike[str],
     not have, before anything is written; ``out`` must be empty unless ``overwrite``.
     """
     transformers = require("transformers")
-    manager = CheckpointManager(path, read_only=True, storage_options=storage_options)
-    target = prepare_out(Path(out), [] if "://" in manager.path else [Path(manager.path)],
-                         overwrite)
-    ckpt = manager.restore(step)
+    with CheckpointManager(path, read_only=True, storage_options=storage_options) as manager:
+        target = prepare_out(Path(out), [] if "://" in manager.path else [Path(manager.path)],
+                             overwrite)
+        ckpt = manager.restore(step)
     names = hf_names(list(ckpt.model))
     weights = {names[fqn]: tensor for fqn, tensor in ckpt.model.items()}
     try:
