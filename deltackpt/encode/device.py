@@ -8,7 +8,8 @@ call to ``save`` (:func:`begin_encoding`, :class:`DeviceDelta`): the chunks of
 those tensors, on the writer's chunk boundaries
 (:func:`deltackpt.io.writer.chunk_spans`), are quantized on their device by
 :func:`deltackpt.kernels.gpu_quant.encode_on_device` against the running
-reconstruction, which they update in place there. Only the packed symbol
+reconstruction, into the delta's own running values there (its base's, on
+their last use: :class:`StepEncoder`'s ``in_place``). Only the packed symbol
 streams, the block statistics and the digests of the decoded bytes cross to
 the host; the save thread compresses, writes and commits them, and the step
 is byte for byte the one the host (Numba) path writes for the same state.
@@ -176,13 +177,14 @@ class Encoding:
 def begin_encoding(captured: CapturedState, base: Reconstruction | None,
                    parts: dict[str, list[Part]], devices: Mapping[str, torch.device], *,
                    config: CompressionConfig, controller: ScaleController | None, keep: bool,
-                   chunk_bytes: int, running: RunningValues) -> Encoding:
+                   in_place: bool, chunk_bytes: int, running: RunningValues) -> Encoding:
     """Begin encoding ``captured`` (this rank's ``parts``) against ``base`` (None: a full
     step): its encoder and, for a delta, the chunks of the tensors coded on ``devices`` (of
     :func:`device_coded`; empty: none) encoded there now (:class:`DeviceDelta`). ``base``'s
-    values are first placed as ``running`` keeps them; a delta updates them in place."""
+    values are first placed as ``running`` keeps them; a delta updates them ``in_place`` or
+    writes values of its own (:class:`StepEncoder`)."""
     base = running.placed(base, devices)
-    encoder = StepEncoder(captured, config, base, controller, keep=keep,
+    encoder = StepEncoder(captured, config, base, controller, keep=keep, in_place=in_place,
                           local=local_parts(parts))
     if base is None or not devices:
         return Encoding(base, encoder, captured)
@@ -297,11 +299,12 @@ class DeviceDelta:
         spec = spec_for(x.dtype, name)
         lo, hi = start // spec.itemsize, stop // spec.itemsize
         coding = self.encoder.quantized_as_is(name)
-        values = self.encoder.running_values
-        recon = values[name][lo:hi]
-        scale = None if coding.scale is None else values[coding.scale[0]][lo:hi]
+        encoder = self.encoder
+        recon = encoder.running(name)[lo:hi]
+        scale = None if coding.scale is None else encoder.running(coding.scale[0])[lo:hi]
+        pred = encoder.base_values(name)[lo:hi] if coding.with_base else None
         coded = self._gpu.encode_on_device(
-            x[lo:hi], recon if coding.with_base else None, recon, ordinal=coding.ordinal,
+            x[lo:hi], pred, recon, ordinal=coding.ordinal,
             step=coding.step, block=coding.block, dither=coding.dither,
             dither_signs=folds_signs(coding.ordinal, coding.dither), first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1],
@@ -310,7 +313,8 @@ class DeviceDelta:
                        lost=zero_lost(x[lo:hi], recon))
         check = self.encoder.variance_check(name)
         if check is not None:
-            chunk.shrunk = shrunk_variances(recon, x[lo:hi], values[check[0]][lo:hi], check[1])
+            chunk.shrunk = shrunk_variances(recon, x[lo:hi], encoder.running(check[0])[lo:hi],
+                                            check[1])
         if spec.itemsize < 4:
             chunk.rounded = _rounded_stats(x[lo:hi], recon, coded.stats[:, STAT_NONZERO].sum())
         return chunk
@@ -330,11 +334,10 @@ class DeviceDelta:
             torch.stack([c.coded.stats[:, STAT_BAD].sum() + c.coded.stats[:, STAT_CLIPPED].sum()
                          + c.shrunk, c.coded.length.double(),
                          c.coded.stats[:, STAT_LOST_ZEROS].sum()]) for c in chunks]).cpu().T.tolist()
-        values = self.encoder.running_values
         pinned = device.type == "cuda"
         for chunk, flag, length, zeros in zip(chunks, flags, lengths, lost, strict=True):
             x = self.encoder.local[chunk.name].detach().reshape(-1)[chunk.lo : chunk.hi]
-            recon = values[chunk.name][chunk.lo : chunk.hi]
+            recon = self.encoder.running(chunk.name)[chunk.lo : chunk.hi]
             if flag:
                 recon.copy_(x)
                 chunk.exact = raw_bytes(x).copy()  # (of a CPU tensor, a view otherwise)
@@ -379,7 +382,7 @@ class DeviceDelta:
                             chunk.hi - chunk.lo, stats, rounded[0] if rounded else None)
         if chunk.digest is not None:
             return stored, chunk.digest
-        values = encoder.running_values[chunk.name][chunk.lo : chunk.hi]  # in host memory
+        values = encoder.running(chunk.name)[chunk.lo : chunk.hi]  # in host memory
         return stored, dtype_bytes(host_array(values), chunk.spec.name)
 
     def without_encoded(self, captured: CapturedState) -> CapturedState:

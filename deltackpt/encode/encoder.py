@@ -4,8 +4,10 @@
 For a full step it stores every tensor losslessly and starts a new
 :class:`~deltackpt.encode.reconstruction.Reconstruction`. For a delta step it quantizes each
 tensor as its :class:`~deltackpt.encode.policy.Quantizer` says, against the
-reconstruction of the previous save (closed loop), updating that
-reconstruction in place to exactly what a reader will decode; tensors
+reconstruction of its base (closed loop), into running values that are exactly
+what a reader will decode: the base's own arrays on their last use, else
+arrays of its own, written chunk by chunk on the writer's threads (no copy
+of the base on the caller's); tensors
 marked exact, too small, not of a float dtype, or holding non-finite values
 in a chunk, are stored losslessly. bitsandbytes' 8-bit moments are coded by
 their dequantized values, their ``absmax`` derived from those
@@ -210,6 +212,15 @@ def shrunk_variances(centre: np.ndarray | torch.Tensor, true_centre: np.ndarray 
     return int(np.count_nonzero((v - c * c) < np.float32(floor) * (v - t * t)))
 
 
+def _empty_like(values: np.ndarray | torch.Tensor | None, numel: int) -> np.ndarray | torch.Tensor:
+    """An uninitialized array like running ``values`` (torch tensors on their device, pinned
+    where they are), or a numpy array of ``numel`` float32 values where there are none."""
+    if values is None or isinstance(values, np.ndarray):
+        return np.empty(numel, np.float32)
+    pinned = values.device.type == "cpu" and values.is_pinned()
+    return torch.empty_like(values, pin_memory=pinned)
+
+
 def _error_stats(x: np.ndarray, y: np.ndarray, nonzero: int) -> np.ndarray:
     """One row of the kernels' statistics (``STAT_*``) of a chunk restored as ``y``."""
     x64 = x.astype(np.float64)
@@ -229,7 +240,10 @@ class StepEncoder:
         captured: the state being saved.
         config: the compression config.
         base: reconstruction of the previous save for a delta step, or
-            ``None`` for a full step. A delta updates its arrays in place.
+            ``None`` for a full step.
+        in_place: whether a delta writes its running values into ``base``'s
+            arrays (its last use) or into arrays of its own, leaving them as
+            they are for the later deltas coded against them too.
         controller: meets ``config.target_ratio`` from save to save.
         local: under torch.distributed, the part of each tensor this rank
             writes (its one fragment), by name; the encoder codes and keeps
@@ -238,7 +252,8 @@ class StepEncoder:
 
     def __init__(self, captured: CapturedState, config: CompressionConfig,
                  base: Reconstruction | None, controller: ScaleController | None, *,
-                 keep: bool = True, local: dict[str, torch.Tensor] | None = None) -> None:
+                 keep: bool = True, in_place: bool = True,
+                 local: dict[str, torch.Tensor] | None = None) -> None:
         self.config, self.base, self.controller, self.keep = config, base, controller, keep
         self.local = local if local is not None else {
             t.name: t.tensor for t in captured.tensors if t.alias_of is None}
@@ -250,8 +265,11 @@ class StepEncoder:
         self._errors: dict[str, float] = {}  # summed squared error per tensor
         self._plans: dict[str, _Plan] = {}
         self._numel: dict[str, int] = {}
-        # Running values: numpy arrays, or float32 tensors for tensors coded on a device
-        self._values: dict[str, np.ndarray | torch.Tensor] = {} if base is None else base.values
+        # Running values: numpy arrays, or float32 tensors for tensors coded on a device. The
+        # base's are what a delta codes against, its own what it writes (:meth:`running`).
+        self._base_values: dict[str, np.ndarray | torch.Tensor] = {} if base is None \
+            else base.values
+        self._values = self._base_values if in_place else {}
         # Chunks coded before the write (on a device, :mod:`deltackpt.encode.device`), by
         # (tensor, raw offset): what finishes each, as this encoder's __call__ returns
         self.coded_before: dict[tuple[str, int], Callable[[], tuple[EncodedChunk,
@@ -293,8 +311,8 @@ class StepEncoder:
         self.unknown_state_keys = unknown_state_keys(captured, states)
         roles = state_meanings(captured, bnb_moments)
         bnb = self._bnb8(captured, bnb_moments)
-        qmaps = {b.qmap: self.is_delta and b.qmap in self._values and np.array_equal(
-            self._values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
+        qmaps = {b.qmap: self.is_delta and b.qmap in self._base_values and np.array_equal(
+            self._base_values[b.qmap], self.local[b.qmap].reshape(-1).cpu().numpy())
             for b, _ in bnb.values()}
         centred = _centred(captured, roles, self.local)
         return _Meanings(
@@ -321,7 +339,7 @@ class StepEncoder:
             plan.unchanged = qmaps[item.name]
         if item.name in bnb and not quantizer.exact:
             self._dequantized[item.name] = bnb[item.name][1]
-            if self.is_delta and not (item.name in self._values
+            if self.is_delta and not (item.name in self._base_values
                                       and qmaps[bnb[item.name][0].qmap]):
                 # No running values to code against (a base from before 1.6), or its code
                 # map changed (bnb8 chunks keep it along the chain): stored exactly.
@@ -374,7 +392,7 @@ class StepEncoder:
                 tensor.detach().reshape(-1)[::stride].float().cpu().numpy()
             value_rms = finite_rms(xs)
             if self.controller is not None or centred or needs_residuals(quantizer, unit):
-                ps = host_array(self._values[item.name][::stride]) if plan.pred else None
+                ps = host_array(self._base_values[item.name][::stride]) if plan.pred else None
                 sample = sample_values(xs, ps, ordinal)
             if plan.scale is not None:
                 # The scale will be this save's reconstruction of exp_avg_sq, which moves
@@ -390,7 +408,7 @@ class StepEncoder:
                 if shaped:
                     plan.floor, shaping, units = shaped_steps(xs, now, eps)
                 else:
-                    v = now if centred else host_array(self._values[source][::stride])
+                    v = now if centred else host_array(self._base_values[source][::stride])
                     units = np.sqrt(np.maximum(v, 0)) + eps
                 if sample is not None:  # in units of each element's step over plan.step
                     sample /= units
@@ -540,10 +558,22 @@ class StepEncoder:
         alive until it is written."""
         self.local = {}
 
-    @property
-    def running_values(self) -> dict[str, np.ndarray | torch.Tensor]:
-        """The reconstruction this save updates (its base's values, for a delta)."""
-        return self._values
+    def base_values(self, name: str) -> np.ndarray | torch.Tensor:
+        """The running values of tensor ``name`` in the base, which a delta codes against."""
+        return self._base_values[name]
+
+    def running(self, name: str) -> np.ndarray | torch.Tensor:
+        """This save's running values of tensor ``name``: its base's arrays where it codes in
+        place; else arrays of its own, made at first use like its base's (a flat float32
+        array; on a device, or pinned, where those are)."""
+        values = self._values.get(name)
+        if values is None:
+            with self._lock:
+                values = self._values.get(name)
+                if values is None:
+                    values = self._values[name] = _empty_like(self._base_values.get(name),
+                                                              self._numel[name])
+        return values
 
     def quant_coding(self, name: str) -> QuantCoding | None:
         """How tensor ``name``'s chunks are quantized in this save; None where they are not
@@ -584,8 +614,9 @@ class StepEncoder:
         if plan.absmax_of is not None:
             return self._absmax(record, plan, raw_offset, raw, lo, hi)
         if plan.unchanged:  # predicted by the base exactly: every symbol is zero
-            recon = self._values[record.name][lo:hi]
-            chunk, _ = encode_quant(float32_values(raw, record.dtype), recon, recon,
+            recon = self.running(record.name)[lo:hi]
+            chunk, _ = encode_quant(float32_values(raw, record.dtype),
+                                    self._base_values[record.name][lo:hi], recon,
                                     ordinal=False, step=1.0, block=self.config.block)
             if chunk is not None and np.array_equal(recon.view(np.uint8), raw):
                 self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
@@ -598,15 +629,16 @@ class StepEncoder:
             return chunk, raw
         bnb = plan.bnb
         x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
-        recon = self._values[record.name][lo:hi]
+        recon = self.running(record.name)[lo:hi]
         scale = None if coding.scale is None else Scale(  # coded by now: see coded_last
-            coding.scale[0], self._values[coding.scale[0]][lo:hi], *coding.scale[1:])
-        chunk, stats = encode_quant(x, recon if coding.with_base else None, recon,
+            coding.scale[0], self.running(coding.scale[0])[lo:hi], *coding.scale[1:])
+        pred = self._base_values[record.name][lo:hi] if coding.with_base else None
+        chunk, stats = encode_quant(x, pred, recon,
                                     ordinal=coding.ordinal, step=coding.step, block=coding.block,
                                     dither=coding.dither, first=lo, scale=scale)
         check = self.variance_check(record.name)
         if chunk is not None and check is not None and shrunk_variances(
-                recon, x, self._values[check[0]][lo:hi], check[1]):
+                recon, x, self.running(check[0])[lo:hi], check[1]):
             chunk = None  # a grad_avg that shrank the variance it centres too far
         if chunk is None:  # non-finite values or a change out of range: stored exactly
             recon[:] = x
@@ -650,7 +682,7 @@ class StepEncoder:
               lo: int, hi: int) -> tuple[EncodedChunk, np.ndarray]:
         """A chunk of a 16-bit parameter taken from its master's reconstruction, which
         :func:`writer.write_data` has finished before (``coded_last``)."""
-        decoded = dtype_bytes(host_array(self._values[plan.cast_of][lo:hi]), record.dtype)
+        decoded = dtype_bytes(host_array(self.running(plan.cast_of)[lo:hi]), record.dtype)
         x, y = float32_values(raw, record.dtype), float32_values(decoded, record.dtype)
         stats = _error_stats(x, y, int(np.count_nonzero(y != x)))
         chunk = encode_cast(plan.cast_of)
@@ -663,7 +695,7 @@ class StepEncoder:
         """A chunk of the ``absmax`` of a bnb8-coded moment: derived from the moment's running
         values, coded before (``coded_last``)."""
         blocksize = self._plans[plan.absmax_of].bnb.blocksize
-        values = self._values[plan.absmax_of][lo * blocksize : hi * blocksize]
+        values = self.running(plan.absmax_of)[lo * blocksize : hi * blocksize]
         decoded = block_absmax(values, blocksize).view(np.uint8)
         chunk = encode_absmax(plan.absmax_of)
         self._count(plan, chunk, raw_offset, raw.size, hi - lo, exact=True)
@@ -688,10 +720,7 @@ class StepEncoder:
         may code against them."""
         if not plan.lossy or not self.keep:
             return
-        with self._lock:
-            if record.name not in self._values:
-                self._values[record.name] = np.empty(self._numel[record.name], np.float32)
-            values = self._values[record.name]
+        values = self.running(record.name)
         dequantized = self._dequantized.get(record.name)  # a bitsandbytes 8-bit moment's
         exact = dequantized[lo:hi] if dequantized is not None else float32_values(raw,
                                                                                    record.dtype)

@@ -3,7 +3,7 @@ next delta of a writer is coded against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,15 +39,3 @@ class Reconstruction:
     chain: list[int] = field(default_factory=list)
     resumed: bool = False
     scaled: frozenset[str] = frozenset()
-
-    def copy(self) -> Reconstruction:
-        """This reconstruction with values of its own, where they were (numpy arrays; torch
-        tensors on their device, pinned where they were): a delta coded against the copy
-        changes its values, not these."""
-        def copied(values: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-            if isinstance(values, np.ndarray):
-                return values.copy()
-            pinned = values.device.type == "cpu" and values.is_pinned()
-            return torch.empty_like(values, pin_memory=pinned).copy_(values)
-
-        return replace(self, values={name: copied(v) for name, v in self.values.items()})

@@ -451,9 +451,9 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
         inv_k = 1.0 / step_k
         sym_block = np.empty(block, np.uint16)
         bits_block = np.empty(block, np.int32)
-        # Values go to a block buffer, then to out: when out is pred (in place, as a save codes),
-        # a loop that writes out while reading pred fails LLVM's runtime overlap check and runs
-        # unvectorized, at half the speed.
+        # Values go to a block buffer, then to out: when out is pred (in place, as a delta on
+        # its base's last use codes), a loop that writes out while reading pred fails LLVM's
+        # runtime overlap check and runs unvectorized, at half the speed.
         out_block = np.empty(block, np.float32)
         for b in range(widths.shape[0]):
             start = b * block

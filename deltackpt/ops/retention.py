@@ -646,7 +646,8 @@ class _Replacer:
         storage, started = self.storage, time.perf_counter()
         config = self.settings.config
         controller = ScaleController(config.target_ratio) if config.target_ratio else None
-        encoder = StepEncoder(captured, config, recon, controller if recon else None)
+        encoder = StepEncoder(captured, config, recon, controller if recon else None,
+                              in_place=False)
         save_id = new_save_id()
         written = write_data(storage, step, save_id, captured, encoder=encoder,
                              coded_last=encoder.coded_last, chunk_bytes=self.settings.chunk_bytes,
@@ -669,13 +670,13 @@ class _Replacer:
                         if step == self.follow else None)
 
     def _reconstruction(self, step: int) -> Reconstruction:
-        """A private copy of what restoring ``step`` gives (an encoder updates it in place)."""
+        """What restoring ``step`` gives, kept for the next step re-coded on it (an encoder
+        writes running values of its own)."""
         if self._base is None or self._base[0] != step:
             self._base = None  # release the previous one first
             _, recon = self.restore(self.plan.metas[step], workers=self.workers)
             self._base = step, recon
-        recon = self._base[1]
-        return replace(recon, values={name: v.copy() for name, v in recon.values.items()})
+        return self._base[1]
 
     def abort(self) -> None:
         """Delete every version written and not committed."""

@@ -23,9 +23,9 @@ calls nothing above this package:
    anything is written.
 2. **encode and write**. Each rank codes its boxes with a
    :class:`~deltackpt.encode.encoder.StepEncoder` (full: lossless; delta:
-   quantized against the base, whose values, or a copy of them where a later
-   save codes against them too, it updates in place to what a reader
-   decodes) and writes them into data files of its own, on the
+   quantized against the base, into running values that are what a reader
+   decodes: the base's, changed in place, or values of its own where a
+   later save codes against the base's too) and writes them into data files of its own, on the
    writer's threads (:func:`~deltackpt.io.writer.write_data`). A failure on
    any rank is raised on every rank. A delta of tensors the Triton kernels
    code (CUDA tensors) is encoded on their device first
@@ -228,19 +228,19 @@ def encode_at_call(writer: Writer, step: int, captured: CapturedState, group: Gr
 
 def begin(writer: Writer, captured: CapturedState, base: Reconstruction | None,
           parts: dict[str, list[Part]], devices: Mapping[str, torch.device]) -> Encoding:
-    """:func:`~deltackpt.encode.device.begin_encoding` with ``writer``'s settings. A delta codes
-    a copy of its base's values where a later save is coded against them too; on their last
-    use it changes them in place from here on: until its step commits, they count as stale, so
-    that a save that fails at any stage leaves them to be read again from their committed step
-    by the next delta."""
+    """:func:`~deltackpt.encode.device.begin_encoding` with ``writer``'s settings. A delta
+    writes running values of its own where a later save is coded against its base's too; on
+    their last use it changes them in place from here on: until its step commits, they count
+    as stale, so that a save that fails at any stage leaves them to be read again from their
+    committed step by the next delta."""
     settings = writer.settings
-    if base is not None and writer.reference.needed_after(base, settings.schedule):
-        base = base.copy()
-    elif base is not None:
+    in_place = base is not None and not writer.reference.needed_after(base, settings.schedule)
+    if in_place:
         writer.reference.stale = base.step
     return begin_encoding(captured, base, parts, devices, config=settings.config,
                           controller=settings.controller, keep=settings.keeps_reference,
-                          chunk_bytes=settings.chunk_bytes, running=settings.running)
+                          in_place=in_place, chunk_bytes=settings.chunk_bytes,
+                          running=settings.running)
 
 
 def plan_save(writer: Writer, step: int, captured: CapturedState, group: Group, *,
