@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -210,3 +211,25 @@ def train_positions(model: Positions, optimizer: torch.optim.Optimizer, steps: i
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+
+@contextlib.contextmanager
+def unclosed_managers() -> Iterator[Callable[[], list[CheckpointManager]]]:
+    """Within the block, a function listing the CheckpointManagers created in it and not closed
+    since (each keeps its worker threads until it is closed or collected)."""
+    opened: dict[int, CheckpointManager] = {}
+    init, close = CheckpointManager.__init__, CheckpointManager.close
+
+    def tracked_init(self: CheckpointManager, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        opened[id(self)] = self
+
+    def tracked_close(self: CheckpointManager) -> None:
+        opened.pop(id(self), None)
+        close(self)
+
+    CheckpointManager.__init__, CheckpointManager.close = tracked_init, tracked_close
+    try:
+        yield lambda: list(opened.values())
+    finally:
+        CheckpointManager.__init__, CheckpointManager.close = init, close

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import chain_depths, manual_examples, run_ranks
+from helpers import chain_depths, manual_examples, run_ranks, unclosed_managers
 from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -128,7 +128,9 @@ def save_and_resume(rank: int, world: int, root: str, stage: int, dtype: str) ->
 
     def ours_load(e: Any) -> None:
         install(e)
-        path, state = e.load_checkpoint(str(out / "ours"), tag="global_step3")
+        with unclosed_managers() as unclosed:
+            path, state = e.load_checkpoint(str(out / "ours"), tag="global_step3")
+            assert unclosed() == []
         assert path == str(out / "ours" / "global_step3") and e.global_steps == 3
         client.update(state)
 

@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_value, assert_state_dicts_equal, files_under, manual_examples, step_dir
+from helpers import (
+    assert_same_value,
+    assert_state_dicts_equal,
+    files_under,
+    manual_examples,
+    step_dir,
+    unclosed_managers,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,7 +125,9 @@ def test_a_resume_from_a_full_step_continues_as_the_trainers_own(runs: Path, tmp
     theirs = _trainer(transformers.Trainer, tmp_path / "hf", scaler=True)
     theirs.train(resume_from_checkpoint=str(runs / "hf" / f"checkpoint-{step}"))
     ours = _trainer(Trainer, tmp_path / "ours", scaler=True)
-    ours.train(resume_from_checkpoint=str(step_dir(runs / "ours" / "ckpt", step)))
+    with unclosed_managers() as unclosed:
+        ours.train(resume_from_checkpoint=str(step_dir(runs / "ours" / "ckpt", step)))
+        assert unclosed() == []  # the reader of the other directory too
     _assert_same_run(ours, theirs)
     # a run in another directory: its own chain, from a full step
     saved = ours.checkpoint_manager

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import chain_depths, manual_examples, run_ranks
+from helpers import chain_depths, manual_examples, run_ranks, unclosed_managers
 
 from deltackpt import CheckpointManager, IntegrationError
 from deltackpt.dist.group import Group
@@ -81,7 +81,10 @@ def _load_across(rank: int, world: int, root: str) -> None:
     for iteration, tolerance in ((3, 0.0), (2, 1e-2)):
         state = _state(rank, world, float(iteration), dim=1)
         state["weight"].data.zero_()
-        loaded = dist_checkpointing.load(state, str(Path(root, "megatron", f"iter_{iteration:07d}")))
+        with unclosed_managers() as unclosed:
+            loaded = dist_checkpointing.load(state,
+                                             str(Path(root, "megatron", f"iter_{iteration:07d}")))
+            assert unclosed() == []
         weight, bias = _values(float(iteration))
         assert (loaded["weight"] - weight.chunk(world, 1)[rank]).abs().max() <= tolerance
         assert (loaded["bias"] - bias).abs().max() <= tolerance

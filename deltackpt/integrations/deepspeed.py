@@ -367,10 +367,10 @@ class DeltaCheckpointEngine(CheckpointEngine):
                 return None, None
             with open(latest) as fd:
                 tag = fd.read().strip()
-        manager = CheckpointManager(load_dir, read_only=True)
-        meta = _tagged(manager, str(tag))
-        state = load_engine(self.engine, manager, meta, strict=load_module_strict,
-                            optimizer=load_optimizer_states and not load_module_only)
+        with CheckpointManager(load_dir, read_only=True) as manager:
+            meta = _tagged(manager, str(tag))
+            state = load_engine(self.engine, manager, meta, strict=load_module_strict,
+                                optimizer=load_optimizer_states and not load_module_only)
         if not load_module_only:
             if load_lr_scheduler_states and self.engine.lr_scheduler is not None:
                 self.engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

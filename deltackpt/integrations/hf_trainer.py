@@ -171,6 +171,14 @@ class CheckpointMixin:
         is resumed from by the Trainer itself. Saves still in flight are committed (or their
         failure raised) before it returns."""
         hf_folder, point = self._resume_point(resume_from_checkpoint)
+        try:
+            return self._train(hf_folder, point, *args, **kwargs)
+        finally:
+            if point is not None and point.manager is not self._manager:
+                point.manager.close()  # the reader of another directory, done with
+
+    def _train(self, hf_folder: str | None, point: _Resume | None, *args: Any,
+               **kwargs: Any) -> Any:
         manager = self.checkpoint_manager
         if self.args.save_strategy != SaveStrategy.NO:
             check_same_run(manager, continue_run=self._continue_run,
@@ -228,8 +236,14 @@ class CheckpointMixin:
             directory, step = os.path.dirname(directory) or ".", int(match.group(1))
         reader = CheckpointManager(directory, read_only=True)
         if reader.path == manager.path:
+            reader.close()
             reader = manager
-        return None, self._point(reader, reader.resolve_step(step))
+        try:
+            return None, self._point(reader, reader.resolve_step(step))
+        except BaseException:
+            if reader is not manager:
+                reader.close()
+            raise
 
     def _point(self, manager: CheckpointManager, step: int) -> _Resume:
         """Resuming from ``step`` of ``manager``'s directory; refused where the directory the

@@ -23,11 +23,12 @@ A save is an ordinary step of a :class:`~deltackpt.manager.CheckpointManager` at
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -243,8 +244,10 @@ class LoadStrategy(LoadShardedStrategy):
             raise IntegrationError(f"the checkpoint's deltackpt strategy version is "
                                    f"{loaded_version}; this deltackpt reads version {VERSION}")
 
-    def _step(self, checkpoint_dir: str | Path) -> tuple[CheckpointManager, StepMetadata]:
-        """The manager of the checkpoint and the metadata of the step to load."""
+    @contextlib.contextmanager
+    def _step(self, checkpoint_dir: str | Path) -> Iterator[tuple[CheckpointManager, StepMetadata]]:
+        """A reader of the checkpoint (closed at the block's end) and the metadata of the step
+        to load."""
         path, step = self.path, self.step
         if path is None:
             pointer = Path(checkpoint_dir) / POINTER
@@ -255,15 +258,19 @@ class LoadStrategy(LoadShardedStrategy):
                 raise IntegrationError(f"{pointer} does not name a deltackpt step ({exc}); was "
                                        "the checkpoint saved by deltackpt.megatron.SaveStrategy?"
                                        ) from None
-        manager = CheckpointManager(path, read_only=True, storage_options=self.storage_options)
-        meta = manager.metadata(manager.resolve_step(step))
-        saved_section(meta, "megatron", FORMAT, "deltackpt.megatron.SaveStrategy")
-        return manager, meta
+        with CheckpointManager(path, read_only=True,
+                               storage_options=self.storage_options) as manager:
+            meta = manager.metadata(manager.resolve_step(step))
+            saved_section(meta, "megatron", FORMAT, "deltackpt.megatron.SaveStrategy")
+            yield manager, meta
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         """Fill the sharded state dict from the step: each ShardedTensor becomes its box as a
         tensor (into its ``data`` where that has the box's shape), each ShardedObject its value."""
-        manager, meta = self._step(checkpoint_dir)
+        with self._step(checkpoint_dir) as (manager, meta):
+            return self._read(manager, meta, sharded_state_dict)
+
+    def _read(self, manager: CheckpointManager, meta: StepMetadata, sharded_state_dict: Any) -> Any:
         dcp = meta.state["extra"]["dcp"]
         names, records = dcp["tensors"], {r.name: r for r in meta.tensors}
         wanted: dict[str, list[Box]] = {}
@@ -306,14 +313,14 @@ class LoadStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
         """Every ShardedTensor of the step, by key, with its global shape and dtype (no data)."""
-        _, meta = self._step(checkpoint_dir)
-        records = {r.name: r for r in meta.tensors}
-        out = {}
-        for key, name in meta.state["extra"]["dcp"]["tensors"].items():
-            record = records[name]
-            empty = torch.empty(record.shape, dtype=spec_named(record.dtype, name).torch_dtype,
-                                device="meta")
-            out[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
+        with self._step(checkpoint_dir) as (_, meta):
+            records = {r.name: r for r in meta.tensors}
+            out = {}
+            for key, name in meta.state["extra"]["dcp"]["tensors"].items():
+                record = records[name]
+                empty = torch.empty(record.shape, dtype=spec_named(record.dtype, name).torch_dtype,
+                                    device="meta")
+                out[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
         return out
 
 
