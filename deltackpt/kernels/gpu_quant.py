@@ -69,6 +69,14 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from deltackpt.kernels.quant import (
     N_STATS,
+    STAT_BAD,
+    STAT_CLIPPED,
+    STAT_LOST_ZEROS,
+    STAT_MAX_ABS,
+    STAT_MAX_REL,
+    STAT_NONZERO,
+    STAT_SUM_SQ,
+    STAT_SUM_SQ_ERR,
     STREAM_OK,
     _check_stream,
     _seed,
@@ -152,6 +160,12 @@ def _reconstruct(p, q, ORDINAL: tl.constexpr, st, step_k, u):
         key = tl.minimum(tl.maximum(key.to(tl.int64), -2139095039), 2139095039)
         return _float_of_key(key.to(tl.int32))
     return p + (q.to(tl.float32) - u) * st
+
+
+# The statistics' columns (the Numba kernel's STAT_*), as constants a compiled kernel may read
+_N_STATS, _MAX_ABS, _MAX_REL, _SUM_SQ_ERR, _SUM_SQ, _NONZERO, _CLIPPED, _BAD, _LOST_ZEROS = (
+    tl.constexpr(c) for c in (N_STATS, STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ,
+                              STAT_NONZERO, STAT_CLIPPED, STAT_BAD, STAT_LOST_ZEROS))
 
 
 @triton.jit
@@ -280,15 +294,15 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
             pos = first_byte + k
             tl.store(packed_ptr + rows[:, None] * (2 * BLOCK) + pos, byte.to(tl.uint8),
                      mask=(k < width[:, None]) & (pos < n_bytes))
-    row = stats_ptr + rows * 8  # N_STATS
-    tl.store(row + 0, max_abs.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
-    tl.store(row + 1, max_rel.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
-    tl.store(row + 2, sum_sq_err, mask=row_ok)
-    tl.store(row + 3, sum_sq, mask=row_ok)
-    tl.store(row + 4, nonzero.to(tl.float64), mask=row_ok)
-    tl.store(row + 5, clipped.to(tl.float64), mask=row_ok)
-    tl.store(row + 6, bad.to(tl.float64), mask=row_ok)
-    tl.store(row + 7, lost.to(tl.float64), mask=row_ok)
+    row = stats_ptr + rows * _N_STATS
+    tl.store(row + _MAX_ABS, max_abs.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
+    tl.store(row + _MAX_REL, max_rel.to(tl.float32, bitcast=True).to(tl.float64), mask=row_ok)
+    tl.store(row + _SUM_SQ_ERR, sum_sq_err, mask=row_ok)
+    tl.store(row + _SUM_SQ, sum_sq, mask=row_ok)
+    tl.store(row + _NONZERO, nonzero.to(tl.float64), mask=row_ok)
+    tl.store(row + _CLIPPED, clipped.to(tl.float64), mask=row_ok)
+    tl.store(row + _BAD, bad.to(tl.float64), mask=row_ok)
+    tl.store(row + _LOST_ZEROS, lost.to(tl.float64), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["n", "n_blocks"])
