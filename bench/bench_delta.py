@@ -378,11 +378,15 @@ def test_full_save_fsync(benchmark, run, tmp_path) -> None:
 class _DeltaSaves:
     """Rounds of a delta step (balanced preset) on the state GAP training steps earlier: each
     round's untimed :meth:`setup` makes a fresh directory holding the earlier state as a full
-    step, :meth:`save` saves the later one as a delta, :meth:`torch_save` the baseline."""
+    step, :meth:`save` saves the later one as a delta, :meth:`torch_save` the baseline.
+    ``full_every``: the managers' (default theirs: the full step is the base of later deltas
+    too, and the delta writes running values of its own; 2: the delta is its base's last use,
+    and codes in place, as most deltas of a run do)."""
 
-    def __init__(self, run, tmp_path) -> None:
+    def __init__(self, run, tmp_path, full_every: int | None = None) -> None:
         self.model, self.optimizer, self.states = run
         self.tmp_path = tmp_path
+        self.options = {} if full_every is None else {"full_every": full_every}
         self.manager: CheckpointManager | None = None
         self.infos = []
 
@@ -390,7 +394,7 @@ class _DeltaSaves:
         self.close()
         shutil.rmtree(self.tmp_path / "delta", ignore_errors=True)
         _load(self.model, self.optimizer, self.states[-2])
-        self.manager = CheckpointManager(self.tmp_path / "delta")
+        self.manager = CheckpointManager(self.tmp_path / "delta", **self.options)
         self.manager.save(1, self.model, self.optimizer, rng=False)
         _load(self.model, self.optimizer, self.states[-1])
 
@@ -410,16 +414,19 @@ class _DeltaSaves:
             self.manager = None
 
 
-def test_delta_save_fsync(benchmark, run, tmp_path) -> None:
+@pytest.mark.parametrize("full_every", [None, 2], ids=["base-kept", "in-place"])
+def test_delta_save_fsync(benchmark, run, tmp_path, full_every) -> None:
     """A delta step on the state GAP training steps earlier (balanced preset), fsynced, against
-    ``torch.save`` + fsync of the same state in the same rounds."""
-    saves = _DeltaSaves(run, tmp_path)
+    ``torch.save`` + fsync of the same state in the same rounds: on a base later deltas use
+    too, and on its base's last use (:class:`_DeltaSaves`)."""
+    saves = _DeltaSaves(run, tmp_path, full_every)
     raw = sum(a.nbytes for _, a in _tensors(run[2][-1]))
     baseline = paired(benchmark, saves.save, saves.torch_save, setup=saves.setup,
                       rounds=_rounds(raw))
     saves.close()
     assert saves.infos[-1].kind == "delta"
-    record(benchmark, "delta save + fsync (balanced)", saves.infos[-1].raw_bytes,
+    record(benchmark, "delta save + fsync (balanced)" + (", in place" if full_every else ""),
+           saves.infos[-1].raw_bytes,
            saves.infos[-1].stored_bytes, baseline=("torch.save + fsync", baseline))
 
 
