@@ -28,7 +28,7 @@ class Reference:
     which): at most one a level. ``position`` counts the saves since the group's full step,
     ``last`` is the step last committed or loaded: the next save must come after it. A delta
     coded on its base's last use changes the base's values in place from the start of its
-    encoding (an earlier use codes a copy), so they are stale (``stale``: that step) until
+    encoding (an earlier use writes values of its own), so they are stale (``stale``: that step) until
     it commits: after such a delta failed the next one reads them again from the committed
     step (what a reader decodes) before coding against them. ``known`` keeps the metadata of
     the chain last saved or restored, parsed once while its files stay the same.
