@@ -45,6 +45,7 @@ from deltackpt import (
 )
 from deltackpt.app.cli import main
 from deltackpt.app.training import SIZES, TinyGPT, load_corpus, make_optimizer, train_step
+from deltackpt.encode.encoder import strided_sample
 from deltackpt.encode.optimizers import (
     SAMPLE_ELEMENTS,
     finite_rms,
@@ -1891,3 +1892,19 @@ def test_impossible_target_ratio_saves_at_the_coarsest_scale(
         assert mgr.verify(deep=True) == {i.step: [] for i in infos}
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "torch-view", "bfloat16"])
+def test_a_planning_sample_is_every_strided_element(kind: str) -> None:
+    """strided_sample gathers exactly ``values.reshape(-1)[::stride]`` (of a tensor's storage
+    order, a view's too) into one contiguous float32 array."""
+    base = torch.arange(6 * 35, dtype=torch.float32).reshape(6, 35) * 0.5
+    values = {"numpy": base.numpy(), "torch": base, "torch-view": base.t(),
+              "bfloat16": base.to(torch.bfloat16)}[kind]
+    flat = values.reshape(-1)
+    for stride in (1, 4, 7):
+        sample = strided_sample(values, stride)
+        expected = np.asarray(flat[::stride].float() if isinstance(flat, torch.Tensor)
+                              else flat[::stride], np.float32)
+        assert sample.dtype == np.float32 and sample.flags.c_contiguous
+        np.testing.assert_array_equal(sample, expected)
