@@ -539,8 +539,10 @@ def _compact(slots, widths, offsets, stream):
     n_blocks = widths.shape[0]
     for b in range(n_blocks):
         stream[b] = widths[b]
-        length = offsets[b + 1] - offsets[b]
-        stream[offsets[b] : offsets[b + 1]] = slots[b, :length]
+        dst = stream[offsets[b] : offsets[b + 1]]
+        src = slots[b]
+        for k in range(dst.shape[0]):
+            dst[k] = src[k]
 
 
 _scratch = threading.local()
