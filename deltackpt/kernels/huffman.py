@@ -27,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from deltackpt.kernels.spans import copy_span
+
 #: Default number of symbols per block: small enough to follow a drifting distribution, large enough
 #: that the code table (usually 20-30 bytes for an exponent plane) costs well under 1%.
 BLOCK_SYMBOLS = 32768
@@ -109,15 +111,6 @@ def _store64(b: np.ndarray, p: np.uint64, x: np.uint64) -> None:
     b[p + _U5] = np.uint8((x >> _U40) & _BYTE)
     b[p + _U6] = np.uint8((x >> _U48) & _BYTE)
     b[p + _U7] = np.uint8(x >> _U56)
-
-
-@njit(inline="always")
-def _copy(src: np.ndarray, i: int, dst: np.ndarray, j: int, n: int) -> None:
-    """``dst[j:j+n] = src[i:i+n]`` as a loop LLVM turns into memcpy (cheaper to compile than slicing)."""
-    p = np.uint64(i)
-    q = np.uint64(j)
-    for k in range(n):
-        dst[q + np.uint64(k)] = src[p + np.uint64(k)]
 
 
 @njit(inline="always")
@@ -470,7 +463,7 @@ def _encode_kernel(src: np.ndarray, block: int, out: np.ndarray) -> int:
             size += stream_bytes[k]
         if size >= 1 + m:
             out[pos] = MODE_RAW
-            _copy(src, a, out, pos + 1, m)
+            copy_span(src, a, out, pos + 1, m)
             pos += 1 + m
             continue
         if range_cost <= list_cost:
@@ -717,7 +710,7 @@ def _decode_kernel(src: np.ndarray, n: int, block: int, out: np.ndarray) -> tupl
         if mode == MODE_RAW:
             if end - pos < m:
                 return _ERR_TRUNCATED, bi
-            _copy(src, pos, out, a, m)
+            copy_span(src, pos, out, a, m)
             pos += m
         elif mode == MODE_CONSTANT:
             if pos >= end:

@@ -53,6 +53,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from deltackpt.kernels.spans import copy_span
+
 MAX_WIDTH = 16
 Q_MIN, Q_MAX = -(1 << (MAX_WIDTH - 1)), (1 << (MAX_WIDTH - 1)) - 1
 MAX_KEY = 0x7F7FFFFF  # the largest finite float32's bit pattern
@@ -498,7 +500,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
                 z = _zigzag(c)
                 sym[j] = np.uint16(z)
                 zor |= z
-            out[start:stop] = ob
+            copy_span(ob, 0, out, start, m)
             stats[b, STAT_BAD] = bad
             if bad:
                 widths[b] = 0
@@ -539,10 +541,7 @@ def _compact(slots, widths, offsets, stream):
     n_blocks = widths.shape[0]
     for b in range(n_blocks):
         stream[b] = widths[b]
-        dst = stream[offsets[b] : offsets[b + 1]]
-        src = slots[b]
-        for k in range(dst.shape[0]):
-            dst[k] = src[k]
+        copy_span(slots[b], 0, stream, offsets[b], offsets[b + 1] - offsets[b])
 
 
 _scratch = threading.local()
@@ -675,7 +674,7 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
                     if scaled else step_f
                 sign = _fold_sign(u, signs) if dithered and not ordinal else np.float32(1.0)
                 out_block[j] = _reconstruct(p, q[j], ordinal, st, step_k, u, off, sign)
-            out[start:stop] = out_block[:m]
+            copy_span(out_block, 0, out, start, m)
 
     return decode
 
@@ -794,7 +793,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
         if zero_start:
             run[:] = np.float32(0.0)
         else:
-            run[:] = values[start : start + m]
+            copy_span(values, start, run, 0, m)
         keyed = False  # whether ``keys`` holds the running values rather than ``run``
         for t in range(n_steps):
             width = np.int64(streams[bounds[t] + b])
@@ -817,7 +816,7 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
         if keyed:
             for j in range(m):
                 run[j] = _value_of(keys[j])
-        values[start : start + m] = run
+        copy_span(run, 0, values, start, m)
     return -1, STREAM_OK
 
 
