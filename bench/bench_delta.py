@@ -257,9 +257,9 @@ def saved_delta(run, tmp_path_factory) -> list[tuple[str, dict, np.ndarray, np.n
 
 
 def _kernel_args(params: dict, first: int) -> dict:
-    ordinal, _, step, block, dither, dither_signs = quant_params(params)
+    ordinal, _, step, block, dither, dither_signs, dither_groups = quant_params(params)
     return {"ordinal": ordinal, "step": step, "block": block, "dither": dither,
-            "dither_signs": dither_signs, "first": first}
+            "dither_signs": dither_signs, "dither_groups": dither_groups, "first": first}
 
 
 def _scaling(params: dict) -> dict:

@@ -365,6 +365,8 @@ SCALED_QUANT = {**QUANT_BASE, "scale": "optimizer/state/w/exp_avg_sq", "eps": fl
     {**QUANT_BASE, "pred": "base", "dither": 7, "dither_signs": True},
     {**SCALED_QUANT, "floor_log2": -20}, {**SCALED_QUANT, "floor_log2": -126},  # since 2.3
     {**SCALED_QUANT, "dither": 3, "dither_signs": True, "floor_log2": 127},
+    {**SCALED_QUANT, "dither": 3, "dither_signs": True, "dither_groups": True},  # since 2.5
+    {**QUANT_BASE, "pred": "base", "dither": 7, "dither_groups": True},
 ])
 def test_valid_quant_params(params: dict[str, Any]) -> None:
     quant_params(params)
@@ -380,6 +382,9 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
     {**QUANT_BASE, "dither_signs": True},  # signs folded by a dither it does not have
     {**QUANT_BASE, "dither": 7, "dither_signs": False}, {**QUANT_BASE, "dither": 7, "dither_signs": 1},
     {"domain": "ordinal", "pred": "base", "step": 256, "block": 64, "dither": 5, "dither_signs": True},
+    {**QUANT_BASE, "dither_groups": True},  # grouped by a dither it does not have
+    {**QUANT_BASE, "dither": 7, "dither_groups": False}, {**QUANT_BASE, "dither": 7, "dither_groups": 1},
+    {"domain": "ordinal", "pred": "base", "step": 256, "block": 64, "dither": 5, "dither_groups": True},
     {**QUANT_BASE, "floor_log2": -20},  # a floor shapes a scale it does not have
     {**SCALED_QUANT, "floor_log2": -127}, {**SCALED_QUANT, "floor_log2": 128},
     {**SCALED_QUANT, "floor_log2": -20.0}, {**SCALED_QUANT, "floor_log2": True},
@@ -400,8 +405,9 @@ def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
     recon = np.empty_like(x)
     chunk, _ = encode_quant(x, pred, recon, ordinal=False, step=0.03125, block=1024, dither=9)
     stream, _ = encode_block_stream(x, pred, np.empty_like(x), ordinal=False, step=0.03125,
-                                    block=1024, dither=9, dither_signs=True)
-    assert chunk.params["dither_signs"] is True  # every dithered linear chunk folds its signs
+                                    block=1024, dither=9, dither_signs=True, dither_groups=True)
+    # every dithered linear chunk folds its signs and groups its symbols by the dither
+    assert chunk.params["dither_signs"] is chunk.params["dither_groups"] is True
     frame = bytes(chunk.parts[0])
     assert frame == zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
     assert _spec_zstd(frame, stream.nbytes) == stream.tobytes()

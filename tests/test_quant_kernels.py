@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numba import njit
 
+from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -38,9 +39,11 @@ from deltackpt.kernels.quant import (
     numpy_dither,
     numpy_element_steps,
     numpy_from_keys,
+    numpy_group,
     numpy_key_offsets,
     numpy_keys,
     numpy_pack,
+    numpy_places,
     numpy_quantize,
     numpy_unpack,
 )
@@ -105,6 +108,17 @@ class Case(NamedTuple):
     dither: int | None = None  # a seed
     first: int = 0  # the index of the first element in its tensor (for the dither)
     dither_signs: bool = False  # symbols' signs folded by the dither (dithered, linear)
+    dither_groups: bool = False  # each block's symbols grouped by the dither (dithered, linear)
+
+    def dither_args(self) -> dict:
+        return {"dither": self.dither, "dither_signs": self.dither_signs,
+                "dither_groups": self.dither_groups, "first": self.first}
+
+    def packed(self, q: np.ndarray) -> np.ndarray:
+        """numpy_pack of symbols ``q``, in the order this case's stream stores them."""
+        if self.dither_groups:
+            q = numpy_group(q, numpy_dither(q.size, self.dither, self.first), self.block)
+        return numpy_pack(q, self.block)
 
 
 def _ditherable(ordinal: bool, step: float | int) -> bool:
@@ -127,6 +141,7 @@ def cases(draw: st.DrawFn, ordinal: bool | None = None, max_n: int = 3000) -> Ca
         else None
     return Case(x, pred, ordinal, step, block, draw(st.booleans()), dither,
                 draw(st.integers(0, 2**34)),
+                dither is not None and not ordinal and draw(st.booleans()),
                 dither is not None and not ordinal and draw(st.booleans()))
 
 
@@ -137,7 +152,7 @@ def _encode(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     else:
         pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
     stream, stats = encode_block_stream(c.x, pred, out, ordinal=c.ordinal, step=c.step, block=c.block,
-                                        dither=c.dither, dither_signs=c.dither_signs, first=c.first)
+                                        **c.dither_args())
     if c.pred is not None and not c.inplace:
         assert pred.tobytes() == c.pred.tobytes(), "the encoder wrote to pred"
     return stream, stats, out
@@ -149,7 +164,7 @@ def _decode(c: Case, stream: np.ndarray) -> np.ndarray:
     else:
         pred, out = (None if c.pred is None else c.pred.copy()), np.full(c.x.size, np.nan, np.float32)
     decode_block_stream(stream, pred, out, ordinal=c.ordinal, step=c.step, block=c.block,
-                        dither=c.dither, dither_signs=c.dither_signs, first=c.first)
+                        **c.dither_args())
     return out
 
 
@@ -242,11 +257,12 @@ def _check_error_bound(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray
 @SETTINGS
 @given(c=cases())
 def test_encoder_matches_numpy_reference(c: Case) -> None:
-    """Stream == numpy_pack(numpy_quantize symbols); reconstruction and stats match the reference."""
+    """Stream == numpy_pack(numpy_quantize symbols), grouped by the dither where the case groups
+    them; reconstruction and stats match the reference."""
     stream, stats, recon = _encode(c)
     q, expected_recon = numpy_quantize(c.x, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
                                        dither_signs=c.dither_signs, first=c.first)
-    assert_stream_equal(stream, numpy_pack(q, c.block))
+    assert_stream_equal(stream, c.packed(q))
     assert_bits_equal(recon, expected_recon, "reconstruction")
     _check_stats(stats, c.x, recon, q, c.block, c.ordinal, c.dither_signs)
     _check_error_bound(c.x, c.pred, recon, q, ordinal=c.ordinal, step=c.step,
@@ -280,6 +296,8 @@ def test_decode_reproduces_encoder_reconstruction(c: Case) -> None:
     stream, _, recon = _encode(c)
     assert_bits_equal(_decode(c, stream), recon, "decoded")
     q = numpy_unpack(stream, c.x.size, c.block)
+    if c.dither_groups:
+        q = q[numpy_places(numpy_dither(q.size, c.dither, c.first), c.block)]
     assert_bits_equal(numpy_dequantize(q, c.pred, ordinal=c.ordinal, step=c.step, dither=c.dither,
                                        dither_signs=c.dither_signs, first=c.first), recon,
                       "numpy decoded")
@@ -295,9 +313,9 @@ def test_chained_in_place_updates(c: Case, steps: int) -> None:
     x = c.x
     for _ in range(steps):
         stream, _ = encode_block_stream(x, writer, writer, ordinal=c.ordinal, step=c.step, block=c.block,
-                                        dither=c.dither, dither_signs=c.dither_signs, first=c.first)
+                                        **c.dither_args())
         decode_block_stream(stream, reader, reader, ordinal=c.ordinal, step=c.step, block=c.block,
-                            dither=c.dither, dither_signs=c.dither_signs, first=c.first)
+                            **c.dither_args())
         assert_bits_equal(reader, writer, "running reconstruction")
         x = np.where(rng.random(x.size) < 0.5, x, -x).astype(np.float32)
 
@@ -338,27 +356,29 @@ FLOORS = [0.0, *EPSILONS]  # 0: unshaped
        x_pattern=st.sampled_from(PATTERNS), scale_pattern=st.sampled_from(PATTERNS),
        step=st.sampled_from(LINEAR_STEPS), eps=st.sampled_from(EPSILONS),
        floor=st.sampled_from(FLOORS), dither=st.none() | st.integers(0, 2**32 - 1),
-       first=st.integers(0, 2**34), signs=st.booleans())
+       first=st.integers(0, 2**34), signs=st.booleans(), groups=st.booleans())
 def test_scaled_steps_match_numpy_reference(n: int, block: int, seed: int, x_pattern: str,
                                             scale_pattern: str, step: float, eps: float,
                                             floor: float, dither: int | None, first: int,
-                                            signs: bool) -> None:
+                                            signs: bool, groups: bool) -> None:
     """Each element's step is ``step * (sqrt(scale) + eps)``, shaped by a positive ``floor``
     (divided by ``sqrt(sqrt(scale) + floor)``), dithered or not: encoder, decoder and the numpy
     references agree bit for bit, and every unclipped element is within half its step."""
     x = _values(n, seed, x_pattern)
     scale = np.abs(_values(n, seed + 7, scale_pattern))
     recon = np.full(n, np.nan, np.float32)
-    signs = signs and dither is not None
+    signs, groups = signs and dither is not None, groups and dither is not None
     coding = {"ordinal": False, "step": step, "scale": scale, "eps": eps, "floor": floor,
               "dither": dither, "dither_signs": signs, "first": first}
-    stream, stats = encode_block_stream(x, None, recon, block=block, **coding)
+    stream, stats = encode_block_stream(x, None, recon, block=block, dither_groups=groups,
+                                        **coding)
     q, expected = numpy_quantize(x, None, **coding)
-    assert_stream_equal(stream, numpy_pack(q, block))
+    assert_stream_equal(stream, Case(x, None, False, step, block, False, dither, first, signs,
+                                     groups).packed(q))
     assert_bits_equal(recon, expected, "reconstruction")
     _check_stats(stats, x, recon, q, block, False, signs)
     decoded = np.full(n, np.nan, np.float32)
-    decode_block_stream(stream, None, decoded, block=block, **coding)
+    decode_block_stream(stream, None, decoded, block=block, dither_groups=groups, **coding)
     assert_bits_equal(decoded, recon, "decoded")
     steps = numpy_element_steps(step, scale, eps, floor).astype(np.float64)
     ok = ~_clipped(q, signs)
@@ -601,6 +621,35 @@ def test_folded_signs_code_small_values_in_one_sign() -> None:
     assert set(plain[:16].tolist()) == {2} and set(folded[:16].tolist()) == {1}
 
 
+def test_grouped_symbols_follow_the_size_of_their_dither() -> None:
+    """``dither_groups`` stores each block's symbols in groups of ``floor(8 |u|)`` (0-3),
+    smallest first and in element order within a group: for values a fraction of a step, dithered
+    anew, the small offsets' group holds almost only zeros and larger offsets' groups ever more
+    symbols of 1, so the zstd frame of the stream is smaller, for the same reconstruction."""
+    n, block = 1 << 16, 1024
+    x = (np.random.default_rng(4).standard_normal(n) * 0.1).astype(np.float32)
+    coding = {"ordinal": False, "step": 1.0, "block": block, "dither": 11, "dither_signs": True}
+    plain_out, grouped_out = np.empty_like(x), np.empty_like(x)
+    plain, _ = encode_block_stream(x, None, plain_out, **coding)
+    grouped, _ = encode_block_stream(x, None, grouped_out, dither_groups=True, **coding)
+    assert_bits_equal(grouped_out, plain_out)
+    u = numpy_dither(n, 11)
+    places = numpy_places(u, block)
+    group = np.minimum(np.floor(np.abs(u) * 8), 3)
+    for start in range(0, n, block):
+        order = start + np.argsort(places[start:start + block])  # the element at each place
+        assert (np.diff(group[order]) >= 0).all()  # groups in order
+        assert (np.diff(order)[np.diff(group[order]) == 0] > 0).all()  # element order within
+    q = numpy_unpack(grouped, n, block)
+    assert np.array_equal(q[places], numpy_unpack(plain, n, block))
+    nonzero = [(q[places[group == k]] != 0).mean() for k in range(4)]
+    assert nonzero[0] < 0.01 and (np.diff(nonzero) > 0).all() and nonzero[3] > 0.2, nonzero
+    assert len(zstd_compress(grouped, packed=True)) < 0.9 * len(zstd_compress(plain, packed=True))
+    decoded = np.empty_like(x)
+    decode_block_stream(grouped, None, decoded, dither_groups=True, **coding)
+    assert_bits_equal(decoded, plain_out)
+
+
 def test_ordinal_special_values() -> None:
     """Negatives, both zeros, subnormals, the normal/subnormal boundary and the largest finite values."""
     f32 = np.finfo(np.float32)
@@ -710,7 +759,7 @@ def test_non_finite_inputs_are_counted_per_block(c: Case, data: st.DataObject) -
     q, expected = numpy_quantize(safe_x, safe_p, ordinal=c.ordinal, step=c.step, dither=c.dither,
                                  dither_signs=c.dither_signs, first=c.first)
     q[~good] = 0
-    assert_stream_equal(stream, numpy_pack(q, c.block))
+    assert_stream_equal(stream, c.packed(q))
     assert (stream[:n_blocks][bad_per_block > 0] == 0).all()
     assert_bits_equal(recon[good], expected[good], "reconstruction of good blocks")
 
@@ -816,6 +865,7 @@ class StepsCase(NamedTuple):
     dithers: list[int | None] | None = None
     first: int = 0
     dither_signs: list[bool] | None = None
+    dither_groups: list[bool] | None = None
 
 
 def _symbol_stream(n: int, block: int, rng: np.random.Generator) -> np.ndarray:
@@ -848,30 +898,33 @@ def steps_cases(draw: st.DrawFn, max_n: int = 2500) -> StepsCase:
                else None for o, step in zip(ordinal, steps, strict=True)]
     signs = [dither is not None and not o and draw(st.booleans())
              for o, dither in zip(ordinal, dithers, strict=True)]
+    groups = [dither is not None and not o and draw(st.booleans())
+              for o, dither in zip(ordinal, dithers, strict=True)]
     first = draw(st.integers(0, 2**34))
     running = None if zero_start else start.copy()
     streams = []
-    for o, step, dither, sign in zip(ordinal, steps, dithers, signs, strict=True):
+    for o, step, dither, sign, group in zip(ordinal, steps, dithers, signs, groups, strict=True):
         if draw(st.booleans()) or running is None or not np.isfinite(running).all():
             streams.append(_symbol_stream(n, block, rng))
             with np.errstate(invalid="ignore", over="ignore"):
                 running = numpy_decode_steps(streams[-1:], running, n, ordinal=[o], steps=[step],
                                              block=block, dithers=[dither], dither_signs=[sign],
-                                             first=first)
+                                             dither_groups=[group], first=first)
         else:
             target = _values(n, int(rng.integers(2**32)), str(rng.choice(PATTERNS)))
             near = np.where(rng.random(n) < 0.7, running, target).astype(np.float32)
             streams.append(encode_block_stream(near, running, running, ordinal=o, step=step,
                                                block=block, dither=dither, dither_signs=sign,
-                                               first=first)[0])
-    return StepsCase(start, streams, ordinal, steps, block, zero_start, dithers, first, signs)
+                                               dither_groups=group, first=first)[0])
+    return StepsCase(start, streams, ordinal, steps, block, zero_start, dithers, first, signs,
+                     groups)
 
 
 def _decode_steps_case(c: StepsCase) -> np.ndarray:
     out = np.full(c.start.size, np.nan, np.float32) if c.zero_start else c.start.copy()
     decode_step_streams(c.streams, out, ordinal=c.ordinal, steps=c.steps, block=c.block,
                         zero_start=c.zero_start, dithers=c.dithers, dither_signs=c.dither_signs,
-                        first=c.first)
+                        dither_groups=c.dither_groups, first=c.first)
     return out
 
 
@@ -884,14 +937,17 @@ def test_step_streams_match_references(c: StepsCase) -> None:
     with np.errstate(invalid="ignore", over="ignore"):
         expected = numpy_decode_steps(c.streams, None if c.zero_start else c.start.copy(),
                                       c.start.size, ordinal=c.ordinal, steps=c.steps, block=c.block,
-                                      dithers=c.dithers, dither_signs=c.dither_signs, first=c.first)
+                                      dithers=c.dithers, dither_signs=c.dither_signs,
+                                      dither_groups=c.dither_groups, first=c.first)
     assert_bits_equal(actual, expected, "numpy reference")
     sequential = c.start.copy()
-    for i, (stream, o, step, dither, signs) in enumerate(zip(
-            c.streams, c.ordinal, c.steps, c.dithers, c.dither_signs, strict=True)):
+    for i, (stream, o, step, dither, signs, groups) in enumerate(zip(
+            c.streams, c.ordinal, c.steps, c.dithers, c.dither_signs, c.dither_groups,
+            strict=True)):
         pred = None if c.zero_start and i == 0 else sequential
         decode_block_stream(stream, pred, sequential, ordinal=o, step=step, block=c.block,
-                            dither=dither, dither_signs=signs, first=c.first)
+                            dither=dither, dither_signs=signs, dither_groups=groups,
+                            first=c.first)
     assert_bits_equal(actual, sequential, "decode_block_stream per step")
 
 
@@ -1003,8 +1059,8 @@ def test_step_streams_random_bytes(seed: int, n: int, block: int, ordinal: bool)
 def test_step_streams_argument_checks() -> None:
     out = np.zeros(10, np.float32)
     stream = np.zeros(3, np.uint8)
-    with pytest.raises(ValueError, match="2 streams, 1 domains, 2 steps, 2 dithers and 2 "
-                                         "dither_signs"):
+    with pytest.raises(ValueError, match="2 streams, 1 domains, 2 steps, 2 dithers, 2 "
+                                         "dither_signs and 2 dither_groups"):
         decode_step_streams([stream, stream], out, ordinal=[False], steps=[1.0, 1.0], block=4,
                             zero_start=False)
     for ordinal, seed in ((False, None), (True, 5)):
@@ -1012,6 +1068,10 @@ def test_step_streams_argument_checks() -> None:
                                              "linear domain"):
             decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,
                                 zero_start=False, dithers=[seed], dither_signs=[True])
+        with pytest.raises(ValueError, match="dither_groups applies to dithered streams of the "
+                                             "linear domain"):
+            decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,
+                                zero_start=False, dithers=[seed], dither_groups=[True])
     for ordinal, seed in ((True, -1), (False, -1), (False, 2**32)):
         with pytest.raises(ValueError, match="dither seed"):
             decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,

@@ -175,22 +175,24 @@ def test_encode_matches_numba(variant: tuple[bool, bool, bool, int], dtype: torc
     numba, triton = _encode_both(
         x, pred, ordinal=ordinal, step=_step(ordinal, dithered), block=block,
         dither=12345 + seed if dithered else None, dither_signs=dithered and not ordinal,
-        first=seed, scale=scale, **SCALING[scaled])
+        dither_groups=dithered and not ordinal and seed % 2 == 1, first=seed, scale=scale,
+        **SCALING[scaled])
     _assert_same_coding(numba, triton, n, block, ordinal)
     coded = numba[1][:, STAT_BAD] == 0  # the other blocks' statistics are undefined
     assert coded.mean() > 0.5 and numba[1][coded, STAT_NONZERO].sum() > 0
 
 
-@pytest.mark.parametrize("ordinal", [False, True])
+@pytest.mark.parametrize(("ordinal", "grouped"), [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize(("n", "block"), [(1, 64), (63, 64), (65, 64), (1000, 7), (300, 1),
                                           (1025, 1024), (5001, 3000), (0, 64)])
-def test_odd_sizes(n: int, block: int, ordinal: bool) -> None:
+def test_odd_sizes(n: int, block: int, ordinal: bool, grouped: bool) -> None:
     """Sizes that are not multiples of the block, blocks of 1, 7 and more than a tile (3000:
-    a program loops over columns), and none: in place against a prediction, dithered."""
+    a program loops over columns, and places grouped symbols from counts over them all), and
+    none: in place against a prediction, dithered."""
     x = _values(n, n + block)
     numba, triton = _encode_both(_tensor(x), _near(x, n), in_place=True, ordinal=ordinal,
                                  step=_step(ordinal, True), block=block, dither=7,
-                                 dither_signs=not ordinal, first=n)
+                                 dither_signs=not ordinal, dither_groups=grouped, first=n)
     _assert_same_coding(numba, triton, n, block, ordinal)
 
 
@@ -305,7 +307,7 @@ def test_decode_matches_numba(variant: tuple[bool, bool, bool, int]) -> None:
     scale = np.abs(_values(n, 6)) if scaled else None
     kwargs = {"ordinal": ordinal, "step": _step(ordinal, dithered), "block": block,
               "dither": 99 if dithered else None, "dither_signs": dithered and not ordinal,
-              "first": 17, **SCALING[scaled]}
+              "dither_groups": dithered and not ordinal, "first": 17, **SCALING[scaled]}
     stream, _ = encode_block_stream(x, None if pred is None else pred.copy(),
                                     np.empty(n, np.float32), scale=scale, **kwargs)
     expected = np.empty(n, np.float32)
@@ -324,20 +326,24 @@ def _chain(n: int, block: int, seed: int) -> tuple[list[np.ndarray], dict]:
     dithers = [None if i % 3 == 1 else 40 + i for i in range(len(domains))]
     signs = [d is not None and not o and i != 3  # folded, but one
              for i, (o, d) in enumerate(zip(domains, dithers, strict=True))]
+    groups = [d is not None and not o and i != 0  # grouped, but one
+              for i, (o, d) in enumerate(zip(domains, dithers, strict=True))]
     rng = np.random.default_rng(seed)
     recon = _near(_values(n, seed), seed)
     streams = []
-    for ordinal, step, dither, sign in zip(domains, steps, dithers, signs, strict=True):
+    for ordinal, step, dither, sign, group in zip(domains, steps, dithers, signs, groups,
+                                                  strict=True):
         x = (recon * (1 + 1e-2 * rng.standard_normal(n))).astype(np.float32)
         streams.append(encode_block_stream(x, recon, recon, ordinal=ordinal, step=step,
                                            block=block, dither=dither, dither_signs=sign,
-                                           first=seed)[0])
+                                           dither_groups=group, first=seed)[0])
     return streams, {"ordinal": domains, "steps": steps, "dithers": dithers,
-                     "dither_signs": signs, "block": block, "first": seed}
+                     "dither_signs": signs, "dither_groups": groups, "block": block,
+                     "first": seed}
 
 
 @pytest.mark.parametrize("zero_start", [False, True])
-@pytest.mark.parametrize(("n", "block"), [(3000, 64), (777, 1000), (50, 7)])
+@pytest.mark.parametrize(("n", "block"), [(3000, 64), (777, 1000), (50, 7), (5001, 3000)])
 def test_chain_decode_matches_numba(n: int, block: int, zero_start: bool) -> None:
     """Several steps' streams applied in one pass: Numba's running values, bit for bit."""
     streams, kwargs = _chain(n, block, n)
@@ -520,7 +526,7 @@ XXH3 = {"data_ptr": "*u8", "table_ptr": "*i64", "sums_ptr": "*i64", "acc_ptr": "
 def ptx(fn, types, **constants):
     if "BLOCK" in constants:  # a quant kernel's tile
         rows, cols = g._tile(constants["BLOCK"])
-        fused = constants["BLOCK"] <= g._TILE
+        fused = constants["BLOCK"] <= g._TILE and not constants.get("GROUPED")
         types = types if fused else {**types, "packed_ptr": "*u16"}
         constants = {"ROWS": rows, "COLS": cols, "BYTES": 2 * cols, "FUSED": fused, **constants}
     constants = {k: v for k, v in constants.items() if k in fn.arg_names}
@@ -535,14 +541,19 @@ def ptx(fn, types, **constants):
 
 
 out = {}
-for ordinal, pred, dither, scaled, shaped, bf16, block in [
-        (False, True, True, False, False, False, 1024), (True, True, True, False, False, False, 1024),
-        (False, False, True, True, False, False, 3000), (False, False, True, True, True, False, 1024),
-        (True, False, False, False, False, True, 7)]:
+for ordinal, pred, dither, scaled, shaped, bf16, block, grouped in [
+        (False, True, True, False, False, False, 1024, False),
+        (True, True, True, False, False, False, 1024, False),
+        (False, False, True, True, False, False, 3000, False),
+        (False, False, True, True, True, False, 1024, False),
+        (True, False, False, False, False, True, 7, False),
+        (False, True, True, False, False, False, 1024, True),
+        (False, False, True, True, True, False, 3000, True)]:
     types = {**ENCODE, "x_ptr": "*i16"} if bf16 else ENCODE
-    out[f"encode ordinal={ordinal} scaled={scaled} shaped={shaped} bf16={bf16}"] = ptx(
+    out[f"encode ordinal={ordinal} scaled={scaled} shaped={shaped} bf16={bf16}"
+        + (f" grouped block={block}" if grouped else "")] = ptx(
         g._encode_kernel, types, BLOCK=block, ORDINAL=ordinal, USE_PRED=pred,
-        DITHERED=dither, SCALED=scaled, SHAPED=shaped, X_BF16=bf16)
+        DITHERED=dither, SCALED=scaled, SHAPED=shaped, X_BF16=bf16, GROUPED=grouped)
 for block in (1024, 3000):
     out[f"pack block={block}"] = ptx(g._pack_kernel, PACK, BLOCK=block)
 for scaled, shaped in ((False, False), (True, False), (True, True)):
@@ -567,7 +578,7 @@ def test_kernels_compile_for_a_gpu_with_ieee_rounding() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = json.loads(done.stdout.splitlines()[-1])
-    assert len(kernels) == 13
+    assert len(kernels) == 15
     for name, code in kernels.items():
         assert code["fma"] == 0, f"{name}: {code['fma']} fused multiply-adds"
         floats = [op for op in code["ops"] if op.endswith(("f32", "f64"))]

@@ -69,8 +69,8 @@ from deltackpt.kernels.quant import numpy_fold as numpy_fold
 from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
-PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs", "scale",
-                        "eps", "floor_log2", "zeros"})
+PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs",
+                        "dither_groups", "scale", "eps", "floor_log2", "zeros"})
 MAX_FLOOR_LOG2 = 127  # a scaled chunk's floor is 2**floor_log2, a normal float32 value
 MIN_FLOOR_LOG2 = -126
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
@@ -103,11 +103,13 @@ def _array(a: Any) -> Any:
     return a if a is None or isinstance(a, np.ndarray) else a.numpy()
 
 
-def folds_signs(ordinal: bool, dither: int | None) -> bool:
-    """Whether deltackpt's writers fold a chunk's symbol signs by its dither (``dither_signs``,
-    FORMAT.md 3.2, since 2.2): in every dithered chunk of the linear domain, where it costs a
-    sign flip an element and saves the sign bit of small values (Adam's first moment, coded
-    anew each save at about a step: 0.58 bits an element where it took 0.80, on a GPT)."""
+def codes_given_dither(ordinal: bool, dither: int | None) -> bool:
+    """Whether deltackpt's writers code a chunk's symbols given its dither (FORMAT.md 3.2): in
+    every dithered chunk of the linear domain, they fold the symbols' signs by it
+    (``dither_signs``, since 2.2), which costs a sign flip an element and saves the sign bit of
+    small values (Adam's first moment, coded anew each save at about a step: 0.58 bits an
+    element where it took 0.80, on a GPT), and group each block's symbols by its size
+    (``dither_groups``, since 2.5), whose small offsets leave small values at 0."""
     return dither is not None and not ordinal
 
 
@@ -129,7 +131,8 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
     convert, kernels = _kernels(x, recon)
     stream, stats = kernels.encode_block_stream(
         convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
-        dither=dither, dither_signs=folds_signs(ordinal, dither), first=first,
+        dither=dither, dither_signs=codes_given_dither(ordinal, dither),
+        dither_groups=codes_given_dither(ordinal, dither), first=first,
         scale=None if scale is None else convert(scale.values),
         eps=0.0 if scale is None else scale.eps, floor=0.0 if scale is None else scale.floor)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
@@ -167,7 +170,8 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
                 scale: tuple[str, float, float] | None = None,
                 zeros: np.ndarray | None = None) -> EncodedChunk:
     """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
-    :func:`encode_quant`, its signs folded as :func:`folds_signs` says; ``with_base``: coded
+    :func:`encode_quant`, coded given its dither as :func:`codes_given_dither` says;
+    ``with_base``: coded
     against a prediction; ``scale``: the tensor whose values scale the steps, eps and the floor
     that shapes them, a power of two, 0 for none; ``zeros``: the bitmap of
     :func:`zeros_bitmap`, stored before the stream)."""
@@ -175,8 +179,8 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
               "pred": "base" if with_base else "zero", "step": step, "block": block}
     if dither is not None:
         params["dither"] = dither
-    if folds_signs(ordinal, dither):
-        params["dither_signs"] = True
+    if codes_given_dither(ordinal, dither):
+        params.update(dither_signs=True, dither_groups=True)
     if scale is not None:
         params.update(scale=scale[0], eps=scale[1])
         if scale[2]:
@@ -200,9 +204,10 @@ class Scale:
     floor: float = 0.0
 
 
-def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, int | None, bool]:
-    """Validated ``(ordinal, uses_base, step, block, dither, dither_signs)`` of a quant chunk
-    (and its scale: :func:`scale_source`)."""
+def quant_params(params: dict[str, Any]
+                 ) -> tuple[bool, bool, float | int, int, int | None, bool, bool]:
+    """Validated ``(ordinal, uses_base, step, block, dither, dither_signs, dither_groups)`` of a
+    quant chunk (and its scale: :func:`scale_source`)."""
     domain, pred, step, block, dither = (params.get(k) for k in ("domain", "pred", "step", "block",
                                                                   "dither"))
     ok = (params.keys() <= PARAM_KEYS and domain in ("linear", "ordinal") and pred in ("base", "zero")
@@ -215,9 +220,10 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
     if ok and dither is not None:
         ok = (isinstance(dither, int) and not isinstance(dither, bool) and 0 <= dither < 1 << 32
               and (domain == "linear" or step <= MAX_DITHERED_KEY_STEP))
-    signs = params.get("dither_signs", False)
-    if ok and "dither_signs" in params:
-        ok = signs is True and dither is not None and domain == "linear"
+    signs, groups = params.get("dither_signs", False), params.get("dither_groups", False)
+    for key in ("dither_signs", "dither_groups"):
+        if ok and key in params:
+            ok = params[key] is True and dither is not None and domain == "linear"
     if ok and ("scale" in params or "eps" in params or "floor_log2" in params):
         exponent = params.get("floor_log2", 0)
         eps = params.get("eps")
@@ -231,7 +237,7 @@ def quant_params(params: dict[str, Any]) -> tuple[bool, bool, float | int, int, 
         ok = isinstance(zeros, int) and not isinstance(zeros, bool) and zeros >= 1
     if not ok:
         raise FormatError(f"quant params {params} are invalid")
-    return domain == "ordinal", pred == "base", step, block, dither, signs
+    return domain == "ordinal", pred == "base", step, block, dither, signs, groups
 
 
 def floor_log2(floor: float) -> int:
@@ -265,6 +271,7 @@ class QuantStream:
     block: int
     dither: int | None
     dither_signs: bool
+    dither_groups: bool
     eps: float | None  # set for a chunk whose steps are scaled by another tensor
     floor: float  # the floor that shapes those steps (2**floor_log2); 0 for none
     zeros: np.ndarray | None  # the elements restored as zero (a boolean mask), if any
@@ -278,7 +285,7 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
     for a frame or stream that does not decode, so a stream returned here
     always decodes.
     """
-    ordinal, with_base, step, block, dither, signs = quant_params(params)
+    ordinal, with_base, step, block, dither, signs, groups = quant_params(params)
     mask_bytes = -(-n // 8) if "zeros" in params else 0
     # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
     data = np.frombuffer(zstd_decompress_bounded(stored, mask_bytes + -(-n // block) + 2 * n),
@@ -298,7 +305,8 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
         check_stream(data, n, block)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
-    return QuantStream(data, ordinal, with_base, step, block, dither, signs, params.get("eps"),
+    return QuantStream(data, ordinal, with_base, step, block, dither, signs, groups,
+                       params.get("eps"),
                        2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0, zeros)
 
 
@@ -318,7 +326,8 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
     kernels.decode_block_stream(
         stream.data, convert(pred) if stream.with_base else None, convert(out),
         ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
-        dither_signs=stream.dither_signs, first=first, scale=convert(scale),
+        dither_signs=stream.dither_signs, dither_groups=stream.dither_groups, first=first,
+        scale=convert(scale),
         eps=stream.eps or 0.0, floor=stream.floor)
     _set_zeros(convert(out), stream.zeros)
 
@@ -356,6 +365,7 @@ def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: i
                 [s.data for s in run], values, ordinal=[s.ordinal for s in run],
                 steps=[s.step for s in run], block=run[0].block, zero_start=not run[0].with_base,
                 dithers=[s.dither for s in run], dither_signs=[s.dither_signs for s in run],
+                dither_groups=[s.dither_groups for s in run],
                 first=first)
             _set_zeros(values, run[-1].zeros)
             start = i

@@ -59,7 +59,7 @@ from deltackpt.codecs.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
-    folds_signs,
+    codes_given_dither,
     on_device,
     quant_chunk,
     zero_lost,
@@ -303,10 +303,11 @@ class DeviceDelta:
         recon = encoder.running(name)[lo:hi]
         scale = None if coding.scale is None else encoder.running(coding.scale[0])[lo:hi]
         pred = encoder.base_values(name)[lo:hi] if coding.with_base else None
+        given = codes_given_dither(coding.ordinal, coding.dither)
         coded = self._gpu.encode_on_device(
             x[lo:hi], pred, recon, ordinal=coding.ordinal,
             step=coding.step, block=coding.block, dither=coding.dither,
-            dither_signs=folds_signs(coding.ordinal, coding.dither), first=lo, scale=scale,
+            dither_signs=given, dither_groups=given, first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1],
             floor=0.0 if coding.scale is None else coding.scale[2])
         chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded,

@@ -125,6 +125,54 @@ def _fold(q, u, signs):
 
 
 @triton.jit
+def _group_of(u):
+    """FORMAT.md 3.2's ``dither_groups`` group of dither offset ``u``: ``min(floor(8 |u|), 3)``
+    (exact: ``u`` is a multiple of 2**-24)."""
+    return tl.minimum((tl.abs(u) * 8.0).to(tl.int32), 3)
+
+
+@triton.jit
+def _group_rank(g, k, at, counts):
+    """``at`` with the elements of group ``k`` of ``g`` (a masked tile: -1 where invalid) given
+    their places: ``counts`` (per row) plus their rank in the group along the row."""
+    mk = g == k
+    return tl.where(mk, counts[:, None] + tl.cumsum(mk.to(tl.int32), axis=1) - 1, at)
+
+
+@triton.jit
+def _places(rows, c0, n, first, seed, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+            COLS: tl.constexpr):
+    """``dither_groups``' place of each element of columns ``c0 ...`` of blocks ``rows`` in its
+    block's symbols (``kernels.quant._fill_places``): the elements of smaller groups in the
+    whole block and of the same group in earlier columns come first, counted again over the
+    block's columns (a block of up to 1024 elements, the default, is one tile)."""
+    zero = tl.zeros([ROWS], tl.int32)
+    total0, total1, total2 = zero, zero, zero
+    before0, before1, before2, before3 = zero, zero, zero, zero
+    for c in range(0, BLOCK, COLS):
+        cols = c + tl.arange(0, COLS)
+        idx = rows[:, None] * BLOCK + cols[None, :]
+        g = tl.where((cols[None, :] < BLOCK) & (idx < n), _group_of(_dither(first + idx, seed)),
+                     -1)
+        total0 += tl.sum((g == 0).to(tl.int32), axis=1)
+        total1 += tl.sum((g == 1).to(tl.int32), axis=1)
+        total2 += tl.sum((g == 2).to(tl.int32), axis=1)
+        early = c < c0
+        before0 += tl.sum(((g == 0) & early).to(tl.int32), axis=1)
+        before1 += tl.sum(((g == 1) & early).to(tl.int32), axis=1)
+        before2 += tl.sum(((g == 2) & early).to(tl.int32), axis=1)
+        before3 += tl.sum(((g == 3) & early).to(tl.int32), axis=1)
+    cols = c0 + tl.arange(0, COLS)
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    g = tl.where((cols[None, :] < BLOCK) & (idx < n), _group_of(_dither(first + idx, seed)), -1)
+    at = tl.zeros([ROWS, COLS], tl.int32)
+    at = _group_rank(g, 0, at, before0)
+    at = _group_rank(g, 1, at, total0 + before1)
+    at = _group_rank(g, 2, at, total0 + total1 + before2)
+    return _group_rank(g, 3, at, total0 + total1 + total2 + before3)
+
+
+@triton.jit
 def _key_of(v):
     """Order-preserving int32 key of float32 ``v`` (bit pattern, negatives mirrored)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -197,12 +245,13 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
                    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                    ORDINAL: tl.constexpr, USE_PRED: tl.constexpr, DITHERED: tl.constexpr,
                    SCALED: tl.constexpr, SHAPED: tl.constexpr, X_BF16: tl.constexpr,
-                   FUSED: tl.constexpr):
+                   FUSED: tl.constexpr, GROUPED: tl.constexpr):
     """Quantize blocks ``pid * ROWS ...`` of ``x``: reconstruction, widths, byte lengths and
     statistics, as ``kernels.quant._make_encoder``'s loop, and the symbols: ``FUSED`` (a block
     is one tile), each block's packed bytes from ``packed[b * 2 * BLOCK]``; else the zigzag
-    symbols (uint16) at ``packed[i]``, for ``_pack_kernel`` to pack. ``signs`` (0 or 1): the
-    symbols' signs folded by the dither."""
+    symbols (uint16) at ``packed[i]``, for ``_pack_kernel`` to pack, ``GROUPED`` in the order
+    of ``dither_groups`` (``_places``). ``signs`` (0 or 1): the symbols' signs folded by the
+    dither."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_blocks
     step_k = step_i.to(tl.float64)
@@ -258,6 +307,9 @@ def _encode_kernel(x_ptr, pred_ptr, out_ptr, scale_ptr, packed_ptr, widths_ptr, 
         z = tl.where(valid, (c << 1) ^ (c >> 31), 0)
         if FUSED:  # the block's symbols stay in registers, packed below
             tile = z
+        elif GROUPED:
+            at = _places(rows, c0, n, first, seed32, BLOCK, ROWS, COLS)
+            tl.store(packed_ptr + rows[:, None] * BLOCK + at, z.to(tl.uint16), mask=valid)
         else:
             tl.store(packed_ptr + idx, z.to(tl.uint16), mask=valid)
         bad += tl.sum((valid & ~ok).to(tl.int32), axis=1)
@@ -359,7 +411,11 @@ def _decode_kernel(streams_ptr, bounds_ptr, offsets_ptr, ordinal_ptr, step_f_ptr
             w = tl.load(streams_ptr + tl.load(bounds_ptr + t) + rows, mask=row_ok, other=0)
             w = w.to(tl.int32)[:, None]
             at = tl.load(offsets_ptr + t * n_blocks + rows, mask=row_ok, other=0)[:, None]
-            bit = cols[None, :] * w
+            seed = tl.load(seeds_ptr + t)
+            if (seed >= 0) & (((seed >> 33) & 1) != 0):  # kernels.quant.GROUPS_BIT
+                bit = _places(rows, c0, n, first, seed.to(tl.uint32), BLOCK, ROWS, COLS) * w
+            else:
+                bit = cols[None, :] * w
             byte_at = at + bit // 8
             take = valid & (w > 0)
             b0 = tl.load(streams_ptr + byte_at, mask=take, other=0).to(tl.int32)
@@ -367,7 +423,6 @@ def _decode_kernel(streams_ptr, bounds_ptr, offsets_ptr, ordinal_ptr, step_f_ptr
             b2 = tl.load(streams_ptr + byte_at + 2, mask=take, other=0).to(tl.int32)
             z = ((b0 | (b1 << 8) | (b2 << 16)) >> (bit % 8)) & ((1 << w) - 1)
             q = (z >> 1) ^ -(z & 1)
-            seed = tl.load(seeds_ptr + t)
             if seed >= 0:  # a run-time condition: a branch, not a select
                 u = _dither(first + idx, seed.to(tl.uint32))
                 q = _fold(q, u, ((seed >> 32) & 1) != 0)  # kernels.quant.SIGNS_BIT
@@ -475,7 +530,7 @@ def _done(device: torch.device) -> torch.cuda.Event | None:
 
 def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                      ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                     dither_signs: bool = False, first: int = 0,
+                     dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                      scale: torch.Tensor | None = None, eps: float = 0.0,
                      floor: float = 0.0) -> DeviceStream:
     """:func:`deltackpt.kernels.quant.encode_block_stream` on ``x``'s device, queued on its
@@ -498,7 +553,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     if pred is not None:
         _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step, dither_signs)
+    seed = _seed(ordinal, dither, step, dither_signs, dither_groups)
     check_scaling(scale is not None, not (ordinal or pred is not None),
                   "the linear domain, without prediction", eps, floor)
     if scale is not None:
@@ -512,7 +567,8 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     if n == 0:
         return DeviceStream(stream, torch.zeros((), dtype=torch.int64, device=device), stats,
                             _done(device))
-    fused = block <= _TILE  # a block is one tile: packed in the encoder
+    # A block that is one tile is packed in the encoder, unless its symbols are grouped.
+    fused = block <= _TILE and not dither_groups
     packed = torch.empty(n_blocks * 2 * block, dtype=torch.uint8, device=device) if fused \
         else torch.empty(n, dtype=torch.uint16, device=device)
     widths = torch.empty(n_blocks, dtype=torch.uint8, device=device)
@@ -528,7 +584,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
             int(step_i), float(np.float32(eps)), float(np.float32(floor)), BLOCK=block, ROWS=rows,
             COLS=cols, ORDINAL=ordinal, USE_PRED=pred is not None, DITHERED=bool(seed >= 0),
             SCALED=scale is not None, SHAPED=floor > 0, X_BF16=bf16, FUSED=fused,
-            **_launch_options())
+            GROUPED=dither_groups, **_launch_options())
         ends = torch.cumsum(lengths, 0) + n_blocks
         _pack_kernel[(triton.cdiv(n_blocks, rows),)](
             packed, widths, ends - lengths, stream, n, n_blocks, BLOCK=block, ROWS=rows,
@@ -540,14 +596,15 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
 
 def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tensor, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        dither_signs: bool = False, first: int = 0,
+                        dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                         scale: torch.Tensor | None = None, eps: float = 0.0,
                         floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """:func:`encode_on_device`, then the stream and statistics copied to the host: the same
     return values as :func:`deltackpt.kernels.quant.encode_block_stream`."""
     return encode_on_device(x, pred, out, ordinal=ordinal, step=step, block=block,
-                            dither=dither, dither_signs=dither_signs, first=first, scale=scale,
-                            eps=eps, floor=floor).to_host()
+                            dither=dither, dither_signs=dither_signs,
+                            dither_groups=dither_groups, first=first, scale=scale, eps=eps,
+                            floor=floor).to_host()
 
 
 @dataclass(frozen=True)
@@ -594,15 +651,17 @@ def upload_streams(streams: list[np.ndarray], n: int, block: int,
 def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bool],
                   steps: list[float | int], zero_start: bool,
                   dithers: list[int | None] | None = None,
-                  dither_signs: list[bool] | None = None, first: int = 0,
+                  dither_signs: list[bool] | None = None,
+                  dither_groups: list[bool] | None = None, first: int = 0,
                   pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                   eps: float = 0.0, floor: float = 0.0) -> None:
     """Apply uploaded streams in order to the float32 tensor ``out`` on their device: one pass,
     each tile's running values kept through every step.
 
     The running values before the first step are ``pred`` (default: ``out``
-    itself) unless ``zero_start``; ``ordinal``, ``steps``, ``dithers`` and
-    ``dither_signs`` give each stream's domain, step, dither seed and folded signs (as
+    itself) unless ``zero_start``; ``ordinal``, ``steps``, ``dithers``, ``dither_signs`` and
+    ``dither_groups`` give each stream's domain, step, dither seed, folded signs and grouped
+    symbols (as
     :func:`deltackpt.kernels.quant.decode_step_streams`); a single linear
     stream predicted from zero may be ``scale``d, its steps shaped by a
     positive ``floor`` (as :func:`deltackpt.kernels.quant.decode_block_stream`).
@@ -612,7 +671,7 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
     _check_tensor("out", out, device, n)
     if pred is not None:
         _check_tensor("pred", pred, device, n)
-    seeds = kernel_seeds(n_steps, ordinal, steps, dithers, dither_signs)
+    seeds = kernel_seeds(n_steps, ordinal, steps, dithers, dither_signs, dither_groups)
     check_scaling(scale is not None, n_steps == 1 and not ordinal[0] and zero_start,
                   "one stream of the linear domain, without prediction", eps, floor)
     if scale is not None:
@@ -640,7 +699,8 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
 def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal: list[bool],
                         steps: list[float | int], block: int, zero_start: bool,
                         dithers: list[int | None] | None = None,
-                        dither_signs: list[bool] | None = None, first: int = 0,
+                        dither_signs: list[bool] | None = None,
+                        dither_groups: list[bool] | None = None, first: int = 0,
                         pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                         eps: float = 0.0, floor: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_step_streams` into the float32 tensor ``out``: the
@@ -650,13 +710,13 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
     """
     apply_streams(upload_streams(streams, out.shape[0], block, _device(out)), out,
                   ordinal=ordinal, steps=steps, zero_start=zero_start, dithers=dithers,
-                  dither_signs=dither_signs, first=first, pred=pred, scale=scale, eps=eps,
-                  floor=floor)
+                  dither_signs=dither_signs, dither_groups=dither_groups, first=first,
+                  pred=pred, scale=scale, eps=eps, floor=floor)
 
 
 def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torch.Tensor, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        dither_signs: bool = False, first: int = 0,
+                        dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                         scale: torch.Tensor | None = None, eps: float = 0.0,
                         floor: float = 0.0) -> None:
     """:func:`deltackpt.kernels.quant.decode_block_stream` into the float32 tensor ``out`` (may
@@ -665,4 +725,5 @@ def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torc
                   "the linear domain, without prediction", eps, floor)
     decode_step_streams([stream], out, ordinal=[ordinal], steps=[step], block=block,
                         zero_start=pred is None, dithers=[dither], dither_signs=[dither_signs],
-                        first=first, pred=pred, scale=scale, eps=eps, floor=floor)
+                        dither_groups=[dither_groups], first=first, pred=pred, scale=scale,
+                        eps=eps, floor=floor)

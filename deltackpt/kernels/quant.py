@@ -62,6 +62,10 @@ MAX_DITHERED_KEY_STEP = 1 << 29  # dithered ordinal steps: key offsets exact in 
 # Set in a kernel's seed (above its 32 bits, which alone the hash reads): the symbols' signs are
 # folded by the dither (FORMAT.md 3.2, ``dither_signs``).
 SIGNS_BIT = 1 << 32
+# Likewise: each block's symbols are stored grouped by their dither offset's size
+# (``dither_groups``), in N_GROUPS groups.
+GROUPS_BIT = 1 << 33
+N_GROUPS = 4
 # Per-block statistics returned by the encoder, one row per block.
 STAT_MAX_ABS, STAT_MAX_REL, STAT_SUM_SQ_ERR, STAT_SUM_SQ, STAT_NONZERO, STAT_CLIPPED, STAT_BAD, \
     STAT_LOST_ZEROS = range(8)
@@ -144,6 +148,32 @@ def _fold_sign(u: np.float32, signs: bool) -> np.float32:
     no longer stores. A float factor, applied to ``f32(q)`` (exact): the same fold on 32-bit
     integers kept the kernels' loops from vectorizing (their decode took 1.5x as long)."""
     return np.float32(-1.0) if signs and u >= np.float32(0.0) else np.float32(1.0)
+
+
+@njit(inline="always")
+def _groups_symbols(seed: np.int64) -> bool:
+    """Whether a kernel seed (``_seed``) is a dithered stream's with ``GROUPS_BIT``."""
+    return seed >= 0 and seed & GROUPS_BIT != 0
+
+
+@njit(inline="always")
+def _fill_places(bits, places, counts) -> None:
+    """FORMAT.md 3.2's ``dither_groups``: ``places[j]``, where element ``j`` of a block of dither
+    hashes ``bits`` has its symbol in the block's stream. Symbols are grouped by the quarter of
+    ``[0, 0.5]`` the size of their dither offset lies in (``|u| * 8``, 4 taken as 3), smallest
+    first, in element order within a group: the symbols of small offsets, mostly zero, come
+    together, and the stream's zstd frame codes each group by its own statistics.
+    ``counts``: room for ``N_GROUPS`` integers."""
+    counts[:] = 0
+    for j in range(bits.shape[0]):
+        counts[min(abs(bits[j] - (1 << 23)) >> 21, N_GROUPS - 1)] += 1
+    at = 0
+    for k in range(N_GROUPS):
+        at, counts[k] = at + counts[k], at
+    for j in range(bits.shape[0]):
+        k = min(abs(bits[j] - (1 << 23)) >> 21, N_GROUPS - 1)
+        places[j] = counts[k]
+        counts[k] += 1
 
 
 @njit(inline="always")
@@ -443,6 +473,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
         n = x.shape[0]
         step_k = np.float64(step_i)
         signs = _folds_signs(seed)
+        grouped = _groups_symbols(seed)
         q_min = np.float32(-Q_MAX if signs else Q_MIN)  # folded symbols are clamped to +-Q_MAX
         # A division by a power-of-two step is a multiplication by its reciprocal, bit for bit:
         # 2**-k is exact, and the quotient of the integer d (|d| < 2**33) by 2**k keeps d's
@@ -452,7 +483,10 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
         pow2 = (step_i & (step_i - 1)) == 0
         inv_k = 1.0 / step_k
         sym_block = np.empty(block, np.uint16)
+        stored_block = np.empty(block, np.uint16)  # the symbols in stream order, when grouped
         bits_block = np.empty(block, np.int32)
+        places_block = np.empty(block, np.int64)
+        counts = np.empty(N_GROUPS, np.int64)
         # Values go to a block buffer, then to out: when out is pred (in place, as a delta on
         # its base's last use codes), a loop that writes out while reading pred fails LLVM's
         # runtime overlap check and runs unvectorized, at half the speed.
@@ -507,7 +541,14 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
                 continue
             width = _bit_width(np.int64(zor))
             widths[b] = width
-            _pack(sym, width, slots[b])
+            if grouped and width:
+                places, stored = places_block[:m], stored_block[:m]
+                _fill_places(bits, places, counts)
+                for j in range(m):
+                    stored[places[j]] = sym[j]
+                _pack(stored, width, slots[b])
+            else:
+                _pack(sym, width, slots[b])
             _block_stats(xb, ob, sym, width, ordinal, 0xFFFD if signs else 0xFFFE, stats[b])
 
     return encode
@@ -564,7 +605,8 @@ def n_blocks_of(n: int, block: int) -> int:
 
 def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int,
-                        dither: int | None = None, dither_signs: bool = False, first: int = 0,
+                        dither: int | None = None, dither_signs: bool = False,
+                        dither_groups: bool = False, first: int = 0,
                         scale: np.ndarray | None = None, eps: float = 0.0, floor: float = 0.0,
                         ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
@@ -574,7 +616,8 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     element in its tensor), which makes the error uniform and independent of
     the value coded (ordinal steps: at most ``MAX_DITHERED_KEY_STEP``);
     ``dither_signs`` (linear domain) folds the symbols' signs by it
-    (``_fold_sign``). An ordinal symbol never flips the value's sign.
+    (``_fold_sign``) and ``dither_groups`` stores each block's symbols grouped
+    by it (``_fill_places``). An ordinal symbol never flips the value's sign.
 
     ``scale`` (float32, one per element; linear domain, no prediction)
     gives element ``i`` the step ``step * (sqrt(scale[i]) + eps)``: Adam's
@@ -596,7 +639,7 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     widths = np.empty(n_blocks, np.uint8)
     stats = np.empty((n_blocks, N_STATS), np.float64)
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step, dither_signs)
+    seed = _seed(ordinal, dither, step, dither_signs, dither_groups)
     variant, scale, eps32, floor32 = _variant(ordinal, pred is not None, seed, scale, eps, floor, n)
     slots = _slots(n_blocks, block)
     _ENCODERS[variant](x, out if pred is None else pred, out, step_f, step_i, block, widths, slots,
@@ -647,6 +690,20 @@ def check_stream(stream: np.ndarray, n: int, block: int) -> None:
         raise ValueError(_stream_problem(status, stream, n, block))
 
 
+@njit(inline="always")
+def _ungroup(stream, pos, width, bits, stored, places, counts, q) -> None:
+    """Symbols of one block stored grouped by dither (``_fill_places``; ``bits``: the block's
+    dither hashes) from ``stream[pos:]`` at ``width`` bits, into ``q`` in element order
+    (``stored``, ``places``: room for the block's symbols and places)."""
+    if not width:
+        q[:] = 0
+        return
+    _unpack(stream, pos, width, stored)
+    _fill_places(bits, places, counts)
+    for j in range(q.shape[0]):
+        q[j] = stored[places[j]]
+
+
 def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
     """The decode kernel for one domain, prediction, dithering and per-element scaling."""
 
@@ -655,18 +712,26 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
         n = out.shape[0]
         step_k = np.float64(step_i)
         signs = _folds_signs(seed)
+        grouped = _groups_symbols(seed)
         q_block = np.empty(block, np.int32)
+        stored_block = np.empty(block, np.int32)
         bits_block = np.empty(block, np.int32)
+        places_block = np.empty(block, np.int64)
+        counts = np.empty(N_GROUPS, np.int64)
         out_block = np.empty(block, np.float32)  # as in the encoder: pred may be out
         for b in range(offsets.shape[0] - 1):
             start = b * block
             stop = min(start + block, n)
             m = stop - start
             q = q_block[:m]
-            _unpack(stream, offsets[b], np.int64(stream[b]), q)
             bits = bits_block[:m]
             if dithered:
                 _fill_dither_bits(bits, first + start, seed)
+            if grouped:
+                _ungroup(stream, offsets[b], np.int64(stream[b]), bits, stored_block[:m],
+                         places_block[:m], counts, q)
+            else:
+                _unpack(stream, offsets[b], np.int64(stream[b]), q)
             for j in range(m):
                 p = pred[start + j] if use_pred else np.float32(0.0)
                 u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
@@ -684,12 +749,12 @@ _DECODERS = {variant: _make_decoder(*variant) for variant in _VARIANTS}
 
 def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.ndarray, *,
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
-                        dither_signs: bool = False, first: int = 0,
+                        dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                         scale: np.ndarray | None = None, eps: float = 0.0,
                         floor: float = 0.0) -> None:
     """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
-    ``dither``, ``dither_signs``, ``first``, ``scale``, ``eps`` and ``floor`` are as the encoder
-    had them.
+    ``dither``, ``dither_signs``, ``dither_groups``, ``first``, ``scale``, ``eps`` and ``floor``
+    are as the encoder had them.
 
     Raises ``ValueError`` when the stream's length does not match its block
     widths, or a width is over 16, so damaged streams never index out of bounds.
@@ -699,7 +764,7 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
     if status != STREAM_OK:
         raise ValueError(_stream_problem(status, stream, n, block))
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step, dither_signs)
+    seed = _seed(ordinal, dither, step, dither_signs, dither_groups)
     variant, scale, eps32, floor32 = _variant(ordinal, pred is not None, seed, scale, eps, floor, n)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
@@ -708,15 +773,23 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
 
 
 @njit(inline="always")
-def _linear_step(values, q, width, step_f, seed, index, bits):
-    """``values`` after one linear step of symbols ``q`` (all 0 for a zero-width block),
-    dithered if ``seed >= 0``, its symbols' signs folded if ``seed`` has ``SIGNS_BIT``
-    (``index``: the first value's element index; ``bits``: room for the block's dither
-    hashes)."""
+def _linear_step(values, q, width, step_f, seed, index, bits, places, counts):
+    """``values`` after one linear step of symbols ``q`` as stored (all 0 for a zero-width
+    block), dithered if ``seed >= 0``, its symbols' signs folded if ``seed`` has ``SIGNS_BIT``
+    and grouped by dither if it has ``GROUPS_BIT`` (``index``: the first value's element index;
+    ``bits``, ``places``, ``counts``: room for the block's dither hashes, places and group
+    counts)."""
     one, zero, one32 = np.float64(1), np.float32(0.0), np.float32(1.0)
     if seed >= 0:
         _fill_dither_bits(bits, index, seed)
         signs = _folds_signs(seed)
+        if width and _groups_symbols(seed):
+            _fill_places(bits, places, counts)
+            for j in range(values.shape[0]):
+                u = _dither_of_bits(bits[j])
+                values[j] = _reconstruct(values[j], q[places[j]], False, step_f, one, u, 0.0,
+                                         _fold_sign(u, signs))
+            return
         for j in range(values.shape[0]):
             u = _dither_of_bits(bits[j])
             values[j] = _reconstruct(values[j], q[j] if width else np.int32(0), False, step_f,
@@ -786,6 +859,8 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
     run_block = np.empty(block, np.float32)
     keys_block = np.empty(block, np.float64)
     bits_block = np.empty(block, np.int32)
+    places_block = np.empty(block, np.int64)
+    counts = np.empty(N_GROUPS, np.int64)
     for b in range(n_blocks):
         start = b * block
         m = min(block, n - start)
@@ -812,7 +887,8 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
                     for j in range(m):
                         run[j] = _value_of(keys[j])
                     keyed = False
-                _linear_step(run, q, width, step_f[t], seeds[t], first + start, bits)
+                _linear_step(run, q, width, step_f[t], seeds[t], first + start, bits,
+                             places_block[:m], counts)
         if keyed:
             for j in range(m):
                 run[j] = _value_of(keys[j])
@@ -823,20 +899,23 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
 def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: list[bool],
                         steps: list[float | int], block: int, zero_start: bool,
                         dithers: list[int | None] | None = None,
-                        dither_signs: list[bool] | None = None, first: int = 0) -> None:
+                        dither_signs: list[bool] | None = None,
+                        dither_groups: list[bool] | None = None, first: int = 0) -> None:
     """Apply the packed streams of consecutive steps in order to the running values ``out``.
 
     The result is bit for bit that of calling :func:`decode_block_stream`
     once per stream, each against the previous result: the first against
     ``out`` itself, or against zero with ``zero_start``. ``ordinal``,
-    ``steps``, ``dithers`` and ``dither_signs`` (default: none) give each
-    stream's domain, step, dither seed and whether its signs are folded; all
+    ``steps``, ``dithers``, ``dither_signs`` and ``dither_groups`` (default:
+    none) give each stream's domain, step, dither seed and whether its signs
+    are folded and its symbols grouped by the dither; all
     share ``block`` and ``first``, the index of ``out``'s first element in its
     tensor.
     Raises ``ValueError`` naming the first damaged stream by its index
     before anything is written.
     """
-    seeds = np.array(kernel_seeds(len(streams), ordinal, steps, dithers, dither_signs), np.int64)
+    seeds = np.array(kernel_seeds(len(streams), ordinal, steps, dithers, dither_signs,
+                                  dither_groups), np.int64)
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
     bounds = np.zeros(len(streams) + 1, np.int64)
     np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
@@ -864,32 +943,39 @@ def _steps(ordinal: bool, step: float | int) -> tuple[np.float32, np.int64]:
 
 
 def _seed(ordinal: bool, dither: int | None, step: float | int,
-          dither_signs: bool = False) -> np.int64:
-    """The kernels' dither seed: ``dither``, with ``SIGNS_BIT`` for ``dither_signs``; -1 for
-    none."""
+          dither_signs: bool = False, dither_groups: bool = False) -> np.int64:
+    """The kernels' dither seed: ``dither``, with ``SIGNS_BIT`` for ``dither_signs`` and
+    ``GROUPS_BIT`` for ``dither_groups``; -1 for none."""
     if dither_signs and (dither is None or ordinal):
         raise ValueError("dither_signs applies to dithered streams of the linear domain")
+    if dither_groups and (dither is None or ordinal):
+        raise ValueError("dither_groups applies to dithered streams of the linear domain")
     if dither is None:
         return np.int64(-1)
     if int(dither) != dither or not 0 <= dither < 1 << 32:
         raise ValueError(f"a dither seed is an integer in [0, 2**32), got {dither!r}")
     if ordinal and step > MAX_DITHERED_KEY_STEP:
         raise ValueError(f"a dithered ordinal step is at most {MAX_DITHERED_KEY_STEP}, got {step}")
-    return np.int64(dither | (SIGNS_BIT if dither_signs else 0))
+    return np.int64(dither | (SIGNS_BIT if dither_signs else 0)
+                    | (GROUPS_BIT if dither_groups else 0))
 
 
 def kernel_seeds(n_streams: int, ordinal: list[bool], steps: list[float | int],
-                 dithers: list[int | None] | None,
-                 dither_signs: list[bool] | None) -> list[np.int64]:
+                 dithers: list[int | None] | None, dither_signs: list[bool] | None,
+                 dither_groups: list[bool] | None = None) -> list[np.int64]:
     """The kernels' seed (``_seed``) of each of ``n_streams`` consecutive streams, checked
-    against the lengths of the other lists (``dithers`` and ``dither_signs``: None for none)."""
+    against the lengths of the other lists (``dithers``, ``dither_signs`` and
+    ``dither_groups``: None for none)."""
     dithers = [None] * n_streams if dithers is None else dithers
     dither_signs = [False] * n_streams if dither_signs is None else dither_signs
-    if not n_streams == len(ordinal) == len(steps) == len(dithers) == len(dither_signs):
+    dither_groups = [False] * n_streams if dither_groups is None else dither_groups
+    if not n_streams == len(ordinal) == len(steps) == len(dithers) == len(dither_signs) \
+            == len(dither_groups):
         raise ValueError(f"{n_streams} streams, {len(ordinal)} domains, {len(steps)} steps, "
-                         f"{len(dithers)} dithers and {len(dither_signs)} dither_signs")
-    return [_seed(o, d, s, f) for o, d, s, f in zip(ordinal, dithers, steps, dither_signs,
-                                                      strict=True)]
+                         f"{len(dithers)} dithers, {len(dither_signs)} dither_signs and "
+                         f"{len(dither_groups)} dither_groups")
+    return [_seed(*args) for args in zip(ordinal, dithers, steps, dither_signs, dither_groups,
+                                         strict=True)]
 
 
 def _variant(ordinal: bool, use_pred: bool, seed: np.int64, scale: np.ndarray | None,
@@ -973,6 +1059,25 @@ def numpy_fold(q: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.where(u >= 0, -q, q)
 
 
+def numpy_places(u: np.ndarray, block: int) -> np.ndarray:
+    """``dither_groups``: where each element's symbol lies in the stream's symbol order, for
+    dither offsets ``u``: in each block, grouped by ``min(floor(8 |u|), 3)``, in element order
+    within a group."""
+    group = np.minimum(np.floor(np.abs(u.astype(np.float64)) * 8), N_GROUPS - 1)
+    places = np.empty(u.size, np.int64)
+    for start in range(0, u.size, block):
+        order = np.argsort(group[start : start + block], kind="stable")
+        places[start + order] = start + np.arange(order.size)
+    return places
+
+
+def numpy_group(q: np.ndarray, u: np.ndarray, block: int) -> np.ndarray:
+    """Symbols ``q`` in the order ``dither_groups`` stores them, for dither offsets ``u``."""
+    stored = np.empty_like(q)
+    stored[numpy_places(u, block)] = q
+    return stored
+
+
 def numpy_quantize(x: np.ndarray, pred: np.ndarray | None, *, ordinal: bool, step: float | int,
                    dither: int | None = None, dither_signs: bool = False, first: int = 0,
                    scale: np.ndarray | None = None, eps: float = 0.0,
@@ -1047,13 +1152,18 @@ def numpy_dequantize(q: np.ndarray, pred: np.ndarray | None, *, ordinal: bool,
 def numpy_decode_steps(streams: list[np.ndarray], pred: np.ndarray | None, n: int, *,
                        ordinal: list[bool], steps: list[float | int], block: int,
                        dithers: list[int | None] | None = None,
-                       dither_signs: list[bool] | None = None, first: int = 0) -> np.ndarray:
+                       dither_signs: list[bool] | None = None,
+                       dither_groups: list[bool] | None = None, first: int = 0) -> np.ndarray:
     """Running values after applying each packed stream in turn to ``pred`` (or zero)."""
     values = pred
     dithers = [None] * len(streams) if dithers is None else dithers
     dither_signs = [False] * len(streams) if dither_signs is None else dither_signs
-    for stream, o, step, dither, signs in zip(streams, ordinal, steps, dithers, dither_signs,
-                                              strict=True):
-        values = numpy_dequantize(numpy_unpack(stream, n, block), values, ordinal=o, step=step,
-                                  dither=dither, dither_signs=signs, first=first)
+    dither_groups = [False] * len(streams) if dither_groups is None else dither_groups
+    for stream, o, step, dither, signs, groups in zip(streams, ordinal, steps, dithers,
+                                                      dither_signs, dither_groups, strict=True):
+        q = numpy_unpack(stream, n, block)
+        if groups:
+            q = q[numpy_places(numpy_dither(n, dither, first), block)]
+        values = numpy_dequantize(q, values, ordinal=o, step=step, dither=dither,
+                                  dither_signs=signs, first=first)
     return np.zeros(n, np.float32) if values is None else values
