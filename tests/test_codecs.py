@@ -366,7 +366,7 @@ SCALED_QUANT = {**QUANT_BASE, "scale": "optimizer/state/w/exp_avg_sq", "eps": fl
     {**SCALED_QUANT, "floor_log2": -20}, {**SCALED_QUANT, "floor_log2": -126},  # since 2.3
     {**SCALED_QUANT, "dither": 3, "dither_signs": True, "floor_log2": 127},
     {**SCALED_QUANT, "dither": 3, "dither_signs": True, "dither_groups": True},  # since 2.5
-    {**QUANT_BASE, "pred": "base", "dither": 7, "dither_groups": True},
+    {**QUANT_BASE, "pred": "base", "dither": 7, "dither_groups": True, "block": 1 << 16},
 ])
 def test_valid_quant_params(params: dict[str, Any]) -> None:
     quant_params(params)
@@ -385,6 +385,7 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
     {**QUANT_BASE, "dither_groups": True},  # grouped by a dither it does not have
     {**QUANT_BASE, "dither": 7, "dither_groups": False}, {**QUANT_BASE, "dither": 7, "dither_groups": 1},
     {"domain": "ordinal", "pred": "base", "step": 256, "block": 64, "dither": 5, "dither_groups": True},
+    {**QUANT_BASE, "dither": 7, "dither_groups": True, "block": (1 << 16) + 1},  # too large a block
     {**QUANT_BASE, "floor_log2": -20},  # a floor shapes a scale it does not have
     {**SCALED_QUANT, "floor_log2": -127}, {**SCALED_QUANT, "floor_log2": 128},
     {**SCALED_QUANT, "floor_log2": -20.0}, {**SCALED_QUANT, "floor_log2": True},

@@ -650,6 +650,23 @@ def test_grouped_symbols_follow_the_size_of_their_dither() -> None:
     assert_bits_equal(decoded, plain_out)
 
 
+def test_grouped_symbols_in_the_largest_block() -> None:
+    """Blocks of 65536 elements, the most ``dither_groups`` allows (the kernels count places in
+    16-bit lanes): the stream is the reference's, and decodes to the reconstruction."""
+    n, block = (1 << 16) + 100, 1 << 16
+    x = (np.random.default_rng(5).standard_normal(n) * 3).astype(np.float32)
+    coding = {"ordinal": False, "step": 1.0, "block": block, "dither": 12, "dither_signs": True,
+              "dither_groups": True}
+    recon = np.empty_like(x)
+    stream, _ = encode_block_stream(x, None, recon, **coding)
+    q, expected = numpy_quantize(x, None, ordinal=False, step=1.0, dither=12, dither_signs=True)
+    assert_stream_equal(stream, Case(x, None, False, 1.0, block, False, 12, 0, True,
+                                     True).packed(q))
+    decoded = np.empty_like(x)
+    decode_block_stream(stream, None, decoded, **coding)
+    assert_bits_equal(decoded, expected)
+
+
 def test_ordinal_special_values() -> None:
     """Negatives, both zeros, subnormals, the normal/subnormal boundary and the largest finite values."""
     f32 = np.finfo(np.float32)
@@ -1072,6 +1089,10 @@ def test_step_streams_argument_checks() -> None:
                                              "linear domain"):
             decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,
                                 zero_start=False, dithers=[seed], dither_groups=[True])
+    with pytest.raises(ValueError, match="dither_groups applies to blocks of at most 65536 "
+                                         "elements, got 65537"):
+        decode_step_streams([stream], out, ordinal=[False], steps=[1.0], block=(1 << 16) + 1,
+                            zero_start=False, dithers=[5], dither_groups=[True])
     for ordinal, seed in ((True, -1), (False, -1), (False, 2**32)):
         with pytest.raises(ValueError, match="dither seed"):
             decode_step_streams([stream], out, ordinal=[ordinal], steps=[1], block=4,

@@ -59,7 +59,7 @@ from deltackpt.codecs.quant import (
     STAT_NONZERO,
     STAT_SUM_SQ,
     STAT_SUM_SQ_ERR,
-    codes_given_dither,
+    dither_context,
     on_device,
     quant_chunk,
     zero_lost,
@@ -303,11 +303,10 @@ class DeviceDelta:
         recon = encoder.running(name)[lo:hi]
         scale = None if coding.scale is None else encoder.running(coding.scale[0])[lo:hi]
         pred = encoder.base_values(name)[lo:hi] if coding.with_base else None
-        given = codes_given_dither(coding.ordinal, coding.dither)
         coded = self._gpu.encode_on_device(
             x[lo:hi], pred, recon, ordinal=coding.ordinal,
             step=coding.step, block=coding.block, dither=coding.dither,
-            dither_signs=given, dither_groups=given, first=lo, scale=scale,
+            **dither_context(coding.ordinal, coding.dither, coding.block), first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1],
             floor=0.0 if coding.scale is None else coding.scale[2])
         chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded,

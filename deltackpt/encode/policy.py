@@ -428,7 +428,7 @@ class Sample:
             q = np.rint((self.values - (np.floor((u + 0.5) * step) - np.floor(step / 2))) / step)
         else:
             q = np.rint(self.values / step + u)
-            if self.dither is not None:  # as codecs.quant.codes_given_dither has it
+            if self.dither is not None:  # as codecs.quant.dither_context has it
                 q = numpy_fold(q, u)
         q = q[np.isfinite(q)]
         if q.size == 0:

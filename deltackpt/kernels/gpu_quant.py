@@ -143,7 +143,7 @@ def _group_rank(g, k, at, counts):
 def _places(rows, c0, n, first, seed, BLOCK: tl.constexpr, ROWS: tl.constexpr,
             COLS: tl.constexpr):
     """``dither_groups``' place of each element of columns ``c0 ...`` of blocks ``rows`` in its
-    block's symbols (``kernels.quant._fill_places``): the elements of smaller groups in the
+    block's symbols (``kernels.quant._group_lanes``): the elements of smaller groups in the
     whole block and of the same group in earlier columns come first, counted again over the
     block's columns (a block of up to 1024 elements, the default, is one tile)."""
     zero = tl.zeros([ROWS], tl.int32)
@@ -553,7 +553,7 @@ def encode_on_device(x: torch.Tensor, pred: torch.Tensor | None, out: torch.Tens
     if pred is not None:
         _check_tensor("pred", pred, None, n)
     step_f, step_i = _steps(ordinal, step)
-    seed = _seed(ordinal, dither, step, dither_signs, dither_groups)
+    seed = _seed(ordinal, dither, step, block, dither_signs, dither_groups)
     check_scaling(scale is not None, not (ordinal or pred is not None),
                   "the linear domain, without prediction", eps, floor)
     if scale is not None:
@@ -671,7 +671,8 @@ def apply_streams(streams: DeviceStreams, out: torch.Tensor, *, ordinal: list[bo
     _check_tensor("out", out, device, n)
     if pred is not None:
         _check_tensor("pred", pred, device, n)
-    seeds = kernel_seeds(n_steps, ordinal, steps, dithers, dither_signs, dither_groups)
+    seeds = kernel_seeds(n_steps, ordinal, steps, streams.block, dithers, dither_signs,
+                         dither_groups)
     check_scaling(scale is not None, n_steps == 1 and not ordinal[0] and zero_start,
                   "one stream of the linear domain, without prediction", eps, floor)
     if scale is not None:
