@@ -268,10 +268,10 @@ def _scaling(params: dict) -> dict:
             "floor": 2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0}
 
 
-def _encode_job(job) -> tuple[np.ndarray, np.ndarray]:
+def _encode_job(job, recon: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     _, params, x, pred, scale, first = job
-    return encode_block_stream(x, pred, np.empty_like(x), **_kernel_args(params, first),
-                               scale=scale, **_scaling(params))
+    return encode_block_stream(x, pred, np.empty_like(x) if recon is None else recon,
+                               **_kernel_args(params, first), scale=scale, **_scaling(params))
 
 
 def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
@@ -284,7 +284,8 @@ def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
     out[:] = 0 if pred is None else pred
     decode_step_streams([stream], out, ordinal=[args["ordinal"]], steps=[args["step"]],
                         block=args["block"], zero_start=pred is None, dithers=[args["dither"]],
-                        dither_signs=[args["dither_signs"]], first=first)
+                        dither_signs=[args["dither_signs"]],
+                        dither_groups=[args["dither_groups"]], first=first)
 
 
 def test_kernel_cost_by_class(saved_delta) -> None:
@@ -292,9 +293,13 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     elements, on one thread, in ns an element: what a save and a restore pay a class,
     whatever the core count. Medians of ROUNDS rounds of every class."""
     classes = sorted({job[0] for job in saved_delta})
-    streams = [_encode_job(job)[0] for job in saved_delta]
-    packed = [zstd_compress(s, packed=True) for s in streams]
     outs = [np.empty_like(job[2]) for job in saved_delta]
+    streams = [_encode_job(job, recon)[0] for job, recon in zip(saved_delta, outs, strict=True)]
+    for i, job in enumerate(saved_delta):  # what is timed decodes to what was encoded
+        recon = outs[i].copy()
+        _decode_job(job, streams[i], outs[i])
+        assert np.array_equal(outs[i].view(np.uint32), recon.view(np.uint32)), job[0]
+    packed = [zstd_compress(s, packed=True) for s in streams]
     work = {
         "memcpy": lambda i: np.copyto(outs[i], saved_delta[i][2]),
         "encode kernel": lambda i: _encode_job(saved_delta[i]),

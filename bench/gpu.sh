@@ -153,12 +153,12 @@ print(f"device-to-device copy of x: {t_copy * 1e3:.2f} ms, {2 * n * 4 / t_copy /
 
 cases = {  # as the writer codes weights, exp_avg_sq and exp_avg
     "weights (linear, pred, dither)": dict(x=x, pred=pred, ordinal=False, step=float(np.float32(1e-4)),
-                                           dither=1, dither_signs=True),
+                                           dither=1, dither_signs=True, dither_groups=True),
     "exp_avg_sq (ordinal, pred)": dict(x=v, pred=v * 1.01, ordinal=True, step=1 << 16),
     "exp_avg (linear, scaled, dither)": dict(x=m, pred=None, ordinal=False,
                                              step=float(np.float32(0.05)), scale=v,
                                              eps=float(np.float32(1e-8)), dither=2,
-                                             dither_signs=True),
+                                             dither_signs=True, dither_groups=True),
 }
 for name, case in cases.items():
     case = dict(case)
@@ -182,7 +182,8 @@ for name, case in cases.items():
     recon = torch.empty_like(xx)
     uploaded = gpu_quant.upload_streams([stream], n, block, dev)
     decode = dict(ordinal=[case["ordinal"]], steps=[case["step"]], dithers=[case.get("dither")],
-                  dither_signs=[case.get("dither_signs", False)], zero_start=pp is None,
+                  dither_signs=[case.get("dither_signs", False)],
+                  dither_groups=[case.get("dither_groups", False)], zero_start=pp is None,
                   pred=pp, scale=case.get("scale"), eps=case.get("eps", 0.0))
     t_dec = timed(lambda: gpu_quant.apply_streams(uploaded, recon, **decode))
     t_dec_host = timed(lambda: gpu_quant.decode_block_stream(stream, pp, recon, block=block,

@@ -25,7 +25,10 @@ the device, with no host synchronisation between them:
    a block of at most 1024 elements (the default block) is one tile, whose
    symbols the kernel packs in registers into the block's slot (eight
    symbols make ``width`` bytes: byte ``k`` of every group of eight at a
-   time); a larger block's zigzag symbols go to device memory (uint16).
+   time); a larger block's zigzag symbols go to device memory (uint16), as
+   do those of a block grouped by dither (``dither_groups``), each at its
+   place in the block (``_places``: counts of each group along the block's
+   columns).
 2. ``torch.cumsum`` of the byte lengths: each block's offset in the stream.
 3. ``_pack_kernel``: on the same tiles, writes each block's width byte and
    its packed bits from its offset: copied from its slot, or packed from
@@ -37,8 +40,8 @@ statistics cross PCIe (:func:`encode_block_stream` reads its length, the one
 synchronisation, then copies exactly that many bytes). Device memory
 traffic of an encode against a prediction: 12 bytes an element (read ``x``
 and the prediction, write the reconstruction) and three times the packed
-bytes (``width / 8`` an element); 4 more for blocks over 1024 elements (the
-symbols written and read back).
+bytes (``width / 8`` an element); 4 more for blocks over 1024 elements and
+grouped ones (the symbols written and read back).
 
 ``_decode_kernel`` decodes one stream, or the streams of consecutive steps
 of a chunk (the end of a restore chain): a tile's running values stay in
