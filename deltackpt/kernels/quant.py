@@ -19,7 +19,9 @@ Symbols are zigzag-mapped (0, -1, 1, -2, ... to 0, 1, 2, 3, ...) and packed
 LSB first at a width chosen per block of ``block`` elements: the width of
 the block's largest symbol, 0 for an all-zero block, at most 16. The
 packed stream is the block widths (one byte each) followed by every block's
-bits, each block starting on a byte boundary.
+bits, each block starting on a byte boundary; a dithered stream of the
+linear domain may hold each block's symbols grouped by the size of their
+dither offsets (``_group_lanes``).
 
 :func:`encode_block_stream` is the fused encoder: one pass reads each
 input once and computes residual, symbol, block width, packed bits, the new
@@ -968,9 +970,8 @@ def kernel_seeds(n_streams: int, ordinal: list[bool], steps: list[float | int], 
                  dithers: list[int | None] | None, dither_signs: list[bool] | None,
                  dither_groups: list[bool] | None = None) -> list[np.int64]:
     """The kernels' seed (``_seed``) of each of ``n_streams`` consecutive streams of
-    ``block``-element blocks, checked
-    against the lengths of the other lists (``dithers``, ``dither_signs`` and
-    ``dither_groups``: None for none)."""
+    ``block``-element blocks, checked against the lengths of the other lists (``dithers``,
+    ``dither_signs`` and ``dither_groups``: None for none)."""
     dithers = [None] * n_streams if dithers is None else dithers
     dither_signs = [False] * n_streams if dither_signs is None else dither_signs
     dither_groups = [False] * n_streams if dither_groups is None else dither_groups
