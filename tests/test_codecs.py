@@ -406,12 +406,35 @@ def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
     recon = np.empty_like(x)
     chunk, _ = encode_quant(x, pred, recon, ordinal=False, step=0.03125, block=1024, dither=9)
     stream, _ = encode_block_stream(x, pred, np.empty_like(x), ordinal=False, step=0.03125,
-                                    block=1024, dither=9, dither_signs=True, dither_groups=True)
-    # every dithered linear chunk folds its signs and groups its symbols by the dither
-    assert chunk.params["dither_signs"] is chunk.params["dither_groups"] is True
+                                    block=1024, dither=9, dither_signs=True)
+    # every dithered linear chunk folds its signs by the dither; one coded against its base
+    # does not group its symbols by it
+    assert chunk.params["dither_signs"] is True and "dither_groups" not in chunk.params
     frame = bytes(chunk.parts[0])
     assert frame == zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
     assert _spec_zstd(frame, stream.nbytes) == stream.tobytes()
     out = pred.copy()
     decode_quant(memoryview(frame), chunk.params, out, out, first=0)
     assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))
+
+
+def test_quant_chunks_from_zero_group_their_symbols_by_dither() -> None:
+    """A dithered chunk coded from zero (a first moment, mostly within a step) stores its
+    symbols grouped by the dither's size (``dither_groups``, FORMAT.md 3.2) in blocks of up to
+    65536 elements, and decodes to the encoder's reconstruction; a larger block is not
+    grouped."""
+    x = (np.random.default_rng(4).standard_normal(70_000) * 0.2).astype(np.float32)
+    for block, grouped in ((1024, True), (1 << 16, True), ((1 << 16) + 1, False)):
+        recon = np.empty_like(x)
+        chunk, _ = encode_quant(x, None, recon, ordinal=False, step=1.0, block=block, dither=3,
+                                first=5)
+        assert chunk.params["dither_signs"] is True
+        assert chunk.params.get("dither_groups", False) is grouped, block
+        stream, _ = encode_block_stream(x, None, np.empty_like(x), ordinal=False, step=1.0,
+                                        block=block, dither=3, dither_signs=True,
+                                        dither_groups=grouped, first=5)
+        assert bytes(chunk.parts[0]) == \
+            zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
+        out = np.full_like(x, np.nan)
+        decode_quant(memoryview(bytes(chunk.parts[0])), chunk.params, None, out, first=5)
+        assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))

@@ -306,7 +306,8 @@ class DeviceDelta:
         coded = self._gpu.encode_on_device(
             x[lo:hi], pred, recon, ordinal=coding.ordinal,
             step=coding.step, block=coding.block, dither=coding.dither,
-            **dither_context(coding.ordinal, coding.dither, coding.block), first=lo, scale=scale,
+            **dither_context(coding.ordinal, coding.dither, coding.block, coding.with_base),
+            first=lo, scale=scale,
             eps=0.0 if coding.scale is None else coding.scale[1],
             floor=0.0 if coding.scale is None else coding.scale[2])
         chunk = _Chunk(name, spec, start, stop - start, lo, hi, coded,
