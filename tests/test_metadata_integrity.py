@@ -291,6 +291,56 @@ def test_invalid_metadata_is_refused_when_read(ckpt: Path, case: str) -> None:
     assert len(report[FULL]) == 1 and str(path) in report[FULL][0]
 
 
+# Each typed field of a tensor, fragment and chunk, given a value of another type: what the
+# parser's one test of all fields must send on to the checks that name the field.
+FIELDS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str, Any]] = {
+    "chunk file a bool": (lambda m: _chunks(m, "model/0.weight")[0], "file", True),
+    "chunk offset negative": (lambda m: _chunks(m, "model/0.weight")[0], "offset", -1),
+    "chunk length a float": (lambda m: _chunks(m, "model/0.weight")[0], "length", 4.0),
+    "chunk raw_offset 2**63": (lambda m: _chunks(m, "model/0.weight")[0], "raw_offset", 2**63),
+    "chunk raw_length missing": (lambda m: _chunks(m, "model/0.weight")[0], "raw_length", None),
+    "chunk codec a number": (lambda m: _chunks(m, "model/0.weight")[0], "codec", 1),
+    "chunk params a list": (lambda m: _chunks(m, "model/0.weight")[0], "params", []),
+    "chunk xxh3 a number": (lambda m: _chunks(m, "model/0.weight")[0], "xxh3", 7),
+    "chunk raw_xxh3 missing": (lambda m: _chunks(m, "model/0.weight")[0], "raw_xxh3", None),
+    "fragment offsets a number": (lambda m: _tensor(m, "model/0.weight")["fragments"][0],
+                                  "offsets", 0),
+    "fragment sizes holding a bool": (lambda m: _tensor(m, "model/0.weight")["fragments"][0],
+                                      "sizes", [True, 8]),
+    "fragment chunks an object": (lambda m: _tensor(m, "model/0.weight")["fragments"][0],
+                                  "chunks", {}),
+    "tensor name a number": (lambda m: _tensor(m, "model/0.weight"), "name", 0),
+    "tensor role missing": (lambda m: _tensor(m, "model/0.weight"), "role", None),
+    "tensor dtype a list": (lambda m: _tensor(m, "model/0.weight"), "dtype", ["float32"]),
+    "tensor shape negative": (lambda m: _tensor(m, "model/0.weight"), "shape", [-1, 8]),
+    "tensor fqn a number": (lambda m: _tensor(m, "model/0.weight"), "fqn", 3),
+    "tensor state_key a list": (lambda m: _tensor(m, "model/0.weight"), "state_key", []),
+    "tensor alias_of a bool": (lambda m: _tensor(m, "model/0.weight"), "alias_of", False),
+    "tensor fragments missing": (lambda m: _tensor(m, "model/0.weight"), "fragments", None),
+}
+
+
+@pytest.mark.parametrize("case", list(FIELDS))
+def test_a_field_of_another_type_is_refused_by_name(ckpt: Path, case: str) -> None:
+    """A tensor's, fragment's or chunk's field of the wrong type (a bool for an int, a number
+    out of range, missing) is a FormatError naming the file, the tensor and the field."""
+    node_of, key, value = FIELDS[case]
+
+    def edit(m: dict[str, Any]) -> None:
+        node = node_of(m)
+        if value is None:
+            del node[key]
+        else:
+            node[key] = value
+
+    path = edit_metadata(_path(ckpt, FULL), edit)
+    with pytest.raises(FormatError) as info:
+        read_metadata(open_storage(str(ckpt)), FULL)
+    message = str(info.value)
+    assert str(path) in message and f"field {key!r}" in message
+    assert "'model/0.weight'" in message or key == "name"
+
+
 @pytest.mark.parametrize("elem", [[], [4], 4.0, {"a": 1}], ids=["[]", "[4]", "4.0", "object"])
 def test_codec_params_of_another_type_are_a_format_error(ckpt: Path, elem: Any) -> None:
     """A byteplane chunk whose element size is not an integer fails its restore with FormatError
