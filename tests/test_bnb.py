@@ -308,15 +308,16 @@ def test_real_run_ratio_and_resumed_loss(real_runs: Callable[[str], RealRun], na
 def test_gc_keeps_what_kept_steps_restore_to(tmp_path: Path, one_torch_thread: None) -> None:
     """A kept delta whose base is rewritten as a full step (its 8-bit moments stored requantized,
     no longer their running values) is rewritten too, and restores to what it did."""
-    model = _model(hidden=128)  # deltas small enough against a full step for the gc to rewrite
+    model = _model(hidden=128)
     optimizer = _optimizer("AdamW8bit", model)
-    with CheckpointManager(tmp_path / "ckpt", full_every=10) as mgr:
-        for step in range(1, 9):
+    # deltas enough against a full step for the gc to rewrite rather than hold their chain
+    with CheckpointManager(tmp_path / "ckpt", full_every=20) as mgr:
+        for step in range(1, 13):
             _train(model, optimizer, 1)
             mgr.save(step, model=model, optimizer=optimizer)
-        before = {s: mgr.restore(s).optimizer["state"] for s in (7, 8)}
-        mgr.gc("last=2")
-        assert mgr.steps() == [7, 8]
+        before = {s: mgr.restore(s).optimizer["state"] for s in (11, 12)}
+        assert mgr.gc("last=2").rewritten == [11, 12]
+        assert mgr.steps() == [11, 12]
         assert not any(mgr.verify(deep=True).values())
         for step, state in before.items():
             after = mgr.restore(step).optimizer["state"]

@@ -811,6 +811,54 @@ def test_unknown_optimizer_state_is_exact(ckpt: Path, capsys: pytest.CaptureFixt
     assert "stored exactly (meaning unknown): acc_delta" in capsys.readouterr().out
 
 
+def test_exact_tensors_unchanged_since_their_base_store_nothing(ckpt: Path) -> None:
+    """A tensor stored exactly whose bytes its base step restores too (numpy's and Python's RNG
+    states while the run draws none, an integer buffer) is an ``unchanged`` chunk of no bytes
+    (FORMAT.md 3.5), against whichever step the hierarchy codes it against; once drawn from,
+    its RNG state is stored again. Every step restores the states and buffers it saved."""
+    def net() -> nn.Module:
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+        model.register_buffer("index", torch.arange(500))
+        return model
+
+    torch.manual_seed(0)
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved, rngs = {}, {}
+    with CheckpointManager(ckpt, full_every=8, depth=3) as mgr:
+        for step in range(8):
+            train(model, optimizer)
+            if step == 4:
+                np.random.rand(3)
+                random.random()
+            rngs[step] = (np.random.get_state()[1].copy(), random.getstate())
+            mgr.save(step, model, optimizer)
+            saved[step] = snapshot(model, optimizer)
+        metas = {step: mgr.metadata(step) for step in mgr.steps()}
+    assert len({m.base_step for m in metas.values()}) > 2  # a hierarchy, not a single chain
+    for step, meta in metas.items():
+        codecs = {r.name: {c.codec for f in r.fragments for c in f.chunks} for r in meta.tensors}
+        drawn = step == 4 or (meta.base_step is not None and meta.base_step < 4 <= step)
+        expected = "unchanged" if meta.kind == "delta" else None
+        assert (codecs["model/index"] == {"unchanged"}) == (expected is not None), step
+        for name in ("rng/numpy/1", "rng/python/1"):
+            assert (codecs[name] == {"unchanged"}) == (expected is not None and not drawn), \
+                (step, name)
+        assert codecs["model/1.num_batches_tracked"] != {"unchanged"}  # it counts the steps
+        stored = {c.codec: c.length for r in meta.tensors for f in r.fragments for c in f.chunks}
+        assert stored.get("unchanged", 0) == 0
+    reader = CheckpointManager(ckpt, read_only=True)
+    assert not any(reader.verify(deep=True).values())
+    for step in metas:
+        restored = reader.restore(step)
+        for name in ("model/index", "model/1.num_batches_tracked"):
+            assert_bitwise_equal(restored.tensors[name], saved[step][name], f"{step} {name}")
+        reader.load(step, net())
+        assert np.random.get_state()[1].tobytes() == rngs[step][0].tobytes()
+        assert random.getstate() == rngs[step][1]
+        assert restored.rng["python"] == rngs[step][1]  # as random.getstate() gives it
+
+
 def test_exact_state_buffers_rng_and_extra(ckpt: Path) -> None:
     """Buffers (BatchNorm running statistics included), Adam's ``step``, RNG states and
     ``extra`` (tensors included) are exact in delta steps."""

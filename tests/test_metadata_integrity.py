@@ -93,7 +93,7 @@ def test_checksum_is_the_xxh3_of_the_text_before_it(ckpt: Path, step: int) -> No
     assert head.endswith(b",")
     assert tail == b'"xxh3":"' + xxhash.xxh3_64_hexdigest(head).encode() + b'"}'
     obj = json.loads(text)
-    assert obj["format_version"] == FORMAT_VERSION == "2.5"
+    assert obj["format_version"] == FORMAT_VERSION == "2.6"
     assert list(obj)[-1] == CHECKSUM_KEY
 
 
@@ -132,7 +132,7 @@ def test_changes_the_audit_missed_are_caught(ckpt: Path, change: str) -> None:
     path = _path(ckpt, FULL)
     text = path.read_bytes()
     if change == "rng digit":
-        start = text.index(b'"python":{"$tuple":[3,{"$tuple":[') + 40
+        start = text.index(b'"numpy":{"$tuple":["MT19937",{"$ndarray":"rng/numpy/1"},')
         digit = next(i for i in range(start, len(text)) if text[i:i + 1].isdigit())
         damaged = text[:digit] + bytes([b"0123456789"[(int(text[digit:digit + 1]) + 1) % 10]]) \
             + text[digit + 1:]
@@ -237,6 +237,8 @@ INVALID: dict[str, Callable[[dict[str, Any]], None]] = {
     "chunks sharing bytes": lambda m: _chunks(m, "extra/big")[1].update(
         file=_chunks(m, "extra/big")[0]["file"], offset=_chunks(m, "extra/big")[0]["offset"]),
     "quant chunk in a full step": lambda m: _coded(m).update(codec="quant"),
+    "unchanged chunk in a full step": lambda m: _coded(m).update(codec="unchanged", length=0,
+                                                                  params={}),
     "tensor of 2**63 bytes": lambda m: _tensor(m, "extra/array").update(shape=[2**61]),
     "step beyond int64": _set(("step",), 2**64),
     "world size 0": _set(("world_size",), 0),
@@ -256,9 +258,11 @@ INVALID: dict[str, Callable[[dict[str, Any]], None]] = {
     "rng torch a list": _set((*RNG, "torch"), [1]),
     "rng torch another dtype": _set((*RNG, "torch"), {"$tensor": "extra/array"}),
     "rng numpy keys missing": lambda m: m["state"]["rng"]["numpy"]["$tuple"].__setitem__(1, 5),
-    "rng python index beyond 624": lambda m: m["state"]["rng"]["python"]["$tuple"][1][
-        "$tuple"].__setitem__(-1, 625),
-    "rng python 624 words": lambda m: m["state"]["rng"]["python"]["$tuple"][1]["$tuple"].pop(),
+    "rng python index beyond 624": _set((*RNG, "python"), {"$tuple": [3, {"$tuple": [0] * 624
+                                                                          + [625]}, None]}),
+    "rng python 624 words": _set((*RNG, "python"), {"$tuple": [3, {"$tuple": [0] * 624}, None]}),
+    "rng python words of 624 keys": lambda m: m["state"]["rng"]["python"]["$tuple"].__setitem__(
+        1, {"$ndarray": "rng/numpy/1"}),
     "unknown $tensor": _set((*EXTRA, "x"), {"$tensor": "extra/nothing"}),
     "$ndarray of bfloat16": _set((*EXTRA, "x"), {"$ndarray": "extra/half"}),
     "invalid $bytes": _set((*EXTRA, "blob"), {"$bytes": "YWJj="}),
@@ -339,6 +343,36 @@ def test_a_field_of_another_type_is_refused_by_name(ckpt: Path, case: str) -> No
     message = str(info.value)
     assert str(path) in message and f"field {key!r}" in message
     assert "'model/0.weight'" in message or key == "name"
+
+
+UNCHANGED_EDITS: dict[str, dict[str, Any]] = {
+    "storing bytes": {"offset": 0, "length": 1},
+    "with params": {"params": {"step": 1.0}},
+    "of other bytes": {"raw_xxh3": "0" * 16},
+}
+
+
+@pytest.mark.parametrize("case", list(UNCHANGED_EDITS))
+def test_damaged_unchanged_chunks_are_refused(ckpt: Path, case: str) -> None:
+    """An ``unchanged`` chunk (FORMAT.md 3.5: the bytes of its base step, stored as nothing)
+    that stores bytes or has params is a FormatError when its metadata is read; one whose
+    checksum is not that of the bytes its base restores, a CorruptionError naming the step,
+    tensor and file when restored, and a problem of the step for a deep verify."""
+    name = "rng/python/1"
+    assert [c["codec"] for c in _chunks(json.loads(_text(ckpt, DELTA)), name)] == ["unchanged"]
+    path = edit_metadata(_path(ckpt, DELTA), lambda m: _chunks(m, name)[0].update(
+        UNCHANGED_EDITS[case]))
+    mgr = CheckpointManager(ckpt, read_only=True)
+    if case == "of other bytes":
+        with pytest.raises(CorruptionError, match=rf"step {DELTA}, tensor '{name}', file "
+                           r".*: decoded bytes do not match their checksum"):
+            mgr.restore(DELTA)
+        assert mgr.verify(DELTA, deep=True)[DELTA]
+        return
+    with pytest.raises(FormatError, match="an unchanged chunk stores no bytes and has no params"
+                       ) as info:
+        mgr.restore(DELTA)
+    assert str(path) in str(info.value) and repr(name) in str(info.value)
 
 
 @pytest.mark.parametrize("elem", [[], [4], 4.0, {"a": 1}], ids=["[]", "[4]", "4.0", "object"])

@@ -50,7 +50,8 @@ def test_old_format_restores_bit_for_bit(fixture: Path, tmp_path: Path) -> None:
 def test_fixtures_exist() -> None:
     """The old-format fixtures are in the tree (a missing directory would skip every check)."""
     assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1",
-            "format-2.2", "format-2.3", "format-2.4", "format-2.5"} <= {p.name for p in FIXTURES}
+            "format-2.2", "format-2.3", "format-2.4", "format-2.5", "format-2.6"} <= {
+        p.name for p in FIXTURES}
 
 
 @pytest.mark.parametrize(("fixture", "key", "older"), [("format-2.2", "dither_signs", "2.1"),
@@ -71,4 +72,16 @@ def test_newer_params_are_refused_in_older_metadata(fixture: str, key: str, olde
     with pytest.raises(FormatError, match=rf"step-000000000002/metadata\.json: tensor '[^']+': a "
                        rf"chunk's '{key}' is of format {since}, this step's format_version "
                        rf"is {re.escape(older)}"):
+        CheckpointManager(tmp_path / "ckpt", read_only=True).restore(2)
+
+
+def test_unchanged_chunks_are_refused_in_older_metadata(tmp_path: Path) -> None:
+    """An ``unchanged`` chunk (2.6: bytes of the base step, stored as nothing) in a step that
+    says it is of format 2.5: refused when read, naming the tensor and both versions."""
+    shutil.copytree(Path(__file__).parent / "fixtures" / "format-2.6" / "ckpt", tmp_path / "ckpt")
+    edit_metadata(step_dir(tmp_path / "ckpt", 2) / "metadata.json",
+                  lambda obj: obj.update(format_version="2.5"))
+    with pytest.raises(FormatError, match=r"step-000000000002/metadata\.json: tensor '[^']+': a "
+                       r"chunk of codec 'unchanged' is of format 2\.6, this step's "
+                       r"format_version is 2\.5"):
         CheckpointManager(tmp_path / "ckpt", read_only=True).restore(2)

@@ -754,11 +754,12 @@ def test_optimizer_tensor_names_follow_the_spec(mgr: CheckpointManager) -> None:
 
 
 def test_rng_tensor_names_follow_the_spec(mgr: CheckpointManager) -> None:
-    """RNG state tensors are named ``rng/torch`` and ``rng/numpy/1`` (FORMAT.md 2.3), role ``rng``."""
+    """RNG state tensors are named ``rng/torch``, ``rng/numpy/1`` and ``rng/python/1`` (FORMAT.md
+    2.3), role ``rng``."""
     mgr.save(0, rng=True)
     records = mgr.metadata(0).tensors
     assert {r.role for r in records} == {"rng"}
-    assert sorted(r.name for r in records) == ["rng/numpy/1", "rng/torch"]
+    assert sorted(r.name for r in records) == ["rng/numpy/1", "rng/python/1", "rng/torch"]
 
 
 def test_metadata_describes_the_step(mgr: CheckpointManager, ckpt_dir: Path) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import xxhash
 
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
@@ -40,6 +41,7 @@ from deltackpt.codecs.quant import (
     encode_quant,
     numpy_dither,
 )
+from deltackpt.codecs.unchanged import encode_unchanged
 from deltackpt.encode.cost import expected_steps
 from deltackpt.encode.optimizers import (
     MOMENTUM_BUFFERS,
@@ -279,6 +281,7 @@ class StepEncoder:
         self._base_values: dict[str, np.ndarray | torch.Tensor] = {} if base is None \
             else base.values
         self._values = self._base_values if in_place else {}
+        self._digests: dict[tuple[str, int], tuple[int, str]] = {}  # Reconstruction.digests
         # Chunks coded before the write (on a device, :mod:`deltackpt.encode.device`), by
         # (tensor, raw offset): what finishes each, as this encoder's __call__ returns
         self.coded_before: dict[tuple[str, int], Callable[[], tuple[EncodedChunk,
@@ -631,10 +634,7 @@ class StepEncoder:
                 return chunk, raw
         coding = self.quant_coding(record.name)
         if coding is None:
-            chunk = encode_lossless(raw, spec)
-            self._keep_exact(record, plan, raw, lo, hi)
-            self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
-            return chunk, raw
+            return self._exact(record, plan, spec, raw_offset, raw, lo, hi)
         bnb = plan.bnb
         x = self._dequantized[record.name][lo:hi] if bnb else float32_values(raw, record.dtype)
         recon = self.running(record.name)[lo:hi]
@@ -668,6 +668,27 @@ class StepEncoder:
                                    int(stats[:, STAT_NONZERO].sum()))
         self.count_coded(record.name, chunk, raw_offset, raw.size, hi - lo, stats, rounded)
         return chunk, decoded
+
+    def _exact(self, record: TensorRecord, plan: _Plan, spec: DTypeSpec, raw_offset: int,
+               raw: np.ndarray, lo: int, hi: int) -> tuple[EncodedChunk, PendingDigest]:
+        """A chunk stored exactly: as ``unchanged`` (nothing) where the tensor has no running
+        values, this process writes it whole (a tensor sharded over ranks may be scaled in
+        another rank's part, and no chunk of a scaled tensor is unchanged) and the base step
+        restores the very same bytes (FORMAT.md 3.5); else losslessly. Returns the digest of
+        its bytes, which the next delta compares with its own."""
+        digest = xxhash.xxh3_64(raw)
+        known = (raw.size, digest.hexdigest())
+        whole = not plan.lossy and self._numel[record.name] == record.numel
+        if whole and self.is_delta and self.base.digests.get((record.name, raw_offset)) == known:
+            chunk = encode_unchanged()
+        else:
+            chunk = encode_lossless(raw, spec)
+        self._keep_exact(record, plan, raw, lo, hi)
+        if whole and self.keep:
+            with self._lock:
+                self._digests[record.name, raw_offset] = known
+        self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
+        return chunk, digest
 
     def count_coded(self, name: str, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
                     elements: int, stats: np.ndarray, rounded: np.ndarray | None = None) -> None:
@@ -797,7 +818,7 @@ class StepEncoder:
         chain = (self.base.chain if self.base is not None else []) + [step]
         scaled = frozenset(name for name, plan in self._plans.items() if plan.scale is not None)
         return Reconstruction(step, deltas, self.layout, self._values, save_id, errors, chain,
-                              scaled=scaled)
+                              scaled=scaled, digests=self._digests)
 
     def learn(self) -> None:
         """Tell the target-ratio controller what this save stored."""

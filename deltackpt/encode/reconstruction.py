@@ -27,7 +27,9 @@ class Reconstruction:
     ``resumed`` marks the values training was loaded with: like a full
     step's, they are the training state itself. ``scaled`` names the
     tensors coded with scaled steps in this step, which no later delta may
-    code against (FORMAT.md 3.2).
+    code against (FORMAT.md 3.2). ``digests`` holds the raw length and ``raw_xxh3`` of
+    chunks of the step, by tensor and raw offset in the fragment this process writes: a
+    later delta stores a chunk of the same bytes as ``unchanged`` (FORMAT.md 3.5).
     """
 
     step: int
@@ -39,3 +41,4 @@ class Reconstruction:
     chain: list[int] = field(default_factory=list)
     resumed: bool = False
     scaled: frozenset[str] = frozenset()
+    digests: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)

@@ -29,7 +29,7 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "2.5"
+FORMAT_VERSION = "2.6"
 SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 tensors (FORMAT.md 3.2)
 # quant params a version before the one given has not: a reader of it would decode their chunks
 # otherwise (FORMAT.md 3.2)
@@ -37,6 +37,8 @@ QUANT_PARAMS_SINCE = {"dither_signs": (2, 2),  # symbols' signs folded by the di
                       "floor_log2": (2, 3),  # scaled steps shaped by the scale
                       "zeros": (2, 4),  # elements restored as exactly zero
                       "dither_groups": (2, 5)}  # each block's symbols grouped by the dither
+UNCHANGED = "unchanged"  # the codec of a chunk of bytes its base step holds (FORMAT.md 3.5)
+CODECS_SINCE = {UNCHANGED: (2, 6)}  # codecs a version before the one given has not
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
@@ -54,7 +56,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a compressed metadata.json starts with it (F
 MAX_METADATA_BYTES = 1 << 28  # of a metadata.json's JSON text, compressed or not
 MAX_METADATA_INFLATION = 64  # of a compressed one's text over its frame
 LOSSLESS_CODECS = ("raw", "zstd", "huffman", "byteplane")
-DELTA_CODECS = ("quant", "cast", "bnb8")  # delta steps only (FORMAT.md 3)
+DELTA_CODECS = ("quant", "cast", "bnb8", UNCHANGED)  # delta steps only (FORMAT.md 3)
 # No chunk of a lossless codec decodes to more than this many bytes per stored byte: a zstd block
 # of 128 KiB takes at least 4 bytes, a huffman block of 65536 symbols 2.
 MAX_EXPANSION = 1 << 15
@@ -395,6 +397,9 @@ def _parse_chunk(obj: Any, files: list[DataFile], kind: str) -> Chunk:
                           f"{chunk.raw_length}")
     if kind == "full" and chunk.codec in DELTA_CODECS:
         raise FormatError(f"codec {chunk.codec!r} belongs to delta steps")
+    if chunk.codec == UNCHANGED and (chunk.length or chunk.params):
+        raise FormatError(f"an unchanged chunk stores no bytes and has no params, found "
+                          f"{chunk.length} bytes and params {shown(chunk.params)}")
     if chunk.params:
         check_plain(chunk.params, 3, "params")
     return chunk
@@ -603,7 +608,21 @@ def _parse_step(obj: Any) -> StepMetadata:
     newer = [key for key, since in QUANT_PARAMS_SINCE.items() if version < since]
     if newer:
         _refuse_newer_params(meta, newer)
+    if any(version < since for since in CODECS_SINCE.values()):
+        _refuse_newer_codecs(meta, version)
     return meta
+
+
+def _refuse_newer_codecs(meta: StepMetadata, version: tuple[int, int]) -> None:
+    """Refuse a chunk of a codec of a version later than the metadata's (an ``unchanged``
+    chunk in a 2.5 step): a writer of that version wrote none."""
+    for record in meta.tensors:
+        for chunk in (c for f in record.fragments for c in f.chunks):
+            since = CODECS_SINCE.get(chunk.codec)
+            if since is not None and version < since:
+                raise FormatError(f"tensor {shown(record.name)}: a chunk of codec "
+                                  f"{chunk.codec!r} is of format {'.'.join(map(str, since))}, "
+                                  f"this step's format_version is {meta.format_version}")
 
 
 def _refuse_newer_params(meta: StepMetadata, keys: list[str]) -> None:
@@ -725,9 +744,14 @@ def _check_rng(rng: Any, records: dict[str, TensorRecord]) -> None:
         raise FormatError("numpy's state must be ('MT19937', 624 uint32 keys, position, "
                           "has_gauss, cached_gaussian)")
     python_state = _tagged(rng.get("python"), "$tuple")
-    words = _tagged(python_state[1], "$tuple") \
-        if isinstance(python_state, list) and len(python_state) == 3 else None
-    if not (isinstance(words, list) and len(words) == 625 and python_state[0] == 3
-            and all(w.__class__ is int and 0 <= w < 2**32 for w in words) and words[-1] <= 624
+    fields = isinstance(python_state, list) and len(python_state) == 3
+    words = _tagged(python_state[1], "$tuple") if fields else None
+    array = records.get(_tagged(python_state[1], "$ndarray")) if fields else None  # since 2.6
+    if not (fields and python_state[0] == 3
+            and ((isinstance(words, list) and len(words) == 625
+                  and all(w.__class__ is int and 0 <= w < 2**32 for w in words)
+                  and words[-1] <= 624)
+                 or (array is not None and array.dtype == "uint32" and array.shape == [625]))
             and (python_state[2] is None or python_state[2].__class__ in (int, float))):
-        raise FormatError("random's state must be (3, 625 words of 32 bits, gauss_next)")
+        raise FormatError("random's state must be (3, 625 words of 32 bits, gauss_next), its "
+                          "words a list or a uint32 array")

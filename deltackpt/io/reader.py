@@ -470,8 +470,9 @@ def _chain_only_codecs() -> tuple[str, ...]:
     from deltackpt.codecs.bnb8 import NAME as BNB8
     from deltackpt.codecs.cast import NAME as CAST
     from deltackpt.codecs.quant import NAME as QUANT
+    from deltackpt.codecs.unchanged import NAME as UNCHANGED
 
-    return QUANT, CAST, BNB8
+    return QUANT, CAST, BNB8, UNCHANGED
 
 
 def _all_chunks(meta: StepMetadata) -> Iterator[tuple[TensorRecord, Chunk]]:

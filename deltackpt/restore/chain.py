@@ -40,12 +40,14 @@ from deltackpt.codecs.cast import CAST_DTYPES, cast_source
 from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.codecs.quant import (
+    QuantStream,
     apply_quant_streams,
     decode_quant,
     quant_stream,
     scale_source,
     uses_base,
 )
+from deltackpt.codecs.unchanged import NAME as UNCHANGED
 from deltackpt.encode.optimizers import bnb_states
 from deltackpt.encode.policy import LOSSY_DTYPES
 from deltackpt.encode.reconstruction import Reconstruction
@@ -77,6 +79,8 @@ def _self_contained(chunk: Chunk) -> bool:
     """Whether a chunk decodes without its base step (FORMAT.md 5)."""
     if chunk.codec == bnb8.NAME:
         return bnb8.self_contained(chunk.params)
+    if chunk.codec == UNCHANGED:
+        return False
     return chunk.codec != QUANT or not uses_base(chunk.params)
 
 
@@ -184,28 +188,41 @@ def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
     """Decode a range through its links; every stored chunk and the result are checked."""
     links = task.links
     first, last = links[0], links[-1]
-    if first.chunk.codec != QUANT:  # stored exactly: the range starts over from it
+    if first.chunk.codec not in (QUANT, UNCHANGED):  # stored exactly: the range starts over
         sources[first.depth].decode(first.record, first.chunk, task.out)
         if task.state is not None and first.record.dtype != "float32":  # else a view of out
             task.state[:] = float32_values(task.out, first.record.dtype)
         links = links[1:]
-        if not links:
-            return
-    if task.state is None:
-        raise CorruptionError(f"{sources[last.depth].where(last.record, last.chunk)}: quant "
-                              f"chunk on a {last.record.dtype} tensor")
-    streams = []
+    streams: list[QuantStream] = []
     for link in links:
         source = sources[link.depth]
+        if link.chunk.codec == UNCHANGED:  # the bytes of the step before: running values follow
+            _apply_streams(streams, task, link.record.dtype)
+            source.check_raw(link.record, link.chunk, task.out)
+            if task.state is not None and link.record.dtype != "float32":
+                task.state[:] = float32_values(task.out, link.record.dtype)
+            continue
+        if task.state is None:
+            raise CorruptionError(f"{source.where(link.record, link.chunk)}: quant chunk on a "
+                                  f"{link.record.dtype} tensor")
         stored = source.stored(link.record, link.chunk)
         try:
             streams.append(quant_stream(stored, link.chunk.params, task.state.shape[0]))
         except DeltackptError as exc:
             raise type(exc)(f"{source.where(link.record, link.chunk)}: {exc}") from None
+    _apply_streams(streams, task, last.record.dtype)
+    if last.chunk.codec == QUANT:  # an exact or unchanged last link is checked above
+        sources[last.depth].check_raw(last.record, last.chunk, task.out)
+
+
+def _apply_streams(streams: list[QuantStream], task: _RangeTask, dtype: str) -> None:
+    """Apply the quant streams gathered to the range's running values and its bytes."""
+    if not streams:
+        return
     apply_quant_streams(streams, task.state, task.first)
-    if last.record.dtype != "float32":  # float32 tensors are their running values
-        task.out[:] = dtype_bytes(task.state, last.record.dtype)
-    sources[last.depth].check_raw(last.record, last.chunk, task.out)
+    if dtype != "float32":  # float32 tensors are their running values
+        task.out[:] = dtype_bytes(task.state, dtype)
+    streams.clear()
 
 
 def _range_tasks(chain: list[StepMetadata], records: list[dict[str, TensorRecord]], name: str,
@@ -460,7 +477,7 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
                                           if _scale_of(plan.final[n]) is not None)
     return {r.name: tensors[r.alias_of or r.name] for r in meta.tensors}, Reconstruction(
         meta.step, len(plan.chain) - 1, layout_of(meta), values, meta.save_id,
-        chain=[m.step for m in plan.chain], scaled=scaled)
+        chain=[m.step for m in plan.chain], scaled=scaled, digests=_digests(meta))
 
 
 def _restore_full_step(storage: Storage, meta: StepMetadata, boxes: dict[str, Box],
@@ -474,7 +491,14 @@ def _restore_full_step(storage: Storage, meta: StepMetadata, boxes: dict[str, Bo
             _state(values, record, tensors[record.name].reshape(-1))
     _dequantized_moments(meta, tensors, values, boxes)
     return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
-                                   chain=[meta.step])
+                                   chain=[meta.step], digests=_digests(meta))
+
+
+def _digests(meta: StepMetadata) -> dict[tuple[str, int], tuple[int, str]]:
+    """The raw length and ``raw_xxh3`` of the chunks of the step's tensors stored whole, by
+    tensor and raw offset (``Reconstruction.digests``)."""
+    return {(r.name, c.raw_offset): (c.raw_length, c.raw_xxh3) for r in meta.tensors
+            if len(r.fragments) == 1 for c in r.fragments[0].chunks}
 
 
 @dataclass
@@ -686,6 +710,9 @@ def _restore_derived(step: ChunkSource, task: _DerivedTask) -> None:
             raise type(exc)(f"{step.where(record, chunk)}: {exc}") from None
         if record.dtype != "float32":  # a 16-bit tensor holds its running values rounded
             task.out[:] = dtype_bytes(task.values, record.dtype)
+    elif chunk.codec == UNCHANGED:
+        raise CorruptionError(f"{step.where(record, chunk)}: an unchanged chunk in a tensor of "
+                              "scaled chunks (FORMAT.md 3.5)")
     else:
         step.decode(record, chunk, task.out)  # checked there
         return

@@ -13,6 +13,7 @@ from deltackpt.format.metadata import StepMetadata
 from deltackpt.format.state import CapturedState, CapturedTensor
 from deltackpt.format.tree import decode_tree
 from deltackpt.restore.loading import LoadReport, load_into
+from deltackpt.save.capture import python_rng_state
 from deltackpt.save.info import SaveInfo
 from deltackpt.save.standalone import save_standalone
 
@@ -51,8 +52,11 @@ class UniversalCheckpoint:
 
     @property
     def rng(self) -> dict[str, Any] | None:
-        """RNG states captured at save time."""
-        return self._tree("rng")
+        """RNG states captured at save time (``python`` as ``random.getstate`` gives it)."""
+        rng = self._tree("rng")
+        if rng is not None and "python" in rng:
+            rng["python"] = python_rng_state(rng["python"])
+        return rng
 
     def load_into(self, model: nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | None = None, *,

@@ -155,19 +155,32 @@ def _finish(table: _TensorTable, tree: dict[str, Any], rng: Any, extra: Any) -> 
 
 
 def rng_state() -> dict[str, Any]:
-    """The RNG states a training loop draws from: torch (CPU and CUDA), numpy, ``random``."""
+    """The RNG states a training loop draws from: torch (CPU and CUDA), numpy, ``random``.
+
+    ``random``'s 625 words are held in a ``uint32`` array, as numpy's keys are: stored as a
+    tensor (FORMAT.md 2.2), a delta stores them as nothing while the run draws no number from
+    ``random`` (an ``unchanged`` chunk, 3.5), where inline in the metadata they took 3 KB a
+    save. :func:`python_rng_state` gives the tuple ``random.setstate`` takes."""
+    version, words, gauss_next = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(),
                              "numpy": np.random.get_state(),
-                             "python": random.getstate()}
+                             "python": (version, np.array(words, np.uint32), gauss_next)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def python_rng_state(state: tuple) -> tuple:
+    """``random``'s state as ``random.setstate`` takes it, from :func:`rng_state`'s (its words
+    an array) or from ``random.getstate``'s (as steps of format 2.5 and earlier hold it)."""
+    version, words, gauss_next = state
+    return version, tuple(map(int, words)), gauss_next
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    random.setstate(python_rng_state(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

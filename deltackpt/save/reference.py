@@ -163,5 +163,7 @@ def resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box],
             index = box_index(part.offsets, part.sizes, origin)
             values[name] = recon.values[name].reshape(shape)[index].reshape(-1).copy()
     local = {name: part.values for name, part in mine.items()}
+    whole = {name for name in mine if len(records[name].fragments) == 1}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
-                          meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled)
+                          meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled,
+                          digests={k: d for k, d in recon.digests.items() if k[0] in whole})
