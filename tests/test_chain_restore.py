@@ -11,6 +11,7 @@ that only decoding reveals, which must still name the step, tensor and file.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -342,3 +343,30 @@ def test_a_box_of_a_tensor_stored_whole_is_rebuilt_from_its_chunks_only(
             # rows 20-29 are bytes 2560-3840: the chunks at 2048 and 3072 of every step
             assert {(n, o) for n, o in read if n in names} == {(n, o) for n in names
                                                                 for o in (2048, 3072)}
+
+
+def test_unchanged_chunk_after_quant_ones_restores_the_step_before(tmp_path: Path) -> None:
+    """An ``unchanged`` chunk (FORMAT.md 3.5) on a bfloat16 tensor whose chain codes it lossily
+    below: its bytes are those the base step restores (the running values of the quant chunks
+    before it, rounded), checked against its ``raw_xxh3``. deltackpt's writer stores no such
+    chunk (tensors with running values are coded lossily), another writer may."""
+    fixture = Path(__file__).parent / "fixtures" / "format-2.6" / "ckpt"
+    root = tmp_path / "ckpt"
+    shutil.copytree(fixture, root)
+    name = "model/5.weight"
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.metadata(4).base_step == 3
+        before = mgr.restore(3).tensors[name]
+    digest = xxhash.xxh3_64_hexdigest(before.contiguous().view(torch.uint8).numpy())
+
+    def unchanged(meta: dict) -> None:
+        record = next(t for t in meta["tensors"] if t["name"] == name)
+        (chunk,) = record["fragments"][0]["chunks"]
+        chunk.update(codec="unchanged", length=0, params={}, raw_xxh3=digest,
+                     xxh3=xxhash.xxh3_64_hexdigest(b""))
+
+    edit_metadata(step_dir(root, 4) / "metadata.json", unchanged)
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert torch.equal(mgr.restore(4).tensors[name].view(torch.int16),
+                           before.view(torch.int16))
+        assert not mgr.verify(4, deep=True)[4]
