@@ -19,4 +19,3 @@ from deltackpt.format.metadata import UNCHANGED as NAME
 def encode_unchanged() -> EncodedChunk:
     """A chunk whose raw bytes are those of the same chunk in the base step."""
     return EncodedChunk(NAME, {})
-
