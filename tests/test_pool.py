@@ -59,8 +59,12 @@ def test_threads_are_kept_across_saves_and_restores_and_stopped_on_close(tmp_pat
     mgr.close()
     assert not _pool_threads() - others, "close left threads running"
     # A closed manager still works: it starts a pool anew, which the with block stops again.
+    # Chunks of under INLINE_BYTES are decoded on the calling thread: a restore of this small
+    # model starts no thread, a save does.
     with mgr:
         assert torch.equal(mgr.restore(3).model["2.bias"], model[2].bias.detach())
+        assert not _pool_threads() - others
+        mgr.save(4, model, rng=False)
         assert len(_pool_threads() - others) == 2
     assert not _pool_threads() - others
 
