@@ -15,7 +15,7 @@ from torch import nn
 
 from deltackpt import CheckpointManager
 from deltackpt.format.metadata import step_dir_name
-from deltackpt.io.pool import THREAD_NAME_PREFIX
+from deltackpt.io.pool import INLINE_BYTES, THREAD_NAME_PREFIX
 from deltackpt.io.writer import encode_exact, new_save_id, write_data
 from deltackpt.save.capture import capture
 
@@ -45,7 +45,9 @@ def _model() -> nn.Module:
 def test_threads_are_kept_across_saves_and_restores_and_stopped_on_close(tmp_path) -> None:
     others = _others_stopped()
     model = _model()
-    mgr = CheckpointManager(tmp_path / "ckpt", full_every=3, workers=2, chunk_bytes=4096)
+    model[0] = nn.Linear(64, 2 * INLINE_BYTES // 256)  # chunks that go to the workers
+    model[2] = nn.Linear(2 * INLINE_BYTES // 256, 8)
+    mgr = CheckpointManager(tmp_path / "ckpt", full_every=3, workers=2, chunk_bytes=INLINE_BYTES)
     threads = []
     for step in range(4):
         with torch.no_grad():
@@ -59,14 +61,28 @@ def test_threads_are_kept_across_saves_and_restores_and_stopped_on_close(tmp_pat
     mgr.close()
     assert not _pool_threads() - others, "close left threads running"
     # A closed manager still works: it starts a pool anew, which the with block stops again.
-    # Chunks of under INLINE_BYTES are decoded on the calling thread: a restore of this small
-    # model starts no thread, a save does.
     with mgr:
         assert torch.equal(mgr.restore(3).model["2.bias"], model[2].bias.detach())
-        assert not _pool_threads() - others
-        mgr.save(4, model, rng=False)
         assert len(_pool_threads() - others) == 2
     assert not _pool_threads() - others
+
+
+def test_chunks_under_inline_bytes_are_decoded_on_the_calling_thread(tmp_path) -> None:
+    """Restores of chunks of under ``INLINE_BYTES`` hand none to a worker: the hand-off would
+    cost more than the chunk (saves code them on the calling thread too, and fsync their files
+    on the workers)."""
+    model = _model()
+    first = model[0].weight.detach().clone()
+    with CheckpointManager(tmp_path / "ckpt", workers=2, chunk_bytes=4096) as mgr:
+        for step in range(3):  # a full step, then deltas
+            mgr.save(step, model, rng=False)
+            with torch.no_grad():
+                model[0].weight.add_(0.01)
+    others = _others_stopped()
+    with CheckpointManager(tmp_path / "ckpt", read_only=True, workers=2) as mgr:
+        assert torch.equal(mgr.restore(0).model["0.weight"], first)
+        assert mgr.restore(2).metadata.kind == "delta"
+        assert not _pool_threads() - others
 
 
 def test_a_forked_child_runs_on_threads_of_its_own(tmp_path) -> None:

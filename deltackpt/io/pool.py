@@ -14,14 +14,17 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deltackpt.dist.group import Group
 
 THREAD_NAME_PREFIX = "deltackpt"
+# A chunk of fewer raw bytes is coded or decoded on the thread that asks for it: handed to a
+# worker, such a chunk costs more in the hand-off and its GIL switches than in its work.
+INLINE_BYTES = 1 << 18
 
 
 def default_workers() -> int:
@@ -102,6 +105,13 @@ def running(workers: Workers) -> Iterator[Executor]:
         return
     with ThreadPoolExecutor(worker_count(workers), thread_name_prefix=THREAD_NAME_PREFIX) as pool:
         yield pool
+
+
+def done(fn: Callable[..., Any], *args: Any) -> Future:
+    """A future already holding ``fn(*args)``, run on this thread (its exception propagates)."""
+    future: Future = Future()
+    future.set_result(fn(*args))
+    return future
 
 
 def drain(futures: Iterable[Future]) -> None:

@@ -49,7 +49,7 @@ from deltackpt.format.metadata import (
     parse_step_metadata,
     step_dir_name,
 )
-from deltackpt.io.pool import Workers, drain, running
+from deltackpt.io.pool import INLINE_BYTES, Workers, drain, running
 from deltackpt.io.progress import progress_bar
 from deltackpt.io.storage import RangeReader, Storage
 
@@ -399,11 +399,6 @@ def check_chunks_readable(storage: Storage, meta: StepMetadata) -> None:
                         source.stored(record, chunk)  # raises, naming step, tensor and file
     finally:
         source.close()
-
-
-# A chunk of fewer raw bytes is decoded on the thread that asks (run_chunk_tasks): handed to a
-# worker, such a chunk costs more in the hand-off and its GIL switches than in its decode.
-INLINE_BYTES = 1 << 18
 
 
 def run_chunk_tasks(tasks: list, fn, workers: Workers, description: str,

@@ -43,7 +43,7 @@ from deltackpt.format.metadata import (
     step_dir_name,
 )
 from deltackpt.format.state import CapturedState
-from deltackpt.io.pool import Workers, drain, running, worker_count
+from deltackpt.io.pool import INLINE_BYTES, Workers, done, drain, running, worker_count
 from deltackpt.io.progress import progress_bar
 from deltackpt.io.reader import read_save_id
 from deltackpt.io.retired import RetiredFiles
@@ -239,7 +239,9 @@ def write_data(storage: Storage, step: int, save_id: str, captured: CapturedStat
             for phase in sorted({0, *phases.values()}):
                 for job in _chunk_jobs([s for s in stored if phases.get(s[0].name, 0) == phase],
                                        chunk_bytes):
-                    in_flight.append((job, pool.submit(_encode_and_write, job, encoder, files)))
+                    in_flight.append((job, done(_encode_and_write, job, encoder, files)
+                                      if job.raw.size < INLINE_BYTES else
+                                      pool.submit(_encode_and_write, job, encoder, files)))
                     if len(in_flight) >= 4 * worker_count(workers):
                         collect_oldest()
                 while in_flight:
