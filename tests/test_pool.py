@@ -45,8 +45,10 @@ def _model() -> nn.Module:
 def test_threads_are_kept_across_saves_and_restores_and_stopped_on_close(tmp_path) -> None:
     others = _others_stopped()
     model = _model()
-    model[0] = nn.Linear(64, 2 * INLINE_BYTES // 256)  # chunks that go to the workers
-    model[2] = nn.Linear(2 * INLINE_BYTES // 256, 8)
+    # 16 chunks that go to the workers (with a few, one worker may finish before the next comes,
+    # and the pool starts no second thread)
+    model[0] = nn.Linear(64, 16 * INLINE_BYTES // 256)
+    model[2] = nn.Linear(16 * INLINE_BYTES // 256, 8)
     mgr = CheckpointManager(tmp_path / "ckpt", full_every=3, workers=2, chunk_bytes=INLINE_BYTES)
     threads = []
     for step in range(4):
