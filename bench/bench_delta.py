@@ -299,11 +299,11 @@ def test_kernel_cost_by_class(saved_delta) -> None:
         recon = outs[i].copy()
         _decode_job(job, streams[i], outs[i])
         assert np.array_equal(outs[i].view(np.uint32), recon.view(np.uint32)), job[0]
-    packed = [zstd_compress(s, packed=True) for s in streams]
+    packed = [zstd_compress(s, "packed") for s in streams]
     work = {
         "memcpy": lambda i: np.copyto(outs[i], saved_delta[i][2]),
         "encode kernel": lambda i: _encode_job(saved_delta[i]),
-        "zstd": lambda i: zstd_compress(streams[i], packed=True),
+        "zstd": lambda i: zstd_compress(streams[i], "packed"),
         "decode kernel": lambda i: _decode_job(saved_delta[i], streams[i], outs[i]),
         "unzstd": lambda i: zstd_decompress_bounded(memoryview(packed[i]), 3 * outs[i].size),
     }

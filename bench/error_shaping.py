@@ -187,7 +187,7 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
         stream, _ = encode_block_stream(values, None, np.empty_like(values), ordinal=False,
                                         step=g, block=CompressionConfig().block, dither=i,
                                         dither_signs=True)
-        stored += 8 * len(zstd_compress(stream, packed=True))
+        stored += 8 * len(zstd_compress(stream, "packed"))
         elements += x.numel()
     return entropy / elements, stored / elements
 

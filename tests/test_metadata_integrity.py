@@ -29,6 +29,7 @@ from deltackpt import (
     NotACheckpointError,
     StateMismatchError,
 )
+from deltackpt.codecs.lossless import METADATA_LEVEL, ZSTD_LEVEL
 from deltackpt.format.metadata import CHECKSUM_KEY, FORMAT_VERSION, ZSTD_MAGIC, seal_json
 from deltackpt.io import reader as reader_module
 from deltackpt.io import storage as storage_module
@@ -476,6 +477,24 @@ def test_metadata_that_compresses_too_well_is_stored_as_text(tmp_path: Path) -> 
         assert mgr.restore(3).extra == {"zeros": [0] * 200_000}
     assert _path(tmp_path / "ckpt", 2).read_bytes()[:4] == ZSTD_MAGIC
     assert _path(tmp_path / "ckpt", 3).read_bytes()[:1] == b"{"
+
+
+def test_delta_metadata_is_compressed_at_its_own_level(tmp_path: Path) -> None:
+    """A delta's metadata frame is its text at ``METADATA_LEVEL``, smaller than the level of
+    the data's frames would make it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(8)))
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, model, rng=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+        mgr.save(2, model, rng=False)
+    frame = _path(tmp_path / "ckpt", 2).read_bytes()
+    text = zstandard.ZstdDecompressor().decompress(frame)
+    at = {level: len(zstandard.ZstdCompressor(level=level).compress(text))
+          for level in (ZSTD_LEVEL, METADATA_LEVEL)}
+    assert len(frame) == at[METADATA_LEVEL] < at[ZSTD_LEVEL]
 
 
 def test_seal_json_appends_the_checksum() -> None:

@@ -644,7 +644,7 @@ def test_grouped_symbols_follow_the_size_of_their_dither() -> None:
     assert np.array_equal(q[places], numpy_unpack(plain, n, block))
     nonzero = [(q[places[group == k]] != 0).mean() for k in range(4)]
     assert nonzero[0] < 0.01 and (np.diff(nonzero) > 0).all() and nonzero[3] > 0.2, nonzero
-    assert len(zstd_compress(grouped, packed=True)) < 0.9 * len(zstd_compress(plain, packed=True))
+    assert len(zstd_compress(grouped, "packed")) < 0.9 * len(zstd_compress(plain, "packed"))
     decoded = np.empty_like(x)
     decode_block_stream(grouped, None, decoded, dither_groups=True, **coding)
     assert_bits_equal(decoded, plain_out)

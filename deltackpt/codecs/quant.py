@@ -194,7 +194,7 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
     if zeros is not None:
         params["zeros"] = int(np.unpackbits(zeros).sum())
         stream = np.concatenate([zeros, stream])
-    return EncodedChunk(NAME, params, [zstd_compress(stream, packed=True)])
+    return EncodedChunk(NAME, params, [zstd_compress(stream, "packed")])
 
 
 @dataclass(frozen=True)

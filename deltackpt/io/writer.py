@@ -314,7 +314,7 @@ def metadata_bytes(meta: StepMetadata) -> bytes:
                           f"than readers accept ({MAX_METADATA_BYTES}); save fewer, larger "
                           "chunks (chunk_bytes)")
     if meta.kind == "delta":  # a delta's data is small enough that its metadata's size matters
-        frame = zstd_compress(text)
+        frame = zstd_compress(text, "metadata")
         if len(text) <= MAX_METADATA_INFLATION * len(frame):
             return frame
     return text
