@@ -174,9 +174,9 @@ def test_roundtrip_and_layout_follow_the_spec(chunk: tuple[DTypeSpec, np.ndarray
     assert spec_decode(encoded.codec, params, stored, raw.size) == original
     if raw.nbytes < MIN_CODED_BYTES:
         assert encoded.codec == "raw" and stored == original
-    if encoded.codec == "byteplane":
-        assert spec.word > 1
-        assert params["elem"] == spec.word and params["rotate"] == spec.rotate
+    if encoded.codec == "byteplane":  # of the dtype's words; single bytes as wider ones
+        assert (params["elem"], params["rotate"]) == (spec.word, spec.rotate) if spec.word > 1 \
+            else params["elem"] in (2, 4, 8) and not params["rotate"]
         assert sum(length for _, length in params["planes"]) == len(stored)
     elif raw.nbytes >= MIN_CODED_BYTES:
         assert spec.word == 1, f"{spec.name} should go through byteplane"
@@ -225,6 +225,28 @@ def test_incompressible_data_is_stored_raw(name: str) -> None:
         assert encoded.codec == "raw"
     assert spec_decode(encoded.codec, encoded.params, _stored(encoded), raw.size) == raw.tobytes()
     assert _decode(encoded.codec, encoded.params, _stored(encoded), raw.size) == raw.tobytes()
+
+
+def test_bytes_of_wider_words_are_coded_as_their_planes() -> None:
+    """A byte tensor that holds wider integers, as torch's CPU RNG state holds 32-bit words in
+    64-bit slots, is coded as the byte planes of those words (FORMAT.md 3's ``byteplane`` of a
+    ``uint8`` chunk), smaller than as one stream; bytes of no wider structure stay one stream."""
+    spec = BY_NAME["uint8"]
+    gen = torch.Generator().manual_seed(0)
+    torch.randn(1000, generator=gen)
+    state = gen.get_state().numpy()
+    words = np.random.default_rng(0).integers(0, 1000, 8192, dtype=np.uint32).view(np.uint8)
+    for raw, elem in ((state, 8), (words, 4)):
+        encoded = encode_lossless(raw, spec)
+        assert (encoded.codec, encoded.params["elem"]) == ("byteplane", elem)
+        one_stream = encode_lossless(raw[:-1], spec)  # an odd length splits into no words
+        assert one_stream.codec != "byteplane" and encoded.length < 0.85 * one_stream.length
+        assert spec_decode(encoded.codec, encoded.params, _stored(encoded), raw.size) \
+            == raw.tobytes()
+    rng = np.random.default_rng(1)
+    for raw in (rng.integers(0, 256, 8192, dtype=np.uint8), rng.integers(0, 4, 8192,
+                                                                            dtype=np.uint8)):
+        assert encode_lossless(raw, spec).codec in ("raw", "huffman", "zstd")
 
 
 # -- damaged input ----------------------------------------------------------------------------------

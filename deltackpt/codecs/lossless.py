@@ -35,6 +35,9 @@ ZSTD_ENTROPY_BITS = 1.0
 KEEP_FRACTION = 0.97
 # About this many elements are sampled to estimate a plane's entropy (enough to choose a codec).
 SAMPLE_ELEMENTS = 1 << 12
+# Single bytes are coded as the planes of wider words where those take at most this fraction of
+# the bits one stream would (each plane has a codec's overhead, and the estimates are sampled).
+PLANE_GAIN = 0.9
 
 # zstd only sees nearly constant streams, where level 1 is as small as any and fast.
 ZSTD_LEVEL = 1
@@ -110,21 +113,39 @@ def encode_lossless(raw: np.ndarray, spec: DTypeSpec) -> EncodedChunk:
     """
     if raw.nbytes < MIN_CODED_BYTES:
         return EncodedChunk("raw", {}, [raw])
-    if spec.word == 1:
+    word, rotate = (spec.word, spec.rotate) if spec.word > 1 else (_byte_word(raw), False)
+    if word == 1:
         stride = max(1, raw.size // SAMPLE_ELEMENTS)
         codec, data = _code_stream(raw, sampled_entropy_bits(raw[None, :], stride)[0])
         return EncodedChunk(codec, {}, [data])
-    words = raw.view(spec.word_numpy)
-    planes = np.empty((spec.word, words.size), dtype=np.uint8)
-    split_planes(words, spec.rotate, planes)
+    words = raw.view(f"<u{word}")
+    planes = np.empty((word, words.size), dtype=np.uint8)
+    split_planes(words, rotate, planes)
     bits = sampled_entropy_bits(planes, max(1, words.size // SAMPLE_ELEMENTS))
     plane_meta, parts = [], []
-    for p in range(spec.word):
+    for p in range(word):
         codec, data = _code_stream(planes[p], bits[p])
         plane_meta.append([codec, memoryview(data).nbytes])
         parts.append(data)
-    return EncodedChunk("byteplane", {"elem": spec.word, "rotate": spec.rotate,
-                                      "planes": plane_meta}, parts)
+    return EncodedChunk("byteplane", {"elem": word, "rotate": rotate, "planes": plane_meta},
+                        parts)
+
+
+def _byte_word(raw: np.ndarray) -> int:
+    """The width of the words a stream of single bytes is coded as (FORMAT.md 3's
+    ``byteplane``): 1, one stream, unless its sampled bytes take at most ``PLANE_GAIN`` of the
+    bits as the planes of 2-, 4- or 8-byte words. Bytes that hold wider integers are such a
+    stream: torch's CPU RNG state, 32-bit words in 64-bit slots, is 20% smaller as 8 planes."""
+    stride = max(1, raw.size // SAMPLE_ELEMENTS)
+    best, fewest = 1, sampled_entropy_bits(raw[None, :], stride)[0] * raw.size
+    for word in (2, 4, 8):
+        if raw.size % word:
+            continue
+        columns = raw.reshape(-1, word).T  # byte k of every word (planes, in some order)
+        bits = sampled_entropy_bits(columns, max(1, columns.shape[1] // SAMPLE_ELEMENTS)).sum()
+        if bits * columns.shape[1] < PLANE_GAIN * fewest:
+            best, fewest = word, bits * columns.shape[1]
+    return best
 
 
 class RawCodec:
