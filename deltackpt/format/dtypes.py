@@ -39,11 +39,6 @@ class DTypeSpec:
 
             raise FormatError(f"dtype {self.name} needs a newer torch than {torch.__version__}") from None
 
-    @property
-    def word_numpy(self) -> np.dtype:
-        """Unsigned integer dtype of one ``word``."""
-        return np.dtype(f"<u{self.word}")
-
 
 BY_NAME: dict[str, DTypeSpec] = {s.name: s for s in [
     DTypeSpec("float64", 8, 8, True),
