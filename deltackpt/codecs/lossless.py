@@ -109,15 +109,17 @@ def encode_lossless(raw: np.ndarray, spec: DTypeSpec) -> EncodedChunk:
 
     ``raw`` is a 1-d uint8 array whose length is a multiple of the element
     size. Multi-byte elements go through ``byteplane``; single bytes are one
-    stream coded like a plane.
+    stream coded like a plane, or the planes of wider words (:func:`_byte_word`).
     """
     if raw.nbytes < MIN_CODED_BYTES:
         return EncodedChunk("raw", {}, [raw])
-    word, rotate = (spec.word, spec.rotate) if spec.word > 1 else (_byte_word(raw), False)
+    word, rotate = spec.word, spec.rotate
     if word == 1:
-        stride = max(1, raw.size // SAMPLE_ELEMENTS)
-        codec, data = _code_stream(raw, sampled_entropy_bits(raw[None, :], stride)[0])
-        return EncodedChunk(codec, {}, [data])
+        stream_bits = sampled_entropy_bits(raw[None, :], max(1, raw.size // SAMPLE_ELEMENTS))[0]
+        word = _byte_word(raw, stream_bits)
+        if word == 1:
+            codec, data = _code_stream(raw, stream_bits)
+            return EncodedChunk(codec, {}, [data])
     words = raw.view(f"<u{word}")
     planes = np.empty((word, words.size), dtype=np.uint8)
     split_planes(words, rotate, planes)
@@ -131,20 +133,21 @@ def encode_lossless(raw: np.ndarray, spec: DTypeSpec) -> EncodedChunk:
                         parts)
 
 
-def _byte_word(raw: np.ndarray) -> int:
-    """The width of the words a stream of single bytes is coded as (FORMAT.md 3's
-    ``byteplane``): 1, one stream, unless its sampled bytes take at most ``PLANE_GAIN`` of the
-    bits as the planes of 2-, 4- or 8-byte words. Bytes that hold wider integers are such a
-    stream: torch's CPU RNG state, 32-bit words in 64-bit slots, is 20% smaller as 8 planes."""
-    stride = max(1, raw.size // SAMPLE_ELEMENTS)
-    best, fewest = 1, sampled_entropy_bits(raw[None, :], stride)[0] * raw.size
+def _byte_word(raw: np.ndarray, bits: float) -> int:
+    """The width of the words a stream of single bytes (of sampled entropy ``bits`` a byte) is
+    coded as (FORMAT.md 3's ``byteplane``): 1, one stream, unless its sampled bytes take at most
+    ``PLANE_GAIN`` of the bits as the planes of 2-, 4- or 8-byte words. Bytes that hold wider
+    integers are such a stream: torch's CPU RNG state, 32-bit words in 64-bit slots, is 20%
+    smaller as 8 planes."""
+    best, fewest = 1, bits * raw.size
     for word in (2, 4, 8):
         if raw.size % word:
             continue
         columns = raw.reshape(-1, word).T  # byte k of every word (planes, in some order)
-        bits = sampled_entropy_bits(columns, max(1, columns.shape[1] // SAMPLE_ELEMENTS)).sum()
-        if bits * columns.shape[1] < PLANE_GAIN * fewest:
-            best, fewest = word, bits * columns.shape[1]
+        total = sampled_entropy_bits(columns, max(1, columns.shape[1] // SAMPLE_ELEMENTS)).sum() \
+            * columns.shape[1]
+        if total < PLANE_GAIN * fewest:
+            best, fewest = word, total
     return best
 
 
