@@ -35,7 +35,7 @@ ZSTD_ENTROPY_BITS = 1.0
 KEEP_FRACTION = 0.97
 # About this many elements are sampled to estimate a plane's entropy (enough to choose a codec).
 SAMPLE_ELEMENTS = 1 << 12
-# Single bytes are coded as the planes of wider words where those take at most this fraction of
+# Single bytes are coded as the planes of wider words where those take less than this fraction of
 # the bits one stream would (each plane has a codec's overhead, and the estimates are sampled).
 PLANE_GAIN = 0.9
 
@@ -135,7 +135,7 @@ def encode_lossless(raw: np.ndarray, spec: DTypeSpec) -> EncodedChunk:
 
 def _byte_word(raw: np.ndarray, bits: float) -> int:
     """The width of the words a stream of single bytes (of sampled entropy ``bits`` a byte) is
-    coded as (FORMAT.md 3's ``byteplane``): 1, one stream, unless its sampled bytes take at most
+    coded as (FORMAT.md 3's ``byteplane``): 1, one stream, unless its sampled bytes take less than
     ``PLANE_GAIN`` of the bits as the planes of 2-, 4- or 8-byte words. Bytes that hold wider
     integers are such a stream: torch's CPU RNG state, 32-bit words in 64-bit slots, is 20%
     smaller as 8 planes."""
