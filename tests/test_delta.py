@@ -811,6 +811,50 @@ def test_unknown_optimizer_state_is_exact(ckpt: Path, capsys: pytest.CaptureFixt
     assert "stored exactly (meaning unknown): acc_delta" in capsys.readouterr().out
 
 
+def test_rng_states_drawn_from_are_patches_of_tens_of_bytes(ckpt: Path) -> None:
+    """RNG states a run draws from (torch's through dropout, numpy's and ``random``'s now and
+    then) are stored in deltas as ``patch`` chunks (FORMAT.md 3.6): their base's bytes, the
+    Mersenne Twister state in them twisted on, XORed with what else changed, tens of bytes of
+    torch's 5056. So after a writer resumes from a restored step, whose bytes it keeps. Every
+    step restores every state bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.2), nn.Linear(32, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved: dict[int, tuple] = {}
+
+    def save(mgr: CheckpointManager, step: int) -> None:
+        train(model, optimizer, steps=3)
+        if step % 3 == 0:
+            np.random.rand(1000)  # past the end of numpy's keys: twisted on
+            random.random()  # random's position alone
+        mgr.save(step, model, optimizer)
+        saved[step] = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+
+    with CheckpointManager(ckpt, full_every=8, depth=3) as mgr:
+        for step in range(6):
+            save(mgr, step)
+    with CheckpointManager(ckpt, full_every=8, depth=3) as mgr:  # a resumed writer
+        mgr.load(5, model, optimizer)
+        for step in range(6, 9):
+            save(mgr, step)
+        metas = {step: mgr.metadata(step) for step in mgr.steps()}
+    assert [m.kind for m in metas.values()].count("full") == 2  # steps 0 and 8
+    for step, meta in metas.items():
+        chunks = {r.name: r.fragments[0].chunks for r in meta.tensors}
+        if meta.kind == "full":
+            continue
+        torch_state = chunks["rng/torch"]
+        assert [c.codec for c in torch_state] == ["patch"] and torch_state[0].length < 64, step
+        for name in ("rng/numpy/1", "rng/python/1"):
+            assert chunks[name][0].codec in ("patch", "unchanged") and chunks[name][0].length < 64
+    reader = CheckpointManager(ckpt, read_only=True)
+    assert not any(reader.verify(deep=True).values())
+    for step, (torch_state, keys, python) in saved.items():
+        reader.load(step, nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.2), nn.Linear(32, 8)))
+        assert torch.equal(torch.get_rng_state(), torch_state), step
+        assert np.array_equal(np.random.get_state()[1], keys) and random.getstate() == python
+
+
 def test_exact_tensors_unchanged_since_their_base_store_nothing(ckpt: Path) -> None:
     """A tensor stored exactly whose bytes its base step restores too (numpy's and Python's RNG
     states while the run draws none, an integer buffer) is an ``unchanged`` chunk of no bytes

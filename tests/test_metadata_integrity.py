@@ -94,7 +94,7 @@ def test_checksum_is_the_xxh3_of_the_text_before_it(ckpt: Path, step: int) -> No
     assert head.endswith(b",")
     assert tail == b'"xxh3":"' + xxhash.xxh3_64_hexdigest(head).encode() + b'"}'
     obj = json.loads(text)
-    assert obj["format_version"] == FORMAT_VERSION == "2.6"
+    assert obj["format_version"] == FORMAT_VERSION == "2.7"
     assert list(obj)[-1] == CHECKSUM_KEY
 
 
@@ -240,6 +240,7 @@ INVALID: dict[str, Callable[[dict[str, Any]], None]] = {
     "quant chunk in a full step": lambda m: _coded(m).update(codec="quant"),
     "unchanged chunk in a full step": lambda m: _coded(m).update(codec="unchanged", length=0,
                                                                   params={}),
+    "patch chunk in a full step": lambda m: _coded(m).update(codec="patch", params={}),
     "tensor of 2**63 bytes": lambda m: _tensor(m, "extra/array").update(shape=[2**61]),
     "step beyond int64": _set(("step",), 2**64),
     "world size 0": _set(("world_size",), 0),
@@ -374,6 +375,81 @@ def test_damaged_unchanged_chunks_are_refused(ckpt: Path, case: str) -> None:
                        ) as info:
         mgr.restore(DELTA)
     assert str(path) in str(info.value) and repr(name) in str(info.value)
+
+
+TORCH_STATE = 5056  # bytes of torch's CPU generator state; its 624 words from byte 24
+PATCH_EDITS: dict[str, tuple[dict[str, Any], str]] = {
+    "no twists": ({"twists": 0}, "patch params .* twists must be 1 to 4096"),
+    "twists beyond the bound": ({"twists": 4097}, "twists must be 1 to 4096"),
+    "twists a bool": ({"twists": True}, "are not {} or the integers twists, offset and word"),
+    "words of 2 bytes": ({"word": 2}, "word one of"),
+    "offset off its words": ({"offset": 20}, "from offset .* lie in the chunk's 5056 bytes"),
+    "words beyond the chunk": ({"offset": 72}, "lie in the chunk's 5056 bytes"),
+    "another key": ({"seed": 1}, "are not {} or the integers twists, offset and word"),
+}
+
+
+@pytest.fixture(scope="module")
+def pristine_patched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Step 1 (full) and step 2 (a delta on it) of a model, torch's RNG state drawn from
+    between them (in one chunk: the ``pristine`` one's chunks of 4 KiB split it)."""
+    root = tmp_path_factory.mktemp("patched") / "ckpt"
+    model = _model()
+    with CheckpointManager(root) as mgr:
+        for step in (FULL, DELTA):
+            torch.randn(4096)
+            mgr.save(step, model)
+    return root
+
+
+@pytest.fixture
+def patched(pristine_patched: Path, tmp_path: Path) -> Path:
+    shutil.copytree(pristine_patched, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _patched(m: dict[str, Any]) -> dict[str, Any]:
+    """The delta's patch chunk of torch's RNG state: twisted on, as randn drew."""
+    chunk = _chunks(m, "rng/torch")[0]
+    assert chunk["codec"] == "patch" and chunk["raw_length"] == TORCH_STATE
+    assert chunk["params"]["word"] == 8 and chunk["params"]["offset"] == 24
+    return chunk
+
+
+@pytest.mark.parametrize("case", list(PATCH_EDITS))
+def test_patch_params_out_of_bounds_are_refused(patched: Path, case: str) -> None:
+    """A ``patch`` chunk (FORMAT.md 3.6) whose params are not a bounded count of twists of 624
+    aligned words inside the chunk is a FormatError naming the file and tensor when its
+    metadata is read, before any twist runs."""
+    update, message = PATCH_EDITS[case]
+    path = edit_metadata(_path(patched, DELTA), lambda m: _patched(m)["params"].update(update))
+    with pytest.raises(FormatError, match=message) as info:
+        CheckpointManager(patched, read_only=True).restore(DELTA)
+    assert str(path) in str(info.value) and "'rng/torch'" in str(info.value)
+
+
+def test_patch_chunk_without_twists_or_bytes_is_refused(patched: Path) -> None:
+    """A ``patch`` chunk with neither twists nor stored bytes would be an unchanged chunk:
+    refused, as writers write none; so is one of more than 64 KiB."""
+    edit_metadata(_path(patched, DELTA), lambda m: _patched(m).update(params={}, length=0))
+    with pytest.raises(FormatError, match="a patch chunk with no twists stores no bytes"):
+        CheckpointManager(patched, read_only=True).restore(DELTA)
+    edit_metadata(_path(patched, DELTA), lambda m: _chunks(m, "rng/torch")[0].update(
+        params={"twists": 1, "offset": 24, "word": 8}, raw_length=(1 << 16) + 8))
+    with pytest.raises(FormatError, match="patch chunks hold at most 65536"):
+        CheckpointManager(patched, read_only=True).restore(DELTA)
+
+
+def test_patch_chunk_twisted_otherwise_fails_its_checksum(patched: Path) -> None:
+    """A ``patch`` chunk of valid params that do not give its bytes (one twist more, re-sealed)
+    is a CorruptionError naming the step, tensor and file, and a problem for a deep verify."""
+    edit_metadata(_path(patched, DELTA), lambda m: _patched(m)["params"].update(
+        twists=_patched(m)["params"]["twists"] + 1))
+    mgr = CheckpointManager(patched, read_only=True)
+    with pytest.raises(CorruptionError, match=rf"step {DELTA}, tensor 'rng/torch', file .*: "
+                       "decoded bytes do not match their checksum"):
+        mgr.restore(DELTA)
+    assert mgr.verify(DELTA, deep=True)[DELTA]
 
 
 @pytest.mark.parametrize("elem", [[], [4], 4.0, {"a": 1}], ids=["[]", "[4]", "4.0", "object"])

@@ -44,13 +44,16 @@ def test_old_format_restores_bit_for_bit(fixture: Path, tmp_path: Path) -> None:
                         if isinstance(v, torch.Tensor)})
             got.update({f"extra/{i}/momentum_buffer": _hash(s["momentum_buffer"])
                         for i, s in ckpt.extra["sgd"]["state"].items()})
+            if "rng/torch" in hashes:  # recorded since 2.7
+                got["rng/torch"] = _hash(ckpt.rng["torch"])
+                got["rng/python/1"] = _hash(torch.tensor(ckpt.rng["python"][1], dtype=torch.int64))
             assert got == hashes, f"{fixture.name}, step {step}: restored tensors differ"
 
 
 def test_fixtures_exist() -> None:
     """The old-format fixtures are in the tree (a missing directory would skip every check)."""
     assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1",
-            "format-2.2", "format-2.3", "format-2.4", "format-2.5", "format-2.6"} <= {
+            "format-2.2", "format-2.3", "format-2.4", "format-2.5", "format-2.6", "format-2.7"} <= {
         p.name for p in FIXTURES}
 
 
@@ -75,13 +78,18 @@ def test_newer_params_are_refused_in_older_metadata(fixture: str, key: str, olde
         CheckpointManager(tmp_path / "ckpt", read_only=True).restore(2)
 
 
-def test_unchanged_chunks_are_refused_in_older_metadata(tmp_path: Path) -> None:
-    """An ``unchanged`` chunk (2.6: bytes of the base step, stored as nothing) in a step that
-    says it is of format 2.5: refused when read, naming the tensor and both versions."""
-    shutil.copytree(Path(__file__).parent / "fixtures" / "format-2.6" / "ckpt", tmp_path / "ckpt")
+@pytest.mark.parametrize(("fixture", "codec", "older"), [("format-2.6", "unchanged", "2.5"),
+                                                         ("format-2.7", "patch", "2.6")])
+def test_newer_codecs_are_refused_in_older_metadata(fixture: str, codec: str, older: str,
+                                                    tmp_path: Path) -> None:
+    """A chunk of a codec of a later version (2.6's ``unchanged``: bytes of the base step,
+    stored as nothing; 2.7's ``patch``: those bytes twisted and patched) in a step that says it
+    is of an earlier format: refused when read, naming the tensor and both versions."""
+    shutil.copytree(Path(__file__).parent / "fixtures" / fixture / "ckpt", tmp_path / "ckpt")
     edit_metadata(step_dir(tmp_path / "ckpt", 2) / "metadata.json",
-                  lambda obj: obj.update(format_version="2.5"))
-    with pytest.raises(FormatError, match=r"step-000000000002/metadata\.json: tensor '[^']+': a "
-                       r"chunk of codec 'unchanged' is of format 2\.6, this step's "
-                       r"format_version is 2\.5"):
+                  lambda obj: obj.update(format_version=older))
+    since = re.escape(fixture.removeprefix("format-"))
+    with pytest.raises(FormatError, match=rf"step-000000000002/metadata\.json: tensor '[^']+': a "
+                       rf"chunk of codec '{codec}' is of format {since}, this step's "
+                       rf"format_version is {re.escape(older)}"):
         CheckpointManager(tmp_path / "ckpt", read_only=True).restore(2)

@@ -101,10 +101,11 @@ def device_coded(captured: CapturedState) -> dict[str, torch.device]:
 
 
 def reconstruction_bytes(*recons: Reconstruction) -> dict[str, int]:
-    """Memory of reconstructions' running values by device kind (``"cpu"``, ``"cuda"``), each
-    array once."""
+    """Memory of reconstructions' running values and kept bytes by device kind (``"cpu"``,
+    ``"cuda"``), each array once."""
     out: dict[str, int] = {}
-    arrays = {id(v): v for recon in recons for v in recon.values.values()}
+    arrays = {id(v): v for recon in recons
+              for v in [*recon.values.values(), *recon.kept.values()]}
     for values in arrays.values():
         kind = "cpu" if isinstance(values, np.ndarray) else values.device.type
         out[kind] = out.get(kind, 0) + values.nbytes

@@ -30,6 +30,7 @@ import xxhash
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
 from deltackpt.codecs.cast import encode_cast
+from deltackpt.codecs.patch import encode_patch
 from deltackpt.codecs.quant import (
     N_STATS,
     STAT_MAX_ABS,
@@ -78,8 +79,15 @@ from deltackpt.encode.policy import (
 )
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import ConfigError
-from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, float32_values, spec_for, spec_named
-from deltackpt.format.metadata import Layout, TensorRecord
+from deltackpt.format.dtypes import (
+    DTypeSpec,
+    dtype_bytes,
+    float32_values,
+    raw_bytes,
+    spec_for,
+    spec_named,
+)
+from deltackpt.format.metadata import MAX_PATCH_BYTES, Layout, TensorRecord
 from deltackpt.format.state import CapturedState, CapturedTensor
 
 if TYPE_CHECKING:
@@ -282,6 +290,7 @@ class StepEncoder:
             else base.values
         self._values = self._base_values if in_place else {}
         self._digests: dict[tuple[str, int], tuple[int, str]] = {}  # Reconstruction.digests
+        self._kept: dict[tuple[str, int], np.ndarray] = {}  # Reconstruction.kept
         # Chunks coded before the write (on a device, :mod:`deltackpt.encode.device`), by
         # (tensor, raw offset): what finishes each, as this encoder's __call__ returns
         self.coded_before: dict[tuple[str, int], Callable[[], tuple[EncodedChunk,
@@ -308,7 +317,7 @@ class StepEncoder:
             if plan.cast_of is not None:
                 continue
             if plan.quantizer.exact or not self.is_delta:
-                fixed += tensor.numel() * spec_for(tensor.dtype, item.name).itemsize
+                fixed += self._exact_size(item, tensor, spec_for(tensor.dtype, item.name))
                 continue
             samples.append(self._plan_step(item, tensor, plan, meanings))
         for name, plan in list(self._plans.items()):
@@ -671,24 +680,50 @@ class StepEncoder:
 
     def _exact(self, record: TensorRecord, plan: _Plan, spec: DTypeSpec, raw_offset: int,
                raw: np.ndarray, lo: int, hi: int) -> tuple[EncodedChunk, PendingDigest]:
-        """A chunk stored exactly: as ``unchanged`` (nothing) where the tensor has no running
-        values, this process writes it whole (a tensor sharded over ranks may be scaled in
-        another rank's part, and no chunk of a scaled tensor is unchanged) and the base step
-        restores the very same bytes (FORMAT.md 3.5); else losslessly. Returns the digest of
-        its bytes, which the next delta compares with its own."""
+        """A chunk stored exactly (:meth:`_stored_exactly`). Returns the digest of its bytes,
+        which the next delta compares with its own."""
         digest = xxhash.xxh3_64(raw)
-        known = (raw.size, digest.hexdigest())
+        key, known = (record.name, raw_offset), (raw.size, digest.hexdigest())
         whole = not plan.lossy and self._numel[record.name] == record.numel
-        if whole and self.is_delta and self.base.digests.get((record.name, raw_offset)) == known:
-            chunk = encode_unchanged()
-        else:
-            chunk = encode_lossless(raw, spec)
+        chunk = self._stored_exactly(key, known, raw, spec, whole)
         self._keep_exact(record, plan, raw, lo, hi)
         if whole and self.keep:
             with self._lock:
-                self._digests[record.name, raw_offset] = known
+                self._digests[key] = known
+                if raw.size <= MAX_PATCH_BYTES:
+                    self._kept[key] = raw.copy()
         self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
         return chunk, digest
+
+    def _stored_exactly(self, key: tuple[str, int], known: tuple[int, str], raw: np.ndarray,
+                        spec: DTypeSpec, whole: bool) -> EncodedChunk:
+        """The chunk ``key`` (tensor, raw offset) of bytes ``raw`` (``known``: their length
+        and digest) stored exactly. Where the tensor has no running values and this process
+        writes it ``whole`` (a tensor sharded over ranks may be scaled in another rank's part,
+        and no chunk of a scaled tensor is coded against its base): as ``unchanged`` (nothing)
+        if the base step restores the very same bytes (FORMAT.md 3.5), else as a ``patch`` on
+        the base's bytes (3.6) where the base kept them and that is smaller; else losslessly."""
+        if whole and self.is_delta:
+            if self.base.digests.get(key) == known:
+                return encode_unchanged()
+            kept = self.base.kept.get(key)
+            if kept is not None and kept.size == raw.size:
+                return min(encode_patch(raw, kept, spec.integer), encode_lossless(raw, spec),
+                           key=lambda c: c.length)
+        return encode_lossless(raw, spec)
+
+    def _exact_size(self, item: CapturedTensor, tensor: torch.Tensor, spec: DTypeSpec) -> int:
+        """The bytes a tensor stored exactly is expected to take, for the target ratio: its
+        raw size; for the controller's first delta, where the base kept the tensor's bytes,
+        those of the chunk it will store (an RNG state's patch takes tens of its kilobytes)."""
+        size = tensor.numel() * spec.itemsize
+        kept = self.base.kept.get((item.name, 0)) if self.is_delta else None
+        if kept is None or kept.size != size or self.controller is None \
+                or self.controller.exact_bytes is not None:
+            return size
+        raw = raw_bytes(tensor)
+        return self._stored_exactly((item.name, 0), (size, xxhash.xxh3_64_hexdigest(raw)), raw,
+                                    spec, whole=True).length
 
     def count_coded(self, name: str, chunk: EncodedChunk, raw_offset: int, raw_bytes: int,
                     elements: int, stats: np.ndarray, rounded: np.ndarray | None = None) -> None:
@@ -818,7 +853,7 @@ class StepEncoder:
         chain = (self.base.chain if self.base is not None else []) + [step]
         scaled = frozenset(name for name, plan in self._plans.items() if plan.scale is not None)
         return Reconstruction(step, deltas, self.layout, self._values, save_id, errors, chain,
-                              scaled=scaled, digests=self._digests)
+                              scaled=scaled, digests=self._digests, kept=self._kept)
 
     def learn(self) -> None:
         """Tell the target-ratio controller what this save stored."""

@@ -29,7 +29,9 @@ class Reconstruction:
     tensors coded with scaled steps in this step, which no later delta may
     code against (FORMAT.md 3.2). ``digests`` holds the raw length and ``raw_xxh3`` of
     chunks of the step, by tensor and raw offset in the fragment this process writes: a
-    later delta stores a chunk of the same bytes as ``unchanged`` (FORMAT.md 3.5).
+    later delta stores a chunk of the same bytes as ``unchanged`` (FORMAT.md 3.5). ``kept``
+    holds the bytes of those chunks of at most 64 KiB (RNG states among them), by the same
+    keys: a later delta stores a chunk that changed as a ``patch`` on them (3.6).
     """
 
     step: int
@@ -42,3 +44,4 @@ class Reconstruction:
     resumed: bool = False
     scaled: frozenset[str] = frozenset()
     digests: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)
+    kept: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)

@@ -30,6 +30,11 @@ class DTypeSpec:
     rotate: bool
 
     @property
+    def integer(self) -> bool:
+        """Whether elements are integers (signed or not)."""
+        return self.name.startswith(("int", "uint"))
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of this name."""
         try:

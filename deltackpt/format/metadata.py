@@ -29,7 +29,7 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "2.6"
+FORMAT_VERSION = "2.7"
 SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 tensors (FORMAT.md 3.2)
 # quant params a version before the one given has not: a reader of it would decode their chunks
 # otherwise (FORMAT.md 3.2)
@@ -38,7 +38,12 @@ QUANT_PARAMS_SINCE = {"dither_signs": (2, 2),  # symbols' signs folded by the di
                       "zeros": (2, 4),  # elements restored as exactly zero
                       "dither_groups": (2, 5)}  # each block's symbols grouped by the dither
 UNCHANGED = "unchanged"  # the codec of a chunk of bytes its base step holds (FORMAT.md 3.5)
-CODECS_SINCE = {UNCHANGED: (2, 6)}  # codecs a version before the one given has not
+PATCH = "patch"  # the codec of a chunk of its base step's bytes, patched (FORMAT.md 3.6)
+CODECS_SINCE = {UNCHANGED: (2, 6), PATCH: (2, 7)}  # codecs a version before the one given has not
+MAX_PATCH_BYTES = 1 << 16  # of a patch chunk's raw bytes
+MT19937_WORDS = 624  # of the state of a Mersenne Twister, which a patch chunk may twist
+MAX_TWISTS = 4096  # of a patch chunk
+PATCH_WORDS = (4, 8)  # the bytes a patch chunk's twisted words take each
 ROOT_MARKER = "deltackpt.json"
 METADATA_FILE = "metadata.json"
 STEP_DIR_PATTERN = re.compile(r"step-(\d{12,})")
@@ -56,7 +61,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a compressed metadata.json starts with it (F
 MAX_METADATA_BYTES = 1 << 28  # of a metadata.json's JSON text, compressed or not
 MAX_METADATA_INFLATION = 64  # of a compressed one's text over its frame
 LOSSLESS_CODECS = ("raw", "zstd", "huffman", "byteplane")
-DELTA_CODECS = ("quant", "cast", "bnb8", UNCHANGED)  # delta steps only (FORMAT.md 3)
+DELTA_CODECS = ("quant", "cast", "bnb8", UNCHANGED, PATCH)  # delta steps only (FORMAT.md 3)
 # No chunk of a lossless codec decodes to more than this many bytes per stored byte: a zstd block
 # of 128 KiB takes at least 4 bytes, a huffman block of 65536 symbols 2.
 MAX_EXPANSION = 1 << 15
@@ -400,9 +405,36 @@ def _parse_chunk(obj: Any, files: list[DataFile], kind: str) -> Chunk:
     if chunk.codec == UNCHANGED and (chunk.length or chunk.params):
         raise FormatError(f"an unchanged chunk stores no bytes and has no params, found "
                           f"{chunk.length} bytes and params {shown(chunk.params)}")
+    if chunk.codec == PATCH:
+        _check_patch(chunk)
     if chunk.params:
         check_plain(chunk.params, 3, "params")
     return chunk
+
+
+def _check_patch(chunk: Chunk) -> None:
+    """Raise :class:`FormatError` unless a patch chunk's params and lengths are those of
+    FORMAT.md 3.6: its base's bytes XORed with stored ones, after twisting the Mersenne Twister
+    state they may hold a bounded number of times."""
+    params = chunk.params
+    if chunk.raw_length > MAX_PATCH_BYTES:
+        raise FormatError(f"a patch chunk of {chunk.raw_length} bytes: patch chunks hold at most "
+                          f"{MAX_PATCH_BYTES}")
+    if not params:
+        if not chunk.length:
+            raise FormatError("a patch chunk with no twists stores no bytes: it would be an "
+                              "unchanged chunk")
+        return
+    twists, offset, word = (params.get(k) for k in ("twists", "offset", "word"))
+    if params.keys() != {"twists", "offset", "word"} \
+            or not all(v.__class__ is int for v in (twists, offset, word)):
+        raise FormatError(f"patch params {shown(params)} are not {{}} or the integers twists, "
+                          "offset and word")
+    if not 1 <= twists <= MAX_TWISTS or word not in PATCH_WORDS or offset < 0 \
+            or offset % word or offset + MT19937_WORDS * word > chunk.raw_length:
+        raise FormatError(f"patch params {shown(params)}: twists must be 1 to {MAX_TWISTS}, word "
+                          f"one of {PATCH_WORDS}, and the {MT19937_WORDS} words from offset (a "
+                          f"multiple of word) lie in the chunk's {chunk.raw_length} bytes")
 
 
 def _parse_fragment(obj: Any, record: TensorRecord, files: list[DataFile], kind: str,

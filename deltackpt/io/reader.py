@@ -478,10 +478,11 @@ def _chain_only_codecs() -> tuple[str, ...]:
     kernels: imported by a deep check only)."""
     from deltackpt.codecs.bnb8 import NAME as BNB8
     from deltackpt.codecs.cast import NAME as CAST
+    from deltackpt.codecs.patch import NAME as PATCH
     from deltackpt.codecs.quant import NAME as QUANT
     from deltackpt.codecs.unchanged import NAME as UNCHANGED
 
-    return QUANT, CAST, BNB8, UNCHANGED
+    return QUANT, CAST, BNB8, UNCHANGED, PATCH
 
 
 def _all_chunks(meta: StepMetadata) -> Iterator[tuple[TensorRecord, Chunk]]:

@@ -38,6 +38,8 @@ from deltackpt.codecs import bnb8
 from deltackpt.codecs.base import decode_into
 from deltackpt.codecs.cast import CAST_DTYPES, cast_source
 from deltackpt.codecs.cast import NAME as CAST
+from deltackpt.codecs.patch import NAME as PATCH
+from deltackpt.codecs.patch import apply_patch
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.codecs.quant import (
     QuantStream,
@@ -52,8 +54,9 @@ from deltackpt.encode.optimizers import bnb_states
 from deltackpt.encode.policy import LOSSY_DTYPES
 from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import CorruptionError, DeltackptError
-from deltackpt.format.dtypes import dtype_bytes, float32_values, spec_named
+from deltackpt.format.dtypes import dtype_bytes, float32_values, raw_bytes, spec_named
 from deltackpt.format.metadata import (
+    MAX_PATCH_BYTES,
     SCALED_16_BIT,
     Box,
     Chunk,
@@ -74,12 +77,14 @@ from deltackpt.io.reader import (
 )
 from deltackpt.io.storage import Storage
 
+ON_BASE_BYTES = (UNCHANGED, PATCH)  # codecs of chunks decoded from their base's bytes
+
 
 def _self_contained(chunk: Chunk) -> bool:
     """Whether a chunk decodes without its base step (FORMAT.md 5)."""
     if chunk.codec == bnb8.NAME:
         return bnb8.self_contained(chunk.params)
-    if chunk.codec == UNCHANGED:
+    if chunk.codec in ON_BASE_BYTES:
         return False
     return chunk.codec != QUANT or not uses_base(chunk.params)
 
@@ -188,7 +193,7 @@ def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
     """Decode a range through its links; every stored chunk and the result are checked."""
     links = task.links
     first, last = links[0], links[-1]
-    if first.chunk.codec not in (QUANT, UNCHANGED):  # stored exactly: the range starts over
+    if first.chunk.codec not in (QUANT, *ON_BASE_BYTES):  # stored exactly: starts over
         sources[first.depth].decode(first.record, first.chunk, task.out)
         if task.state is not None and first.record.dtype != "float32":  # else a view of out
             task.state[:] = float32_values(task.out, first.record.dtype)
@@ -196,8 +201,10 @@ def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
     streams: list[QuantStream] = []
     for link in links:
         source = sources[link.depth]
-        if link.chunk.codec == UNCHANGED:  # the bytes of the step before: running values follow
+        if link.chunk.codec in ON_BASE_BYTES:  # the step before's bytes, maybe patched
             _apply_streams(streams, task, link.record.dtype)
+            if link.chunk.codec == PATCH:
+                _patch(source, link, task.out)
             source.check_raw(link.record, link.chunk, task.out)
             if task.state is not None and link.record.dtype != "float32":
                 task.state[:] = float32_values(task.out, link.record.dtype)
@@ -211,8 +218,17 @@ def _restore_range(sources: list[ChunkSource], task: _RangeTask) -> None:
         except DeltackptError as exc:
             raise type(exc)(f"{source.where(link.record, link.chunk)}: {exc}") from None
     _apply_streams(streams, task, last.record.dtype)
-    if last.chunk.codec == QUANT:  # an exact or unchanged last link is checked above
+    if last.chunk.codec == QUANT:  # an exact, unchanged or patch last link is checked above
         sources[last.depth].check_raw(last.record, last.chunk, task.out)
+
+
+def _patch(source: ChunkSource, link: _Link, out: np.ndarray) -> None:
+    """Patch ``out``, the bytes of the link's chunk in the step before, into the chunk's."""
+    stored = source.stored(link.record, link.chunk)
+    try:
+        apply_patch(stored, link.chunk.params, out, "patch")
+    except DeltackptError as exc:
+        raise type(exc)(f"{source.where(link.record, link.chunk)}: {exc}") from None
 
 
 def _apply_streams(streams: list[QuantStream], task: _RangeTask, dtype: str) -> None:
@@ -477,7 +493,8 @@ def restore_chain(storage: Storage, meta: StepMetadata, *, boxes: dict[str, Box]
                                           if _scale_of(plan.final[n]) is not None)
     return {r.name: tensors[r.alias_of or r.name] for r in meta.tensors}, Reconstruction(
         meta.step, len(plan.chain) - 1, layout_of(meta), values, meta.save_id,
-        chain=[m.step for m in plan.chain], scaled=scaled, digests=_digests(meta))
+        chain=[m.step for m in plan.chain], scaled=scaled, digests=_digests(meta),
+        kept=_kept(meta, tensors))
 
 
 def _restore_full_step(storage: Storage, meta: StepMetadata, boxes: dict[str, Box],
@@ -491,7 +508,8 @@ def _restore_full_step(storage: Storage, meta: StepMetadata, boxes: dict[str, Bo
             _state(values, record, tensors[record.name].reshape(-1))
     _dequantized_moments(meta, tensors, values, boxes)
     return tensors, Reconstruction(meta.step, 0, layout_of(meta), values, meta.save_id,
-                                   chain=[meta.step], digests=_digests(meta))
+                                   chain=[meta.step], digests=_digests(meta),
+                                   kept=_kept(meta, tensors))
 
 
 def _digests(meta: StepMetadata) -> dict[tuple[str, int], tuple[int, str]]:
@@ -499,6 +517,21 @@ def _digests(meta: StepMetadata) -> dict[tuple[str, int], tuple[int, str]]:
     tensor and raw offset (``Reconstruction.digests``)."""
     return {(r.name, c.raw_offset): (c.raw_length, c.raw_xxh3) for r in meta.tensors
             if len(r.fragments) == 1 for c in r.fragments[0].chunks}
+
+
+def _kept(meta: StepMetadata, tensors: dict[str, torch.Tensor]
+          ) -> dict[tuple[str, int], np.ndarray]:
+    """The bytes of the step's chunks of at most ``MAX_PATCH_BYTES`` in tensors without running
+    values restored whole, by tensor and raw offset (``Reconstruction.kept``): a writer that
+    continues from the step patches them (FORMAT.md 3.6)."""
+    kept = {}
+    for r in meta.tensors:
+        if r.alias_of is None and r.dtype not in LOSSY_DTYPES and len(r.fragments) == 1 \
+                and tensors[r.name].numel() == r.numel:
+            raw = raw_bytes(tensors[r.name])
+            kept.update({(r.name, c.raw_offset): raw[c.raw_offset:c.raw_offset + c.raw_length].copy()
+                         for c in r.fragments[0].chunks if c.raw_length <= MAX_PATCH_BYTES})
+    return kept
 
 
 @dataclass
@@ -710,9 +743,9 @@ def _restore_derived(step: ChunkSource, task: _DerivedTask) -> None:
             raise type(exc)(f"{step.where(record, chunk)}: {exc}") from None
         if record.dtype != "float32":  # a 16-bit tensor holds its running values rounded
             task.out[:] = dtype_bytes(task.values, record.dtype)
-    elif chunk.codec == UNCHANGED:
-        raise CorruptionError(f"{step.where(record, chunk)}: an unchanged chunk in a tensor of "
-                              "scaled chunks (FORMAT.md 3.5)")
+    elif chunk.codec in ON_BASE_BYTES:
+        raise CorruptionError(f"{step.where(record, chunk)}: an {chunk.codec} chunk in a tensor "
+                              "of scaled chunks (FORMAT.md 3.5, 3.6)")
     else:
         step.decode(record, chunk, task.out)  # checked there
         return

@@ -166,4 +166,5 @@ def resumed(recon: Reconstruction, meta: StepMetadata, boxes: dict[str, Box],
     whole = {name for name in mine if len(records[name].fragments) == 1}
     return Reconstruction(meta.step, recon.deltas, captured_layout(captured, local), values,
                           meta.save_id, chain=recon.chain, resumed=True, scaled=recon.scaled,
-                          digests={k: d for k, d in recon.digests.items() if k[0] in whole})
+                          digests={k: d for k, d in recon.digests.items() if k[0] in whole},
+                          kept={k: b for k, b in recon.kept.items() if k[0] in whole})
