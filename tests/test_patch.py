@@ -126,3 +126,11 @@ def test_kept_bytes_count_in_a_writers_memory() -> None:
     values, kept = np.zeros(100, np.float32), np.zeros(5056, np.uint8)
     recon = Reconstruction(1, 0, {}, {"w": values}, kept={("rng/torch", 0): kept})
     assert reconstruction_bytes(recon, recon) == {"cpu": 400 + 5056}
+
+
+def test_counters_are_no_candidate_states() -> None:
+    """Integers that all change but are no uniform words (a buffer of counters, each one up)
+    are not searched for twists: a plain XOR patch, found at once."""
+    base = np.arange(1, 2001, dtype=np.int64)
+    chunk = encode_patch(_bytes(base + 1), _bytes(base), integers=True)
+    assert chunk.params == {}

@@ -59,7 +59,9 @@ def _state(data: np.ndarray, offset: int, word: int) -> np.ndarray:
 def _windows(raw: np.ndarray, base: np.ndarray) -> list[tuple[int, int]]:
     """Where ``base`` and ``raw`` may hold a Mersenne Twister state and the same state twisted
     on, as ``(offset, word)``: 624 aligned words of ``word`` bytes that all differ between them
-    (a twist changes every word), none over 32 bits. The first :data:`MAX_WINDOWS`."""
+    (a twist changes every word), none over 32 bits, and in each a quarter or more with their
+    top bit set (a state's words are uniform: fewer has odds of about 1e-39), which counters
+    and other small integers are not. The first :data:`MAX_WINDOWS`."""
     found: list[tuple[int, int]] = []
     for word in PATCH_WORDS:
         count = raw.size // word
@@ -70,10 +72,18 @@ def _windows(raw: np.ndarray, base: np.ndarray) -> list[tuple[int, int]]:
         fits = a != b
         if word > 4:
             fits &= ((a | b) >> np.uint64(32)) == 0
-        runs = np.concatenate(([0], np.cumsum(fits)))
-        starts = np.flatnonzero(runs[MT19937_WORDS:] - runs[:-MT19937_WORDS] == MT19937_WORDS)
+        windows = [_window_sums(fits)]
+        windows += [_window_sums((x >> x.dtype.type(31)) & 1) for x in (a, b)]
+        starts = np.flatnonzero((windows[0] == MT19937_WORDS) & (windows[1] >= MT19937_WORDS // 4)
+                                & (windows[2] >= MT19937_WORDS // 4))
         found += [(int(start) * word, word) for start in starts[:MAX_WINDOWS]]
     return found[:MAX_WINDOWS]
+
+
+def _window_sums(x: np.ndarray) -> np.ndarray:
+    """The sum of every 624 consecutive elements of ``x``, by the first's index."""
+    runs = np.concatenate(([0], np.cumsum(x, dtype=np.int64)))
+    return runs[MT19937_WORDS:] - runs[:-MT19937_WORDS]
 
 
 def _twisted(raw: np.ndarray, base: np.ndarray) -> tuple[dict[str, Any], np.ndarray] | None:
