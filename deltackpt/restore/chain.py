@@ -521,12 +521,12 @@ def _digests(meta: StepMetadata) -> dict[tuple[str, int], tuple[int, str]]:
 
 def _kept(meta: StepMetadata, tensors: dict[str, torch.Tensor]
           ) -> dict[tuple[str, int], np.ndarray]:
-    """The bytes of the step's chunks of at most ``MAX_PATCH_BYTES`` in tensors without running
-    values restored whole, by tensor and raw offset (``Reconstruction.kept``): a writer that
-    continues from the step patches them (FORMAT.md 3.6)."""
+    """The bytes of the step's chunks of at most ``MAX_PATCH_BYTES`` in integer tensors restored
+    whole, by tensor and raw offset (``Reconstruction.kept``): a writer that continues from the
+    step patches them (FORMAT.md 3.6)."""
     kept = {}
     for r in meta.tensors:
-        if r.alias_of is None and r.dtype not in LOSSY_DTYPES and len(r.fragments) == 1 \
+        if r.alias_of is None and spec_named(r.dtype).integer and len(r.fragments) == 1 \
                 and tensors[r.name].numel() == r.numel:
             raw = raw_bytes(tensors[r.name])
             kept.update({(r.name, c.raw_offset): raw[c.raw_offset:c.raw_offset + c.raw_length].copy()
