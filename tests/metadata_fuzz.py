@@ -65,7 +65,9 @@ def build_checkpoint(root: Path) -> None:
     """Write the fuzzed checkpoint: steps 1 (full), 2 and 3 (deltas) with model, AdamW, RNG and an
     ``extra`` holding a tuple, a dict with non-string keys, bytes, NaN, a numpy array and scalar, a
     nested list and tensors stored in chunks of every lossless codec (``raw``, ``byteplane``
-    with raw, zstd and huffman planes, ``huffman``)."""
+    with raw, zstd and huffman planes, ``huffman``); between saves, numbers drawn from numpy (its
+    keys twisted on: ``patch`` chunks with twists) and ``random`` (its position alone: ``patch``
+    chunks of stored bytes)."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with CheckpointManager(root, full_every=10, chunk_bytes=4096, workers=1) as mgr:
@@ -75,6 +77,8 @@ def build_checkpoint(root: Path) -> None:
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+            np.random.rand(700)
+            random.random()
             extra = {"epoch": step, "schedule": (0.1, float("nan"), -math.inf),
                      "by_id": {1: "a", (2, "b"): [None, True]}, "blob": b"\x00\xffdata",
                      "array": np.arange(6, dtype=np.int32).reshape(2, 3), "scale": np.float32(0.5),
