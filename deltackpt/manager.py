@@ -183,8 +183,9 @@ class CheckpointManager(CheckpointDirectory):
         """Memory of the running reconstructions the next deltas code against, by device kind
         (``{"cpu": ..., "cuda": ...}``): at most one a level of the schedule (``depth``), each
         about the size of the saved state in float32, on the device of the tensors coded there
-        unless ``reconstruction="host"``; a delta save whose base a later save needs too takes one
-        more for the running values it writes."""
+        unless ``reconstruction="host"``, with the host bytes of the integer tensors of at most
+        64 KiB a later delta patches (RNG states, FORMAT.md 3.6); a delta save whose base a later
+        save needs too takes one more for the running values it writes."""
         return reconstruction_bytes(*self._reference.levels.values())
 
     def _release(self) -> None:
