@@ -855,6 +855,41 @@ def test_rng_states_drawn_from_are_patches_of_tens_of_bytes(ckpt: Path) -> None:
         assert np.array_equal(np.random.get_state()[1], keys) and random.getstate() == python
 
 
+def test_only_small_integer_tensors_are_kept_for_patches(ckpt: Path) -> None:
+    """A writer keeps the bytes of integer tensors of at most 64 KiB for patches (FORMAT.md 3.6),
+    whatever their chunks: an integer buffer of 160 KB in chunks of 4 KiB is not kept (its
+    changed chunk is stored losslessly, the others unchanged), and the memory the manager
+    reports is that of the small ones beside the running values, as after a load."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    model.register_buffer("ids", torch.arange(20_000))  # 160 KB of int64
+    model.register_buffer("counts", torch.zeros(1000, dtype=torch.int32))  # 4 KB
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lossy = 3 * 4 * sum(p.numel() for p in model.parameters() if p.numel() >= 16)  # the bias
+    # of 8 is stored exactly
+    small = 4000 + 5056 + 2496 + 2500  # counts and the RNG states
+    with CheckpointManager(ckpt, full_every=8, chunk_bytes=4096) as mgr:
+        for step in range(3):
+            train(model, optimizer)
+            model.ids[step] += 1
+            model.counts[step] += 1
+            mgr.save(step, model, optimizer)
+        assert mgr.reconstruction_bytes == {"cpu": lossy + small}
+    with CheckpointManager(ckpt, full_every=8, chunk_bytes=4096) as mgr:
+        mgr.load(2, model, optimizer)
+        train(model, optimizer)
+        model.ids[3] += 1
+        model.counts[3] += 1
+        mgr.save(3, model, optimizer)
+        # restored running values hold the float tensors stored exactly too (the bias, steps)
+        assert lossy + small <= mgr.reconstruction_bytes["cpu"] < lossy + small + 1024
+        metas = [mgr.metadata(step) for step in (1, 2, 3)]
+    for meta in metas:
+        ids = [c.codec for c in meta.tensor("model/ids").fragments[0].chunks]
+        assert ids[0] not in ("patch", "unchanged") and set(ids[1:]) == {"unchanged"}, ids
+        assert [c.codec for c in meta.tensor("model/counts").fragments[0].chunks] == ["patch"]
+
+
 def test_exact_tensors_unchanged_since_their_base_store_nothing(ckpt: Path) -> None:
     """A tensor stored exactly whose bytes its base step restores too (numpy's and Python's RNG
     states while the run draws none, an integer buffer) is an ``unchanged`` chunk of no bytes

@@ -690,7 +690,7 @@ class StepEncoder:
         if whole and self.keep:
             with self._lock:
                 self._digests[key] = known
-                if spec.integer and raw.size <= MAX_PATCH_BYTES:
+                if spec.integer and record.nbytes <= MAX_PATCH_BYTES:
                     self._kept[key] = raw.copy()
         self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
         return chunk, digest

@@ -30,7 +30,7 @@ class Reconstruction:
     code against (FORMAT.md 3.2). ``digests`` holds the raw length and ``raw_xxh3`` of
     chunks of the step, by tensor and raw offset in the fragment this process writes: a
     later delta stores a chunk of the same bytes as ``unchanged`` (FORMAT.md 3.5). ``kept``
-    holds the bytes of those chunks of at most 64 KiB of integer tensors (RNG states), by the
+    holds the bytes of those chunks of integer tensors of at most 64 KiB (RNG states), by the
     same keys: a later delta stores a chunk that changed as a ``patch`` on them (3.6).
     """
 

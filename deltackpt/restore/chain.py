@@ -521,16 +521,16 @@ def _digests(meta: StepMetadata) -> dict[tuple[str, int], tuple[int, str]]:
 
 def _kept(meta: StepMetadata, tensors: dict[str, torch.Tensor]
           ) -> dict[tuple[str, int], np.ndarray]:
-    """The bytes of the step's chunks of at most ``MAX_PATCH_BYTES`` in integer tensors restored
+    """The bytes of the step's chunks of integer tensors of at most ``MAX_PATCH_BYTES`` restored
     whole, by tensor and raw offset (``Reconstruction.kept``): a writer that continues from the
     step patches them (FORMAT.md 3.6)."""
     kept = {}
     for r in meta.tensors:
         if r.alias_of is None and spec_named(r.dtype).integer and len(r.fragments) == 1 \
-                and tensors[r.name].numel() == r.numel:
+                and r.nbytes <= MAX_PATCH_BYTES and tensors[r.name].numel() == r.numel:
             raw = raw_bytes(tensors[r.name])
             kept.update({(r.name, c.raw_offset): raw[c.raw_offset:c.raw_offset + c.raw_length].copy()
-                         for c in r.fragments[0].chunks if c.raw_length <= MAX_PATCH_BYTES})
+                         for c in r.fragments[0].chunks})
     return kept
 
 
