@@ -20,11 +20,24 @@ import numpy as np
 
 from deltackpt.codecs.base import EncodedChunk
 from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
-from deltackpt.format.metadata import MAX_TWISTS, MT19937_WORDS, PATCH_WORDS
+from deltackpt.format.dtypes import spec_named
+from deltackpt.format.metadata import (
+    MAX_PATCH_BYTES,
+    MAX_TWISTS,
+    MT19937_WORDS,
+    PATCH_WORDS,
+    TensorRecord,
+)
 from deltackpt.format.metadata import PATCH as NAME
 from deltackpt.kernels.mersenne import twist, twists_between
 
 MAX_WINDOWS = 4  # candidate states a writer searches for twists, at most MAX_TWISTS each
+
+
+def kept_for_patches(record: TensorRecord) -> bool:
+    """Whether a writer, or a restore it continues from, keeps the bytes of a tensor stored
+    whole for later patches: an integer tensor (RNG states) of at most ``MAX_PATCH_BYTES``."""
+    return spec_named(record.dtype).integer and record.nbytes <= MAX_PATCH_BYTES
 
 
 def encode_patch(raw: np.ndarray, base: np.ndarray, integers: bool) -> EncodedChunk:

@@ -30,7 +30,7 @@ import xxhash
 from deltackpt.codecs import EncodedChunk, encode_lossless
 from deltackpt.codecs.bnb8 import block_absmax, dequantize, encode_absmax, encode_state
 from deltackpt.codecs.cast import encode_cast
-from deltackpt.codecs.patch import encode_patch
+from deltackpt.codecs.patch import encode_patch, kept_for_patches
 from deltackpt.codecs.quant import (
     N_STATS,
     STAT_MAX_ABS,
@@ -87,7 +87,7 @@ from deltackpt.format.dtypes import (
     spec_for,
     spec_named,
 )
-from deltackpt.format.metadata import MAX_PATCH_BYTES, Layout, TensorRecord
+from deltackpt.format.metadata import Layout, TensorRecord
 from deltackpt.format.state import CapturedState, CapturedTensor
 
 if TYPE_CHECKING:
@@ -690,7 +690,7 @@ class StepEncoder:
         if whole and self.keep:
             with self._lock:
                 self._digests[key] = known
-                if spec.integer and record.nbytes <= MAX_PATCH_BYTES:
+                if kept_for_patches(record):
                     self._kept[key] = raw.copy()
         self.count_exact(record.name, chunk, raw_offset, raw.size, hi - lo)
         return chunk, digest

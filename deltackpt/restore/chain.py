@@ -39,7 +39,7 @@ from deltackpt.codecs.base import decode_into
 from deltackpt.codecs.cast import CAST_DTYPES, cast_source
 from deltackpt.codecs.cast import NAME as CAST
 from deltackpt.codecs.patch import NAME as PATCH
-from deltackpt.codecs.patch import apply_patch
+from deltackpt.codecs.patch import apply_patch, kept_for_patches
 from deltackpt.codecs.quant import NAME as QUANT
 from deltackpt.codecs.quant import (
     QuantStream,
@@ -56,7 +56,6 @@ from deltackpt.encode.reconstruction import Reconstruction
 from deltackpt.errors import CorruptionError, DeltackptError
 from deltackpt.format.dtypes import dtype_bytes, float32_values, raw_bytes, spec_named
 from deltackpt.format.metadata import (
-    MAX_PATCH_BYTES,
     SCALED_16_BIT,
     Box,
     Chunk,
@@ -521,13 +520,13 @@ def _digests(meta: StepMetadata) -> dict[tuple[str, int], tuple[int, str]]:
 
 def _kept(meta: StepMetadata, tensors: dict[str, torch.Tensor]
           ) -> dict[tuple[str, int], np.ndarray]:
-    """The bytes of the step's chunks of integer tensors of at most ``MAX_PATCH_BYTES`` restored
-    whole, by tensor and raw offset (``Reconstruction.kept``): a writer that continues from the
-    step patches them (FORMAT.md 3.6)."""
+    """The bytes of the step's chunks of tensors restored whole that a writer continuing from
+    the step patches (:func:`kept_for_patches`), by tensor and raw offset
+    (``Reconstruction.kept``, FORMAT.md 3.6)."""
     kept = {}
     for r in meta.tensors:
-        if r.alias_of is None and spec_named(r.dtype).integer and len(r.fragments) == 1 \
-                and r.nbytes <= MAX_PATCH_BYTES and tensors[r.name].numel() == r.numel:
+        if r.alias_of is None and len(r.fragments) == 1 and kept_for_patches(r) \
+                and tensors[r.name].numel() == r.numel:
             raw = raw_bytes(tensors[r.name])
             kept.update({(r.name, c.raw_offset): raw[c.raw_offset:c.raw_offset + c.raw_length].copy()
                          for c in r.fragments[0].chunks})
@@ -744,8 +743,8 @@ def _restore_derived(step: ChunkSource, task: _DerivedTask) -> None:
         if record.dtype != "float32":  # a 16-bit tensor holds its running values rounded
             task.out[:] = dtype_bytes(task.values, record.dtype)
     elif chunk.codec in ON_BASE_BYTES:
-        raise CorruptionError(f"{step.where(record, chunk)}: an {chunk.codec} chunk in a tensor "
-                              "of scaled chunks (FORMAT.md 3.5, 3.6)")
+        raise CorruptionError(f"{step.where(record, chunk)}: a chunk of codec {chunk.codec!r} "
+                              "in a tensor of scaled chunks (FORMAT.md 3.5, 3.6)")
     else:
         step.decode(record, chunk, task.out)  # checked there
         return
