@@ -72,7 +72,7 @@ def _model(dtype: torch.dtype, device: str = DEVICE, centered: bool = False,
            ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A small model with AdamW (or centered RMSprop with momentum)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8)).to(device, dtype)
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8)).to(device, dtype)
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True) \
         if centered else torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optimizer
