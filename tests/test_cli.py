@@ -152,7 +152,7 @@ class Runs:
         return self.results[name]
 
 
-COMMANDS = ["ls", "info", "restore", "convert", "verify", "du", "demo"]
+COMMANDS = ["ls", "info", "restore", "convert", "verify", "du", "demo", "warm"]
 
 
 @pytest.fixture(scope="module")
