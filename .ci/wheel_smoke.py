@@ -1,5 +1,6 @@
 """Smoke test of an installed deltackpt: the API saves and restores a training state, and the
-``deltackpt`` command of the environment prints its version, lists, verifies and exports it.
+``deltackpt`` command of the environment compiles its kernels (``warm``), prints its version,
+lists, verifies and exports it.
 
 Run it with the python of an environment where the wheel is installed, from outside the source
 tree (``.ci/run`` does, after building the wheel and installing it into a fresh venv)::
@@ -70,6 +71,9 @@ def main() -> None:
     installed = Path(deltackpt.__file__).resolve()
     if REPO in installed.parents:
         sys.exit(f"deltackpt is imported from the source tree ({installed}), not from an installed wheel")
+    command("warm")  # compiles the kernels into the cache beside the installed package
+    if not any((installed.parent / "kernels" / "__pycache__").glob("*.nbi")):
+        sys.exit("deltackpt warm left no Numba cache beside the installed package")
     torch.manual_seed(0)
     model, optimizer = build()
     saved = {}
@@ -107,8 +111,8 @@ def main() -> None:
             sys.exit("deltackpt restore --format safetensors wrote no model.safetensors")
         dcp_round_trip(Path(tmp) / "dcp", model2)
     print(f"wheel smoke test passed: deltackpt {deltackpt.__version__} from {installed.parent}: "
-          "save and restore (full and delta), --version, ls, verify, info, restore --format safetensors, "
-          "deltackpt.dcp")
+          "warm, save and restore (full and delta), --version, ls, verify, info, restore --format "
+          "safetensors, deltackpt.dcp")
 
 
 if __name__ == "__main__":
