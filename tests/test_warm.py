@@ -9,7 +9,8 @@ from pathlib import Path
 
 # In a fresh process: ``deltackpt warm``, then other runs than its own (other models, shapes,
 # settings, asynchronous saves, loads into new models), which must find every kernel they call
-# compiled or loaded by it: no Numba dispatcher of the package gains an overload.
+# compiled or loaded by it: no Numba dispatcher of the package gains an overload. It leaves
+# torch's RNG as it found it.
 SCRIPT = """
 import gc, json, sys
 import torch
@@ -41,7 +42,9 @@ def run(path, make_model, make_optimizer, shape, dtype=torch.float32, **options)
             fresh = make_model().to(dtype)
             mgr.load(step, fresh, make_optimizer(fresh.parameters()))
 
+state = torch.get_rng_state()
 assert main(["warm"]) == 0
+assert torch.equal(torch.get_rng_state(), state), "warm moved torch's RNG"
 before = overloads()
 root = sys.argv[1]
 run(root + "/cnn", cnn, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1), (4, 3, 8, 8))
