@@ -63,6 +63,7 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.io.pool import default_workers
 from deltackpt.io.reader import ChunkSource, read_tensors
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
+from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import decode_block_stream, decode_step_streams, encode_block_stream
 from deltackpt.restore.chain import restore_chain
 
@@ -251,7 +252,8 @@ def saved_delta(run, tmp_path_factory) -> list[tuple[str, dict, np.ndarray, np.n
                              None if scale is None else restored[scale].reshape(-1)[part].numpy(),
                              first))
                 stream = quant_stream(source.stored(rec, chunk), params, n).data
-                assert np.array_equal(_encode_job(jobs[-1])[0], stream), rec.name
+                assert np.array_equal(_planes_of(jobs[-1], _encode_job(jobs[-1])[0]),
+                                      stream), rec.name
         source.close()
     return jobs
 
@@ -274,18 +276,26 @@ def _encode_job(job, recon: np.ndarray | None = None) -> tuple[np.ndarray, np.nd
                                **_kernel_args(params, first), scale=scale, **_scaling(params))
 
 
+def _planes_of(job, stream: np.ndarray) -> np.ndarray:
+    """The bit planes a chunk stores of the packed ``stream`` its encode kernel made."""
+    _, params, x, *_ = job
+    return to_planes(stream, x.size, params["block"])
+
+
 def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
-    """As a restore applies the chunk: a chain pass from its base, a scaled chunk from zero."""
+    """As a restore applies the chunk from the bit planes ``stream``: a chain pass from its
+    base, a scaled chunk from zero."""
     _, params, _, pred, scale, first = job
     args = _kernel_args(params, first)
     if scale is not None:
-        decode_block_stream(stream, None, out, **args, scale=scale, **_scaling(params))
+        decode_block_stream(stream, None, out, **args, scale=scale, **_scaling(params),
+                            bit_planes=True)
         return
     out[:] = 0 if pred is None else pred
     decode_step_streams([stream], out, ordinal=[args["ordinal"]], steps=[args["step"]],
                         block=args["block"], zero_start=pred is None, dithers=[args["dither"]],
                         dither_signs=[args["dither_signs"]],
-                        dither_groups=[args["dither_groups"]], first=first)
+                        dither_groups=[args["dither_groups"]], first=first, bit_planes=[True])
 
 
 def test_kernel_cost_by_class(saved_delta) -> None:
@@ -294,7 +304,8 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     whatever the core count. Medians of ROUNDS rounds of every class."""
     classes = sorted({job[0] for job in saved_delta})
     outs = [np.empty_like(job[2]) for job in saved_delta]
-    streams = [_encode_job(job, recon)[0] for job, recon in zip(saved_delta, outs, strict=True)]
+    encoded = [_encode_job(job, recon)[0] for job, recon in zip(saved_delta, outs, strict=True)]
+    streams = [_planes_of(job, s) for job, s in zip(saved_delta, encoded, strict=True)]
     for i, job in enumerate(saved_delta):  # what is timed decodes to what was encoded
         recon = outs[i].copy()
         _decode_job(job, streams[i], outs[i])
@@ -303,6 +314,7 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     work = {
         "memcpy": lambda i: np.copyto(outs[i], saved_delta[i][2]),
         "encode kernel": lambda i: _encode_job(saved_delta[i]),
+        "bit planes": lambda i: _planes_of(saved_delta[i], encoded[i]),
         "zstd": lambda i: zstd_compress(streams[i], "packed"),
         "decode kernel": lambda i: _decode_job(saved_delta[i], streams[i], outs[i]),
         "unzstd": lambda i: zstd_decompress_bounded(memoryview(packed[i]), 3 * outs[i].size),

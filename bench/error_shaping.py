@@ -42,6 +42,7 @@ from fidelity import OPTIMIZERS, TASKS, Run, steps_lost
 from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.encode.optimizers import movement_units
 from deltackpt.encode.policy import CompressionConfig
+from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import encode_block_stream
 from deltackpt.save.capture import capture, parameter_names
 
@@ -176,7 +177,7 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                references: list[torch.Tensor] | None) -> tuple[float, float]:
     """Bits an element of the dithered symbols coding each tensor (its residual against
     ``references`` where given, else its values) at its steps: their order-0 entropy, and what
-    the codec's packing and zstd store of them (a tensor a chunk). Shaped steps ``g * s_i``
+    the codec's packing, bit planes and zstd store of them (a tensor a chunk). Shaped steps ``g * s_i``
     give the symbols of the values ``x_i / s_i`` at the uniform step ``g``, which the codec's
     own kernel then codes."""
     entropy = stored = elements = 0.0
@@ -184,10 +185,10 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
         entropy += _entropy(x, steps, i) * x.numel()
         g = float(np.float32(steps.log().mean().exp()))
         values = (x * (g / steps)).flatten().numpy().astype(np.float32)
+        block = CompressionConfig().block
         stream, _ = encode_block_stream(values, None, np.empty_like(values), ordinal=False,
-                                        step=g, block=CompressionConfig().block, dither=i,
-                                        dither_signs=True)
-        stored += 8 * len(zstd_compress(stream, "packed"))
+                                        step=g, block=block, dither=i, dither_signs=True)
+        stored += 8 * len(zstd_compress(to_planes(stream, values.size, block), "packed"))
         elements += x.numel()
     return entropy / elements, stored / elements
 

@@ -25,6 +25,7 @@ from deltackpt.codecs import CODECS, decode_into, encode_lossless
 from deltackpt.codecs.lossless import MIN_CODED_BYTES, PACKED_PARAMS
 from deltackpt.codecs.quant import decode_quant, encode_quant, quant_params
 from deltackpt.format.dtypes import BY_NAME, DTypeSpec
+from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import encode_block_stream
 
 SETTINGS = settings(max_examples=100, deadline=None,
@@ -408,6 +409,7 @@ def test_valid_quant_params(params: dict[str, Any]) -> None:
     {**QUANT_BASE, "dither": 7, "dither_groups": False}, {**QUANT_BASE, "dither": 7, "dither_groups": 1},
     {"domain": "ordinal", "pred": "base", "step": 256, "block": 64, "dither": 5, "dither_groups": True},
     {**QUANT_BASE, "dither": 7, "dither_groups": True, "block": (1 << 16) + 1},  # too large a block
+    {**QUANT_BASE, "bit_planes": False}, {**QUANT_BASE, "bit_planes": 1},
     {**QUANT_BASE, "floor_log2": -20},  # a floor shapes a scale it does not have
     {**SCALED_QUANT, "floor_log2": -127}, {**SCALED_QUANT, "floor_log2": 128},
     {**SCALED_QUANT, "floor_log2": -20.0}, {**SCALED_QUANT, "floor_log2": True},
@@ -419,9 +421,9 @@ def test_invalid_quant_params_are_refused(params: dict[str, Any]) -> None:
 
 
 def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
-    """A quant chunk stores its packed symbol stream as one zstd frame with its content size
-    (FORMAT.md 3.2), compressed with the parameters of packed streams (PACKED_PARAMS, not
-    level 1): it decodes to exactly the encoder's reconstruction."""
+    """A quant chunk stores its packed symbol stream as bit planes (``bit_planes``, since 2.8) in one
+    zstd frame with its content size (FORMAT.md 3.2), compressed with the parameters of packed
+    streams (PACKED_PARAMS, not level 1): it decodes to exactly the encoder's reconstruction."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal(50_000).astype(np.float32)
     pred = (x + rng.standard_normal(x.size).astype(np.float32) * 0.01).astype(np.float32)
@@ -432,9 +434,11 @@ def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
     # every dithered linear chunk folds its signs by the dither; one coded against its base
     # does not group its symbols by it
     assert chunk.params["dither_signs"] is True and "dither_groups" not in chunk.params
+    assert chunk.params["bit_planes"] is True
+    planes = to_planes(stream, x.size, 1024)
     frame = bytes(chunk.parts[0])
-    assert frame == zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
-    assert _spec_zstd(frame, stream.nbytes) == stream.tobytes()
+    assert frame == zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(planes)
+    assert _spec_zstd(frame, planes.nbytes) == planes.tobytes()
     out = pred.copy()
     decode_quant(memoryview(frame), chunk.params, out, out, first=0)
     assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))
@@ -455,8 +459,8 @@ def test_quant_chunks_from_zero_group_their_symbols_by_dither() -> None:
         stream, _ = encode_block_stream(x, None, np.empty_like(x), ordinal=False, step=1.0,
                                         block=block, dither=3, dither_signs=True,
                                         dither_groups=grouped, first=5)
-        assert bytes(chunk.parts[0]) == \
-            zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(stream)
+        assert bytes(chunk.parts[0]) == zstandard.ZstdCompressor(
+            compression_params=PACKED_PARAMS).compress(to_planes(stream, x.size, block))
         out = np.full_like(x, np.nan)
         decode_quant(memoryview(bytes(chunk.parts[0])), chunk.params, None, out, first=5)
         assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))

@@ -36,6 +36,7 @@ from torch import nn
 from deltackpt import CheckpointManager
 from deltackpt.codecs import quant as quant_codec
 from deltackpt.errors import ConfigError
+from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -353,6 +354,24 @@ def test_chain_decode_matches_numba(n: int, block: int, zero_start: bool) -> Non
     out = _tensor(start)
     gpu.decode_step_streams(streams, out, zero_start=zero_start, **kwargs)
     np.testing.assert_array_equal(_bits(out), _bits(expected))
+
+
+def test_chain_decode_of_bit_planes_matches_numba() -> None:
+    """Streams stored as bit planes (FORMAT.md 3.2, ``bit_planes``), some of the chain's, decode
+    to the running values of the packed ones, as Numba decodes them."""
+    n, block = 3000, 64
+    streams, kwargs = _chain(n, block, 5)
+    planes = [i % 2 == 0 for i in range(len(streams))]
+    stored = [to_planes(s, n, block) if p else s for s, p in zip(streams, planes, strict=True)]
+    start = _near(_values(n, 1), 1)
+    expected = start.copy()
+    decode_step_streams(streams, expected, zero_start=False, **kwargs)
+    out = _tensor(start)
+    gpu.decode_step_streams(stored, out, zero_start=False, bit_planes=planes, **kwargs)
+    np.testing.assert_array_equal(_bits(out), _bits(expected))
+    with pytest.raises(ValueError, match="stream 2: stream is"):
+        gpu.decode_step_streams([*stored[:2], stored[2][:-1], *stored[3:]], out,
+                                zero_start=False, bit_planes=planes, **kwargs)
 
 
 def test_damaged_stream_raises_before_writing() -> None:

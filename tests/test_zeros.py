@@ -170,10 +170,11 @@ def test_zeros_in_older_metadata_are_refused(tmp_path: Path) -> None:
         for step in range(2):
             train_positions(model, optimizer, 3, step)
             mgr.save(step, model, optimizer)
-    def as_format_2_3(obj: dict) -> None:  # and without 2.5's dither_groups, refused first
-        obj.update(format_version="2.3")
+    def as_format_2_3(obj: dict) -> None:  # and without 2.5's dither_groups and 2.8's
+        obj.update(format_version="2.3")     # bit_planes, refused first
         for chunk in (c for t in obj["tensors"] for f in t["fragments"] for c in f["chunks"]):
             chunk.get("params", {}).pop("dither_groups", None)
+            chunk.get("params", {}).pop("bit_planes", None)
 
     edit_metadata(step_dir(tmp_path / "ckpt", 1) / "metadata.json", as_format_2_3)
     with pytest.raises(FormatError, match=r"step-000000000001/metadata.json: tensor '\S+/exp_avg"

@@ -50,6 +50,7 @@ from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
 from deltackpt.errors import CorruptionError, FormatError
 from deltackpt.format.checks import check_choice
 from deltackpt.kernels import quant as numba_kernels
+from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_GROUPED_BLOCK, MAX_KEY, check_stream
 
 # What the encoder needs of the kernels, given through the codec: the columns of the block
@@ -70,7 +71,7 @@ from deltackpt.kernels.quant import numpy_keys as numpy_keys
 
 NAME = "quant"
 PARAM_KEYS = frozenset({"domain", "pred", "step", "block", "dither", "dither_signs",
-                        "dither_groups", "scale", "eps", "floor_log2", "zeros"})
+                        "dither_groups", "scale", "eps", "floor_log2", "zeros", "bit_planes"})
 MAX_FLOOR_LOG2 = 127  # a scaled chunk's floor is 2**floor_log2, a normal float32 value
 MIN_FLOOR_LOG2 = -126
 KERNELS_ENV = "DELTACKPT_KERNELS"  # "auto" (default) or "triton": see the module docstring
@@ -144,7 +145,7 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         eps=0.0 if scale is None else scale.eps, floor=0.0 if scale is None else scale.floor)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
-    return quant_chunk(stream, ordinal=ordinal, with_base=pred is not None, step=step,
+    return quant_chunk(stream, len(x), ordinal=ordinal, with_base=pred is not None, step=step,
                        block=block, dither=dither,
                        scale=None if scale is None else (scale.tensor, scale.eps, scale.floor),
                        zeros=zeros_bitmap(zero_lost(convert(x), convert(recon)))
@@ -172,11 +173,12 @@ def on_device(*arrays: Any) -> bool:
     return _kernels(*arrays)[0] is _tensor
 
 
-def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: float | int,
-                block: int, dither: int | None = None,
+def quant_chunk(stream: np.ndarray, n: int, *, ordinal: bool, with_base: bool,
+                step: float | int, block: int, dither: int | None = None,
                 scale: tuple[str, float, float] | None = None,
                 zeros: np.ndarray | None = None) -> EncodedChunk:
-    """The quant chunk of a packed symbol ``stream`` coded with these arguments (those of
+    """The quant chunk of a packed symbol ``stream`` of ``n`` elements, stored as bit planes
+    (FORMAT.md 3.2, ``bit_planes``), coded with these arguments (those of
     :func:`encode_quant`, coded given its dither as :func:`dither_context` says;
     ``with_base``: coded against a prediction; ``scale``: the tensor whose values scale the
     steps, eps and the floor that shapes them, a power of two, 0 for none; ``zeros``: the
@@ -191,6 +193,8 @@ def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: flo
         params.update(scale=scale[0], eps=scale[1])
         if scale[2]:
             params["floor_log2"] = floor_log2(scale[2])
+    stream = to_planes(stream, n, block)
+    params["bit_planes"] = True
     if zeros is not None:
         params["zeros"] = int(np.unpackbits(zeros).sum())
         stream = np.concatenate([zeros, stream])
@@ -232,6 +236,8 @@ def quant_params(params: dict[str, Any]
             ok = params[key] is True and dither is not None and domain == "linear"
     if ok and groups:
         ok = block <= MAX_GROUPED_BLOCK
+    if ok and "bit_planes" in params:
+        ok = params["bit_planes"] is True
     if ok and ("scale" in params or "eps" in params or "floor_log2" in params):
         exponent = params.get("floor_log2", 0)
         eps = params.get("eps")
@@ -283,6 +289,7 @@ class QuantStream:
     eps: float | None  # set for a chunk whose steps are scaled by another tensor
     floor: float  # the floor that shapes those steps (2**floor_log2); 0 for none
     zeros: np.ndarray | None  # the elements restored as zero (a boolean mask), if any
+    bit_planes: bool  # the stream is stored as bit planes (since 2.8), else packed
 
 
 def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStream:
@@ -295,9 +302,12 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
     """
     ordinal, with_base, step, block, dither, signs, groups = quant_params(params)
     mask_bytes = -(-n // 8) if "zeros" in params else 0
-    # A stream can never exceed its widths plus 16 bits an element; refuse to inflate more.
-    data = np.frombuffer(zstd_decompress_bounded(stored, mask_bytes + -(-n // block) + 2 * n),
-                         dtype=np.uint8)
+    planes = "bit_planes" in params
+    # A stream can never exceed its widths plus 16 bits an element (and with planes, 16 bytes
+    # of padding a block); refuse to inflate more.
+    n_blocks = -(-n // block)
+    data = np.frombuffer(zstd_decompress_bounded(
+        stored, mask_bytes + n_blocks * (17 if planes else 1) + 2 * n), dtype=np.uint8)
     zeros = None
     if mask_bytes:
         if data.size < mask_bytes:
@@ -310,12 +320,13 @@ def quant_stream(stored: memoryview, params: dict[str, Any], n: int) -> QuantStr
                                   f"them), its params say {params['zeros']}")
         zeros, data = zeros[:n], data[mask_bytes:]
     try:
-        check_stream(data, n, block)
+        check_stream(data, n, block, planes)
     except ValueError as exc:
         raise CorruptionError(f"quant stream does not decode ({exc})") from None
     return QuantStream(data, ordinal, with_base, step, block, dither, signs, groups,
                        params.get("eps"),
-                       2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0, zeros)
+                       2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0, zeros,
+                       planes)
 
 
 def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | None,
@@ -335,8 +346,8 @@ def decode_quant(stored: memoryview, params: dict[str, Any], pred: np.ndarray | 
         stream.data, convert(pred) if stream.with_base else None, convert(out),
         ordinal=stream.ordinal, step=stream.step, block=stream.block, dither=stream.dither,
         dither_signs=stream.dither_signs, dither_groups=stream.dither_groups, first=first,
-        scale=convert(scale),
-        eps=stream.eps or 0.0, floor=stream.floor)
+        scale=convert(scale), eps=stream.eps or 0.0, floor=stream.floor,
+        bit_planes=stream.bit_planes)
     _set_zeros(convert(out), stream.zeros)
 
 
@@ -373,8 +384,8 @@ def apply_quant_streams(streams: list[QuantStream], values: np.ndarray, first: i
                 [s.data for s in run], values, ordinal=[s.ordinal for s in run],
                 steps=[s.step for s in run], block=run[0].block, zero_start=not run[0].with_base,
                 dithers=[s.dither for s in run], dither_signs=[s.dither_signs for s in run],
-                dither_groups=[s.dither_groups for s in run],
-                first=first)
+                dither_groups=[s.dither_groups for s in run], first=first,
+                bit_planes=[s.bit_planes for s in run])
             _set_zeros(values, run[-1].zeros)
             start = i
 

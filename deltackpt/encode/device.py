@@ -377,7 +377,8 @@ class DeviceDelta:
             return stored, chunk.exact
         coding = encoder.quantized_as_is(chunk.name)
         stream, stats, *rounded = (h.numpy() for h in chunk.host)
-        stored = quant_chunk(stream, ordinal=coding.ordinal, with_base=coding.with_base,
+        stored = quant_chunk(stream, chunk.hi - chunk.lo, ordinal=coding.ordinal,
+                             with_base=coding.with_base,
                              step=coding.step, block=coding.block, dither=coding.dither,
                              scale=coding.scale, zeros=chunk.zeros)
         encoder.count_coded(chunk.name, stored, chunk.raw_offset, chunk.raw_size,

@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from deltackpt.kernels.planes import from_planes
 from deltackpt.kernels.quant import (
     N_STATS,
     STAT_BAD,
@@ -623,15 +624,24 @@ class DeviceStreams:
     block: int
 
 
-def upload_streams(streams: list[np.ndarray], n: int, block: int,
-                   device: torch.device) -> DeviceStreams:
+def upload_streams(streams: list[np.ndarray], n: int, block: int, device: torch.device,
+                   bit_planes: list[bool] | None = None) -> DeviceStreams:
     """Check the host streams (uint8) of ``n`` elements, then copy them to ``device`` without
-    waiting (through pinned memory on a GPU: only the streams' bytes cross PCIe).
+    waiting (through pinned memory on a GPU: only the streams' bytes cross PCIe). Streams in
+    ``bit_planes`` are packed on the host first (:func:`deltackpt.kernels.planes.from_planes`),
+    as the kernels read them.
 
     Raises ``ValueError`` naming the first damaged stream (the rules of
     :func:`deltackpt.kernels.quant.check_stream`), so the kernels never read
     out of bounds.
     """
+    streams = list(streams)
+    for t, planes in enumerate(bit_planes or []):
+        if planes:
+            try:
+                streams[t] = from_planes(streams[t], n, block)
+            except ValueError as exc:
+                raise ValueError(f"stream {t}: {exc}") from None
     pinned = device.type == "cuda"
     n_blocks = n_blocks_of(n, block)
     bounds = np.zeros(len(streams) + 1, np.int64)
@@ -642,9 +652,9 @@ def upload_streams(streams: list[np.ndarray], n: int, block: int,
     flat = data.numpy()
     for t, (stream, lo, hi) in enumerate(zip(streams, bounds[:-1], bounds[1:], strict=True)):
         flat[lo:hi] = stream
-        o, status = _check_stream(flat, lo, hi, n, block)
+        o, status = _check_stream(flat, lo, hi, n, block, False)
         if status != STREAM_OK:
-            raise ValueError(f"stream {t}: {_stream_problem(status, stream, n, block)}")
+            raise ValueError(f"stream {t}: {_stream_problem(status, stream, n, block, False)}")
         offsets[t] = torch.from_numpy(o[:n_blocks])
     return DeviceStreams(data.to(device, non_blocking=True),
                          torch.from_numpy(bounds).to(device, non_blocking=True),
@@ -706,13 +716,14 @@ def decode_step_streams(streams: list[np.ndarray], out: torch.Tensor, *, ordinal
                         dither_signs: list[bool] | None = None,
                         dither_groups: list[bool] | None = None, first: int = 0,
                         pred: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                        eps: float = 0.0, floor: float = 0.0) -> None:
+                        eps: float = 0.0, floor: float = 0.0,
+                        bit_planes: list[bool] | None = None) -> None:
     """:func:`deltackpt.kernels.quant.decode_step_streams` into the float32 tensor ``out``: the
     host streams (uint8) checked and uploaded (:func:`upload_streams`), then applied in one
     pass (:func:`apply_streams`, whose arguments the others are). Raises ``ValueError`` naming
     the first damaged stream before anything is written.
     """
-    apply_streams(upload_streams(streams, out.shape[0], block, _device(out)), out,
+    apply_streams(upload_streams(streams, out.shape[0], block, _device(out), bit_planes), out,
                   ordinal=ordinal, steps=steps, zero_start=zero_start, dithers=dithers,
                   dither_signs=dither_signs, dither_groups=dither_groups, first=first,
                   pred=pred, scale=scale, eps=eps, floor=floor)
@@ -722,7 +733,7 @@ def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torc
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
                         dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                         scale: torch.Tensor | None = None, eps: float = 0.0,
-                        floor: float = 0.0) -> None:
+                        floor: float = 0.0, bit_planes: bool = False) -> None:
     """:func:`deltackpt.kernels.quant.decode_block_stream` into the float32 tensor ``out`` (may
     be ``pred``) from the host stream ``stream``."""
     check_scaling(scale is not None, not (ordinal or pred is not None),
@@ -730,4 +741,4 @@ def decode_block_stream(stream: np.ndarray, pred: torch.Tensor | None, out: torc
     decode_step_streams([stream], out, ordinal=[ordinal], steps=[step], block=block,
                         zero_start=pred is None, dithers=[dither], dither_signs=[dither_signs],
                         dither_groups=[dither_groups], first=first, pred=pred, scale=scale,
-                        eps=eps, floor=floor)
+                        eps=eps, floor=floor, bit_planes=[bit_planes])

@@ -21,7 +21,9 @@ the block's largest symbol, 0 for an all-zero block, at most 16. The
 packed stream is the block widths (one byte each) followed by every block's
 bits, each block starting on a byte boundary; a dithered stream of the
 linear domain may hold each block's symbols grouped by the size of their
-dither offsets (``_group_lanes``).
+dither offsets (``_group_lanes``). Chunks store the stream as bit planes
+(since format 2.8, :mod:`deltackpt.kernels.planes`), which the decoders read
+as they are.
 
 :func:`encode_block_stream` is the fused encoder: one pass reads each
 input once and computes residual, symbol, block width, packed bits, the new
@@ -55,6 +57,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from deltackpt.kernels.planes import plane_starts, unpack_planes
 from deltackpt.kernels.spans import copy_span
 
 MAX_WIDTH = 16
@@ -665,11 +668,13 @@ STREAM_OK, STREAM_SHORT, STREAM_WIDE, STREAM_LENGTH = range(4)
 
 
 @njit(cache=True, nogil=True)
-def _check_stream(stream, lo, hi, n, block):
-    """Block offsets (absolute) of the packed stream ``stream[lo:hi]`` of ``n`` elements, and
-    its status: ``STREAM_OK``, or why it is damaged (too short for its widths, a width over
-    ``MAX_WIDTH``, a length other than its widths imply). Decoding a stream whose status is
-    ``STREAM_OK`` reads only ``stream[lo:hi]`` and 8 bytes past ``hi``."""
+def _check_stream(stream, lo, hi, n, block, planes):
+    """Where the blocks of the packed stream ``stream[lo:hi]`` of ``n`` elements start
+    (absolute offsets, and the stream's end), or with ``planes`` where the planes of its bit
+    planes start (``kernels.planes.plane_starts``), and its status: ``STREAM_OK``, or why it
+    is damaged (too short for its widths, a width over ``MAX_WIDTH``, a length other than its
+    widths imply). Decoding a stream whose status is ``STREAM_OK`` reads only
+    ``stream[lo:hi]`` and 8 bytes past ``hi``."""
     n_blocks = (n + block - 1) // block
     if hi - lo < n_blocks:
         return np.zeros(1, np.int64), STREAM_SHORT
@@ -677,49 +682,62 @@ def _check_stream(stream, lo, hi, n, block):
     for b in range(n_blocks):
         if widths[b] > MAX_WIDTH:
             return np.zeros(1, np.int64), STREAM_WIDE
-    offsets = _block_offsets(widths, n, block, lo + n_blocks)
-    return offsets, STREAM_OK if offsets[n_blocks] == hi else STREAM_LENGTH
+    offsets = plane_starts(widths, n, block, lo + n_blocks) if planes else \
+        _block_offsets(widths, n, block, lo + n_blocks)
+    return offsets, STREAM_OK if offsets[offsets.shape[0] - 1] == hi else STREAM_LENGTH
 
 
-def _stream_problem(status: int, stream: np.ndarray, n: int, block: int) -> str:
+def _stream_problem(status: int, stream: np.ndarray, n: int, block: int, planes: bool) -> str:
     """What is wrong with a stream whose ``_check_stream`` status is not ``STREAM_OK``."""
     n_blocks = n_blocks_of(n, block)
     if status == STREAM_SHORT:
         return f"stream of {stream.shape[0]} bytes is shorter than its {n_blocks} block widths"
     if status == STREAM_WIDE:
         return f"block width {int(stream[:n_blocks].max())} is over {MAX_WIDTH}"
-    needed = _block_offsets(stream[:n_blocks], n, block, n_blocks)[-1]
+    needed = _check_stream(stream, 0, stream.shape[0], n, block, planes)[0][-1]
     return f"stream is {stream.shape[0]} bytes, its block widths need {needed}"
 
 
-def check_stream(stream: np.ndarray, n: int, block: int) -> None:
-    """Raise ``ValueError`` unless ``stream`` (uint8) is a well-formed packed stream of ``n``
-    elements in blocks of ``block``: its length must match its block widths, each at most 16."""
-    status = _check_stream(stream, 0, stream.shape[0], n, block)[1]
+def check_stream(stream: np.ndarray, n: int, block: int, planes: bool = False) -> None:
+    """Raise ``ValueError`` unless ``stream`` (uint8) is a well-formed symbol stream of ``n``
+    elements in blocks of ``block``, packed or (``planes``) in bit planes: its length must
+    match its block widths, each at most 16."""
+    status = _check_stream(stream, 0, stream.shape[0], n, block, planes)[1]
     if status != STREAM_OK:
-        raise ValueError(_stream_problem(status, stream, n, block))
+        raise ValueError(_stream_problem(status, stream, n, block, planes))
 
 
 @njit(inline="always")
-def _ungroup(stream, pos, width, bits, stored, lanes, q) -> None:
+def _ungroup(bits, stored, lanes, q) -> None:
     """Symbols of one block stored grouped by dither (``_group_lanes``; ``bits``: the block's
-    dither hashes) from ``stream[pos:]`` at ``width`` bits, into ``q`` in element order
-    (``stored``, ``lanes``: room for the block's symbols and lanes)."""
-    if not width:
-        q[:] = 0
-        return
-    _unpack(stream, pos, width, stored)
+    dither hashes), ``stored`` in the stream's order, into ``q`` in element order (``lanes``:
+    room for the block's lanes)."""
     places = _group_lanes(bits, lanes)
     for j in range(q.shape[0]):
         at, places = _next_place(places, lanes[j])
         q[j] = stored[at]
 
 
+@njit(inline="always")
+def _block_symbols(stream, planes, offsets, b, width, grouped, bits, stored, lanes, q, words):
+    """The symbols of block ``b`` (``width`` > 0) into ``q``: from its offset ``offsets[b]``
+    in a packed stream, or with ``planes`` from the plane positions ``offsets`` (advanced past
+    the block); ``grouped``, in element order from the order of ``dither_groups``."""
+    target = stored if grouped else q
+    if planes:
+        unpack_planes(stream, offsets, width, target, words)
+    else:
+        _unpack(stream, offsets[b], width, target)
+    if grouped:
+        _ungroup(bits, stored, lanes, q)
+
+
 def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
     """The decode kernel for one domain, prediction, dithering and per-element scaling."""
 
     @njit(cache=True, nogil=True, error_model="numpy")  # as the encoder's
-    def decode(stream, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps, floor):
+    def decode(stream, planes, offsets, pred, out, step_f, step_i, block, seed, first, scale, eps,
+               floor):
         n = out.shape[0]
         step_k = np.float64(step_i)
         signs = _folds_signs(seed)
@@ -728,8 +746,9 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
         stored_block = np.empty(block, np.int32)
         bits_block = np.empty(block, np.int32)
         lanes_block = np.empty(block, np.uint64)
+        words = np.empty((block + 7) // 8, np.uint64)
         out_block = np.empty(block, np.float32)  # as in the encoder: pred may be out
-        for b in range(offsets.shape[0] - 1):
+        for b in range((n + block - 1) // block):
             start = b * block
             stop = min(start + block, n)
             m = stop - start
@@ -737,11 +756,12 @@ def _make_decoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
             bits = bits_block[:m]
             if dithered:
                 _fill_dither_bits(bits, first + start, seed)
-            if grouped:
-                _ungroup(stream, offsets[b], np.int64(stream[b]), bits, stored_block[:m],
-                         lanes_block[:m], q)
+            width = np.int64(stream[b])
+            if width:
+                _block_symbols(stream, planes, offsets, b, width, grouped, bits,
+                               stored_block[:m], lanes_block[:m], q, words)
             else:
-                _unpack(stream, offsets[b], np.int64(stream[b]), q)
+                q[:] = 0
             for j in range(m):
                 p = pred[start + j] if use_pred else np.float32(0.0)
                 u, off = _dither_offsets(ordinal, dithered, bits[j], step_k)
@@ -761,25 +781,25 @@ def decode_block_stream(stream: np.ndarray, pred: np.ndarray | None, out: np.nda
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
                         dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                         scale: np.ndarray | None = None, eps: float = 0.0,
-                        floor: float = 0.0) -> None:
-    """Rebuild ``out`` (float32) from a packed stream and ``pred`` (or zero); ``out`` may be ``pred``.
-    ``dither``, ``dither_signs``, ``dither_groups``, ``first``, ``scale``, ``eps`` and ``floor``
-    are as the encoder had them.
+                        floor: float = 0.0, bit_planes: bool = False) -> None:
+    """Rebuild ``out`` (float32) from a symbol stream, packed or in ``bit_planes``, and ``pred``
+    (or zero); ``out`` may be ``pred``. ``dither``, ``dither_signs``, ``dither_groups``,
+    ``first``, ``scale``, ``eps`` and ``floor`` are as the encoder had them.
 
     Raises ``ValueError`` when the stream's length does not match its block
     widths, or a width is over 16, so damaged streams never index out of bounds.
     """
     n = out.shape[0]
-    offsets, status = _check_stream(stream, 0, stream.shape[0], n, block)
+    offsets, status = _check_stream(stream, 0, stream.shape[0], n, block, bit_planes)
     if status != STREAM_OK:
-        raise ValueError(_stream_problem(status, stream, n, block))
+        raise ValueError(_stream_problem(status, stream, n, block, bit_planes))
     step_f, step_i = _steps(ordinal, step)
     seed = _seed(ordinal, dither, step, block, dither_signs, dither_groups)
     variant, scale, eps32, floor32 = _variant(ordinal, pred is not None, seed, scale, eps, floor, n)
     padded = np.zeros(stream.shape[0] + 8, np.uint8)
     padded[: stream.shape[0]] = stream
-    _DECODERS[variant](padded, offsets, out if pred is None else pred, out, step_f, step_i, block,
-                       seed, np.int64(first), scale, eps32, floor32)
+    _DECODERS[variant](padded, bit_planes, offsets, out if pred is None else pred, out, step_f,
+                       step_i, block, seed, np.int64(first), scale, eps32, floor32)
 
 
 @njit(inline="always")
@@ -828,9 +848,10 @@ def _ordinal_step(keys, q, width, step_i, seed, bits):
 
 
 @njit(cache=True, nogil=True)
-def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block, zero_start,
-                  values):
-    """Apply the packed streams ``streams[bounds[t]:bounds[t + 1]]`` in turn to ``values``.
+def _decode_steps(streams, bounds, planes, ordinal, step_f, step_i, seeds, first, block,
+                  zero_start, values):
+    """Apply the symbol streams ``streams[bounds[t]:bounds[t + 1]]`` (packed, or bit planes
+    where ``planes[t]``) in turn to ``values``.
 
     Checks every stream first and returns the index of the first damaged one
     and its status (``-1, STREAM_OK`` when all decode), leaving ``values``
@@ -847,12 +868,13 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
     n = values.shape[0]
     n_steps = bounds.shape[0] - 1
     n_blocks = (n + block - 1) // block
-    offsets = np.empty((n_steps, n_blocks + 1), np.int64)
+    offsets = np.empty((n_steps, max(n_blocks + 1, MAX_WIDTH + 1)), np.int64)
     for t in range(n_steps):
-        o, status = _check_stream(streams, bounds[t], bounds[t + 1], n, block)
+        o, status = _check_stream(streams, bounds[t], bounds[t + 1], n, block, planes[t])
         if status != STREAM_OK:
             return t, status
-        offsets[t] = o
+        offsets[t, : o.shape[0]] = o
+    words = np.empty((block + 7) // 8, np.uint64)
     q_block = np.empty(block, np.int32)
     run_block = np.empty(block, np.float32)
     keys_block = np.empty(block, np.float64)
@@ -874,11 +896,9 @@ def _decode_steps(streams, bounds, ordinal, step_f, step_i, seeds, first, block,
                 continue  # all-zero symbols after a step of the same domain change nothing
             if seeds[t] >= 0:
                 _fill_dither_bits(bits, first + start, seeds[t])
-            if width and _groups_symbols(seeds[t]):
-                _ungroup(streams, offsets[t, b], width, bits, stored_block[:m], lanes_block[:m],
-                         q)
-            elif width:
-                _unpack(streams, offsets[t, b], width, q)
+            if width:
+                _block_symbols(streams, planes[t], offsets[t], b, width, _groups_symbols(seeds[t]),
+                               bits, stored_block[:m], lanes_block[:m], q, words)
             if ordinal[t]:
                 if not keyed:
                     for j in range(m):
@@ -902,35 +922,40 @@ def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: 
                         steps: list[float | int], block: int, zero_start: bool,
                         dithers: list[int | None] | None = None,
                         dither_signs: list[bool] | None = None,
-                        dither_groups: list[bool] | None = None, first: int = 0) -> None:
-    """Apply the packed streams of consecutive steps in order to the running values ``out``.
+                        dither_groups: list[bool] | None = None, first: int = 0,
+                        bit_planes: list[bool] | None = None) -> None:
+    """Apply the symbol streams of consecutive steps in order to the running values ``out``.
 
     The result is bit for bit that of calling :func:`decode_block_stream`
     once per stream, each against the previous result: the first against
     ``out`` itself, or against zero with ``zero_start``. ``ordinal``,
-    ``steps``, ``dithers``, ``dither_signs`` and ``dither_groups`` (default:
-    none) give each stream's domain, step, dither seed and whether its signs
-    are folded and its symbols grouped by the dither; all
-    share ``block`` and ``first``, the index of ``out``'s first element in its
+    ``steps``, ``dithers``, ``dither_signs``, ``dither_groups`` and ``bit_planes`` (default:
+    none) give each stream's domain, step, dither seed, whether its signs
+    are folded and its symbols grouped by the dither, and whether it is stored as bit planes;
+    all share ``block`` and ``first``, the index of ``out``'s first element in its
     tensor.
     Raises ``ValueError`` naming the first damaged stream by its index
     before anything is written.
     """
     seeds = np.array(kernel_seeds(len(streams), ordinal, steps, block, dithers, dither_signs,
                                   dither_groups), np.int64)
+    planes = np.zeros(len(streams), np.bool_) if bit_planes is None else \
+        np.array(bit_planes, np.bool_)
+    if planes.shape[0] != len(streams):
+        raise ValueError(f"{len(streams)} streams and {planes.shape[0]} bit_planes")
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
     bounds = np.zeros(len(streams) + 1, np.int64)
     np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
     flat = np.empty(bounds[-1] + 8, np.uint8)  # _unpack reads up to 8 bytes past a block
     for stream, lo, hi in zip(streams, bounds[:-1], bounds[1:], strict=True):
         flat[lo:hi] = stream
-    bad, status = _decode_steps(flat, bounds, np.array(ordinal, np.bool_),
+    bad, status = _decode_steps(flat, bounds, planes, np.array(ordinal, np.bool_),
                                 np.array([f for f, _ in coded], np.float32),
                                 np.array([i for _, i in coded], np.int64), seeds,
                                 np.int64(first), block, zero_start, out)
     if status != STREAM_OK:
         raise ValueError(f"stream {bad}: "
-                         f"{_stream_problem(status, streams[bad], out.shape[0], block)}")
+                         f"{_stream_problem(status, streams[bad], out.shape[0], block, planes[bad])}")
 
 
 @functools.lru_cache(maxsize=1024)  # a restore asks once per chunk and step, for a few steps
