@@ -55,19 +55,23 @@ def test_planes_match_the_spec(n: int, block: int) -> None:
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-def test_kernel_streams_round_trip(grouped: bool) -> None:
-    """Streams the encoder packed, of a dithered residual of several widths, come back bit for
-    bit, and their planes are what the spec makes of their symbols."""
-    rng = np.random.default_rng(1)
-    n, block = 10_000 + 3, 256
-    x = (rng.standard_normal(n) * np.repeat(rng.choice([0.0, 0.3, 2.0, 40.0], -(-n // block)),
-                                            block)[:n]).astype(np.float32)
-    recon = np.empty(n, np.float32)
-    stream, _ = quant.encode_block_stream(x, None, recon, ordinal=False, step=1.0, block=block,
-                                          dither=7, dither_signs=grouped, dither_groups=grouped)
-    planes = to_planes(stream, n, block)
-    assert np.array_equal(from_planes(planes, n, block), stream)
-    assert planes.size == planes_length(stream[:-(-n // block)], n, block)
+@pytest.mark.parametrize(("n", "block"), [(10_003, 256), (5_000, 100), (77, 64)])
+def test_encoder_writes_the_planes_of_its_packed_stream(grouped: bool, n: int,
+                                                        block: int) -> None:
+    """The encoder's stream in bit planes is the planes of its packed stream (blocks of every
+    width up to 16, grouped or not, a short last block), which packs back bit for bit."""
+    rng = np.random.default_rng(n)
+    scales = rng.choice([0.0, 0.3, 2.0, 40.0, 9000.0], -(-n // block))
+    x = (rng.standard_normal(n) * np.repeat(scales, block)[:n]).astype(np.float32)
+    coded = {}
+    for planes in (False, True):
+        recon = np.empty(n, np.float32)
+        coded[planes], _ = quant.encode_block_stream(
+            x, None, recon, ordinal=False, step=1.0, block=block, dither=7,
+            dither_signs=grouped, dither_groups=grouped, bit_planes=planes)
+    assert np.array_equal(coded[True], to_planes(coded[False], n, block))
+    assert np.array_equal(from_planes(coded[True], n, block), coded[False])
+    assert coded[True].size == planes_length(coded[False][:-(-n // block)], n, block)
 
 
 def test_damaged_plane_streams_are_refused() -> None:

@@ -189,11 +189,13 @@ def test_encode_matches_numba(variant: tuple[bool, bool, bool, int], dtype: torc
 def test_odd_sizes(n: int, block: int, ordinal: bool, grouped: bool) -> None:
     """Sizes that are not multiples of the block, blocks of 1, 7 and more than a tile (3000:
     a program loops over columns, and places grouped symbols from counts over them all), and
-    none: in place against a prediction, dithered."""
+    none: in place against a prediction, dithered; the grouped streams in bit planes (Triton's
+    made on the host)."""
     x = _values(n, n + block)
     numba, triton = _encode_both(_tensor(x), _near(x, n), in_place=True, ordinal=ordinal,
                                  step=_step(ordinal, True), block=block, dither=7,
-                                 dither_signs=not ordinal, dither_groups=grouped, first=n)
+                                 dither_signs=not ordinal, dither_groups=grouped, first=n,
+                                 bit_planes=grouped)
     _assert_same_coding(numba, triton, n, block, ordinal)
 
 

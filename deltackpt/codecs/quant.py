@@ -50,7 +50,6 @@ from deltackpt.codecs.lossless import zstd_compress, zstd_decompress
 from deltackpt.errors import CorruptionError, FormatError
 from deltackpt.format.checks import check_choice
 from deltackpt.kernels import quant as numba_kernels
-from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import MAX_DITHERED_KEY_STEP, MAX_GROUPED_BLOCK, MAX_KEY, check_stream
 
 # What the encoder needs of the kernels, given through the codec: the columns of the block
@@ -142,10 +141,11 @@ def encode_quant(x: np.ndarray, pred: np.ndarray | None, recon: np.ndarray, *, o
         convert(x), convert(pred), convert(recon), ordinal=ordinal, step=step, block=block,
         dither=dither, **dither_context(ordinal, dither, block, pred is not None), first=first,
         scale=None if scale is None else convert(scale.values),
-        eps=0.0 if scale is None else scale.eps, floor=0.0 if scale is None else scale.floor)
+        eps=0.0 if scale is None else scale.eps, floor=0.0 if scale is None else scale.floor,
+        bit_planes=True)
     if stats[:, STAT_BAD].any() or stats[:, STAT_CLIPPED].any():
         return None, stats
-    return quant_chunk(stream, len(x), ordinal=ordinal, with_base=pred is not None, step=step,
+    return quant_chunk(stream, ordinal=ordinal, with_base=pred is not None, step=step,
                        block=block, dither=dither,
                        scale=None if scale is None else (scale.tensor, scale.eps, scale.floor),
                        zeros=zeros_bitmap(zero_lost(convert(x), convert(recon)))
@@ -173,12 +173,12 @@ def on_device(*arrays: Any) -> bool:
     return _kernels(*arrays)[0] is _tensor
 
 
-def quant_chunk(stream: np.ndarray, n: int, *, ordinal: bool, with_base: bool,
-                step: float | int, block: int, dither: int | None = None,
+def quant_chunk(stream: np.ndarray, *, ordinal: bool, with_base: bool, step: float | int,
+                block: int, dither: int | None = None,
                 scale: tuple[str, float, float] | None = None,
                 zeros: np.ndarray | None = None) -> EncodedChunk:
-    """The quant chunk of a packed symbol ``stream`` of ``n`` elements, stored as bit planes
-    (FORMAT.md 3.2, ``bit_planes``), coded with these arguments (those of
+    """The quant chunk of a symbol ``stream`` in bit planes (FORMAT.md 3.2, ``bit_planes``)
+    coded with these arguments (those of
     :func:`encode_quant`, coded given its dither as :func:`dither_context` says;
     ``with_base``: coded against a prediction; ``scale``: the tensor whose values scale the
     steps, eps and the floor that shapes them, a power of two, 0 for none; ``zeros``: the
@@ -193,7 +193,6 @@ def quant_chunk(stream: np.ndarray, n: int, *, ordinal: bool, with_base: bool,
         params.update(scale=scale[0], eps=scale[1])
         if scale[2]:
             params["floor_log2"] = floor_log2(scale[2])
-    stream = to_planes(stream, n, block)
     params["bit_planes"] = True
     if zeros is not None:
         params["zeros"] = int(np.unpackbits(zeros).sum())

@@ -74,6 +74,7 @@ from deltackpt.format.checks import check_choice
 from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, raw_bytes, spec_for
 from deltackpt.format.state import CapturedState
 from deltackpt.io.writer import PendingDigest, chunk_spans
+from deltackpt.kernels.planes import to_planes
 
 RECONSTRUCTION_PLACES = ("device", "host")
 """Where a manager keeps the running values of tensors coded on a device."""
@@ -377,8 +378,8 @@ class DeviceDelta:
             return stored, chunk.exact
         coding = encoder.quantized_as_is(chunk.name)
         stream, stats, *rounded = (h.numpy() for h in chunk.host)
-        stored = quant_chunk(stream, chunk.hi - chunk.lo, ordinal=coding.ordinal,
-                             with_base=coding.with_base,
+        stored = quant_chunk(to_planes(stream, chunk.hi - chunk.lo, coding.block),
+                             ordinal=coding.ordinal, with_base=coding.with_base,
                              step=coding.step, block=coding.block, dither=coding.dither,
                              scale=coding.scale, zeros=chunk.zeros)
         encoder.count_coded(chunk.name, stored, chunk.raw_offset, chunk.raw_size,

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from deltackpt.kernels.planes import from_planes
+from deltackpt.kernels.planes import from_planes, to_planes
 from deltackpt.kernels.quant import (
     N_STATS,
     STAT_BAD,
@@ -602,13 +602,16 @@ def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.T
                         ordinal: bool, step: float | int, block: int, dither: int | None = None,
                         dither_signs: bool = False, dither_groups: bool = False, first: int = 0,
                         scale: torch.Tensor | None = None, eps: float = 0.0,
-                        floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                        floor: float = 0.0, bit_planes: bool = False
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`encode_on_device`, then the stream and statistics copied to the host: the same
-    return values as :func:`deltackpt.kernels.quant.encode_block_stream`."""
-    return encode_on_device(x, pred, out, ordinal=ordinal, step=step, block=block,
-                            dither=dither, dither_signs=dither_signs,
-                            dither_groups=dither_groups, first=first, scale=scale, eps=eps,
-                            floor=floor).to_host()
+    return values as :func:`deltackpt.kernels.quant.encode_block_stream` (the stream in
+    ``bit_planes`` made on the host: :func:`deltackpt.kernels.planes.to_planes`)."""
+    stream, stats = encode_on_device(x, pred, out, ordinal=ordinal, step=step, block=block,
+                                     dither=dither, dither_signs=dither_signs,
+                                     dither_groups=dither_groups, first=first, scale=scale,
+                                     eps=eps, floor=floor).to_host()
+    return (to_planes(stream, x.shape[0], block) if bit_planes else stream), stats
 
 
 @dataclass(frozen=True)

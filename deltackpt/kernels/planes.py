@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from deltackpt.kernels.spans import copy_span
+
 MAX_WIDTH = 16
 
 
@@ -282,6 +284,67 @@ def unpack_planes(stream, at, width, q, words):
     segment = (q.shape[0] + 7) // 8
     for k in range(width):
         at[k] += segment
+
+
+@njit(inline="always")
+def _pack_byte_planes(scratch, m, shift, w, slot):
+    """Planes ``shift .. shift + w - 1`` of a block's ``m`` symbols whose bits from ``shift`` on
+    ``scratch`` holds a byte each (zero up to a multiple of 8), into ``slot`` from its plane
+    ``shift``'s segment: eight bytes a word, and one multiply gathers a bit of each."""
+    segment = (m + 7) // 8
+    words = scratch[: 8 * segment].view(np.uint64)
+    for k in range(w):
+        out = (shift + k) * segment
+        for g in range(segment):
+            bits = (words[g] >> np.uint64(k)) & np.uint64(0x0101010101010101)
+            slot[out + g] = np.uint8((bits * np.uint64(0x0102040810204080)) >> np.uint64(56))
+
+
+@njit(inline="always")
+def _narrow_pack(sym, w, slot, scratch):
+    m = sym.shape[0]
+    for j in range(m):
+        scratch[j] = np.uint8(sym[j] & 0xFF)
+    for j in range(m, 8 * ((m + 7) // 8)):
+        scratch[j] = 0
+    _pack_byte_planes(scratch, m, 0, w, slot)
+
+
+@njit(inline="always")
+def pack_planes(sym, width, slot, scratch):
+    """The bit planes of a block's zigzag symbols ``sym`` at ``width`` bits into ``slot``: plane
+    ``k``'s segment (``ceil(len(sym) / 8)`` bytes) at ``k`` segments from its start
+    (``compact_planes`` moves them to their planes); ``scratch``: uint8 room for the block
+    rounded up to 8. With a literal width for widths up to 8, as ``kernels.quant._pack``."""
+    if width == 1:
+        _narrow_pack(sym, 1, slot, scratch)
+    elif width == 2:
+        _narrow_pack(sym, 2, slot, scratch)
+    elif width == 3:
+        _narrow_pack(sym, 3, slot, scratch)
+    elif width == 4:
+        _narrow_pack(sym, 4, slot, scratch)
+    elif width <= 8:
+        _narrow_pack(sym, width, slot, scratch)
+    else:  # the low byte's planes, then the high byte's
+        m = sym.shape[0]
+        _narrow_pack(sym, 8, slot, scratch)
+        for j in range(m):
+            scratch[j] = np.uint8(sym[j] >> 8)
+        _pack_byte_planes(scratch, m, 8, width - 8, slot)
+
+
+@njit(cache=True, nogil=True)
+def compact_planes(slots, widths, n, block, stream):
+    """The plane stream of blocks whose planes ``pack_planes`` wrote to ``slots[b]``."""
+    nb = widths.shape[0]
+    stream[:nb] = widths
+    at = plane_starts(widths, n, block, nb)
+    for b in range(nb):
+        segment = (min(block, n - b * block) + 7) // 8
+        for k in range(widths[b]):
+            copy_span(slots[b], k * segment, stream, at[k], segment)
+            at[k] += segment
 
 
 def planes_length(widths: np.ndarray, n: int, block: int) -> int:

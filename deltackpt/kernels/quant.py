@@ -57,7 +57,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from deltackpt.kernels.planes import plane_starts, unpack_planes
+from deltackpt.kernels.planes import compact_planes, pack_planes, plane_starts, unpack_planes
 from deltackpt.kernels.spans import copy_span
 
 MAX_WIDTH = 16
@@ -474,6 +474,16 @@ def _block_stats(x, out, sym, width, relative, clip_at, row):
     row[STAT_LOST_ZEROS] = lost
 
 
+@njit(inline="always")
+def _pack_block(sym, width, slot, planes, scratch):
+    """A block's symbols into its slot: packed, or with ``planes`` as its bit planes' segments
+    (``kernels.planes.pack_planes``)."""
+    if planes:
+        pack_planes(sym, width, slot, scratch)
+    else:
+        _pack(sym, width, slot)
+
+
 def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
     """The fused encode kernel for one domain, prediction, dithering and per-element scaling
     (compile-time constants; ``scaled``: ``UNSCALED``, ``SCALED`` or ``SHAPED``)."""
@@ -482,7 +492,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
     # whose check on every element's own step (scaled chunks) keeps the loop from vectorizing.
     @njit(cache=True, nogil=True, error_model="numpy")
     def encode(x, pred, out, step_f, step_i, block, widths, slots, stats, seed, first, scale,
-               eps, floor):
+               eps, floor, planes):
         n = x.shape[0]
         step_k = np.float64(step_i)
         signs = _folds_signs(seed)
@@ -499,6 +509,7 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
         stored_block = np.empty(block, np.uint16)  # the symbols in stream order, when grouped
         bits_block = np.empty(block, np.int32)
         lanes_block = np.empty(block, np.uint64)
+        scratch = np.empty(block + 8, np.uint8)  # pack_planes' bytes of symbols
         # Values go to a block buffer, then to out: when out is pred (in place, as a delta on
         # its base's last use codes), a loop that writes out while reading pred fails LLVM's
         # runtime overlap check and runs unvectorized, at half the speed.
@@ -559,9 +570,9 @@ def _make_encoder(ordinal: bool, use_pred: bool, dithered: bool, scaled: int):
                 for j in range(m):
                     at, places = _next_place(places, lanes[j])
                     stored_block[at] = sym[j]
-                _pack(stored_block[:m], width, slots[b])
+                _pack_block(stored_block[:m], width, slots[b], planes, scratch)
             else:
-                _pack(sym, width, slots[b])
+                _pack_block(sym, width, slots[b], planes, scratch)
             _block_stats(xb, ob, sym, width, ordinal, 0xFFFD if signs else 0xFFFE, stats[b])
 
     return encode
@@ -604,11 +615,11 @@ _scratch = threading.local()
 def _slots(n_blocks: int, block: int) -> np.ndarray:
     """Per-block output slots of the encoder, one buffer per thread reused across calls
     (fresh pages cost page faults)."""
-    size = n_blocks * (2 * block + 8)
+    size = n_blocks * (2 * block + 16)  # 16 bits a symbol, and bit planes' padding
     buffer = getattr(_scratch, "slots", None)
     if buffer is None or buffer.size < size:
         buffer = _scratch.slots = np.empty(size, np.uint8)
-    return buffer[:size].reshape(n_blocks, 2 * block + 8)
+    return buffer[:size].reshape(n_blocks, 2 * block + 16)
 
 
 def n_blocks_of(n: int, block: int) -> int:
@@ -621,8 +632,9 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
                         dither: int | None = None, dither_signs: bool = False,
                         dither_groups: bool = False, first: int = 0,
                         scale: np.ndarray | None = None, eps: float = 0.0, floor: float = 0.0,
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize ``x`` against ``pred`` (or zero) and pack the symbols.
+                        bit_planes: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize ``x`` against ``pred`` (or zero) and pack the symbols (with ``bit_planes``, as
+    bit planes: FORMAT.md 3.2).
 
     ``dither`` is a seed: element ``i`` is then quantized on a grid shifted
     by the dither offset of index ``first + i`` (``first``: the chunk's first
@@ -640,7 +652,7 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
 
     Writes the reconstruction a reader will get into ``out`` (float32, may
     be ``pred`` itself: the encoder's reconstruction is updated in place).
-    Returns the packed stream (uint8) and per-block statistics
+    Returns the symbol stream (uint8) and per-block statistics
     (``float64[n_blocks, N_STATS]``, columns ``STAT_*``). Elements that
     cannot be coded (non-finite inputs, or a reconstruction that would
     overflow) are counted in ``STAT_BAD``; such a block is skipped, its
@@ -656,7 +668,11 @@ def encode_block_stream(x: np.ndarray, pred: np.ndarray | None, out: np.ndarray,
     variant, scale, eps32, floor32 = _variant(ordinal, pred is not None, seed, scale, eps, floor, n)
     slots = _slots(n_blocks, block)
     _ENCODERS[variant](x, out if pred is None else pred, out, step_f, step_i, block, widths, slots,
-                       stats, seed, np.int64(first), scale, eps32, floor32)
+                       stats, seed, np.int64(first), scale, eps32, floor32, bit_planes)
+    if bit_planes:
+        stream = np.empty(plane_starts(widths, n, block, n_blocks)[-1], np.uint8)
+        compact_planes(slots, widths, n, block, stream)
+        return stream, stats
     offsets = _block_offsets(widths, n, block, n_blocks)
     stream = np.empty(offsets[-1], np.uint8)
     _compact(slots, widths, offsets, stream)
