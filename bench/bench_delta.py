@@ -63,7 +63,6 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.io.pool import default_workers
 from deltackpt.io.reader import ChunkSource, read_tensors
 from deltackpt.io.writer import DEFAULT_CHUNK_BYTES
-from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import decode_block_stream, decode_step_streams, encode_block_stream
 from deltackpt.restore.chain import restore_chain
 
@@ -252,8 +251,7 @@ def saved_delta(run, tmp_path_factory) -> list[tuple[str, dict, np.ndarray, np.n
                              None if scale is None else restored[scale].reshape(-1)[part].numpy(),
                              first))
                 stream = quant_stream(source.stored(rec, chunk), params, n).data
-                assert np.array_equal(_planes_of(jobs[-1], _encode_job(jobs[-1])[0]),
-                                      stream), rec.name
+                assert np.array_equal(_encode_job(jobs[-1])[0], stream), rec.name
         source.close()
     return jobs
 
@@ -273,13 +271,8 @@ def _scaling(params: dict) -> dict:
 def _encode_job(job, recon: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     _, params, x, pred, scale, first = job
     return encode_block_stream(x, pred, np.empty_like(x) if recon is None else recon,
-                               **_kernel_args(params, first), scale=scale, **_scaling(params))
-
-
-def _planes_of(job, stream: np.ndarray) -> np.ndarray:
-    """The bit planes a chunk stores of the packed ``stream`` its encode kernel made."""
-    _, params, x, *_ = job
-    return to_planes(stream, x.size, params["block"])
+                               **_kernel_args(params, first), scale=scale, **_scaling(params),
+                               bit_planes=True)
 
 
 def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
@@ -304,8 +297,7 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     whatever the core count. Medians of ROUNDS rounds of every class."""
     classes = sorted({job[0] for job in saved_delta})
     outs = [np.empty_like(job[2]) for job in saved_delta]
-    encoded = [_encode_job(job, recon)[0] for job, recon in zip(saved_delta, outs, strict=True)]
-    streams = [_planes_of(job, s) for job, s in zip(saved_delta, encoded, strict=True)]
+    streams = [_encode_job(job, recon)[0] for job, recon in zip(saved_delta, outs, strict=True)]
     for i, job in enumerate(saved_delta):  # what is timed decodes to what was encoded
         recon = outs[i].copy()
         _decode_job(job, streams[i], outs[i])
@@ -314,7 +306,6 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     work = {
         "memcpy": lambda i: np.copyto(outs[i], saved_delta[i][2]),
         "encode kernel": lambda i: _encode_job(saved_delta[i]),
-        "bit planes": lambda i: _planes_of(saved_delta[i], encoded[i]),
         "zstd": lambda i: zstd_compress(streams[i], "packed"),
         "decode kernel": lambda i: _decode_job(saved_delta[i], streams[i], outs[i]),
         "unzstd": lambda i: zstd_decompress_bounded(memoryview(packed[i]), 3 * outs[i].size),
@@ -336,8 +327,8 @@ def test_kernel_cost_by_class(saved_delta) -> None:
         ns = {what: statistics.median(times[kind, what][1:]) / n * 1e9 for what in work}
         bits = {name: 8 * sum(len(b) for b, job in zip(coded, saved_delta, strict=True)
                               if job[0] == kind) / n
-                for name, coded in (("packed", streams), ("zstd", packed))}
-        note(f"  {kind:<14} {n / 1e6:6.2f}M elements, {bits['packed']:.2f} bits each packed, "
+                for name, coded in (("planes", streams), ("zstd", packed))}
+        note(f"  {kind:<14} {n / 1e6:6.2f}M elements, {bits['planes']:.2f} bits each in planes, "
              f"{bits['zstd']:.2f} after zstd: " + ", ".join(
             f"{what} {ns[what]:.2f} ({ns[what] / ns['memcpy']:.0f}x)" for what in work
             if what != "memcpy") + f"; memcpy {ns['memcpy']:.2f}")

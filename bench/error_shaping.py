@@ -42,7 +42,6 @@ from fidelity import OPTIMIZERS, TASKS, Run, steps_lost
 from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.encode.optimizers import movement_units
 from deltackpt.encode.policy import CompressionConfig
-from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import encode_block_stream
 from deltackpt.save.capture import capture, parameter_names
 
@@ -185,10 +184,10 @@ def coded_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]],
         entropy += _entropy(x, steps, i) * x.numel()
         g = float(np.float32(steps.log().mean().exp()))
         values = (x * (g / steps)).flatten().numpy().astype(np.float32)
-        block = CompressionConfig().block
         stream, _ = encode_block_stream(values, None, np.empty_like(values), ordinal=False,
-                                        step=g, block=block, dither=i, dither_signs=True)
-        stored += 8 * len(zstd_compress(to_planes(stream, values.size, block), "packed"))
+                                        step=g, block=CompressionConfig().block, dither=i,
+                                        dither_signs=True, bit_planes=True)
+        stored += 8 * len(zstd_compress(stream, "packed"))
         elements += x.numel()
     return entropy / elements, stored / elements
 

@@ -25,8 +25,7 @@ from deltackpt.codecs import CODECS, decode_into, encode_lossless
 from deltackpt.codecs.lossless import MIN_CODED_BYTES, PACKED_PARAMS
 from deltackpt.codecs.quant import decode_quant, encode_quant, quant_params
 from deltackpt.format.dtypes import BY_NAME, DTypeSpec
-from deltackpt.kernels.planes import to_planes
-from deltackpt.kernels.quant import encode_block_stream
+from deltackpt.kernels.quant import encode_block_stream, to_planes
 
 SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

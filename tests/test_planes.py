@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from deltackpt.kernels import quant
-from deltackpt.kernels.planes import MAX_WIDTH, from_planes, planes_length, to_planes
+from deltackpt.kernels.planes import MAX_WIDTH, plane_starts
+from deltackpt.kernels.quant import from_planes, to_planes
 
 
 def _bits(values: np.ndarray, width: int) -> np.ndarray:
@@ -49,7 +50,7 @@ def test_planes_match_the_spec(n: int, block: int) -> None:
     rng = np.random.default_rng(n + block)
     symbols, widths = _symbols(rng, n, block)
     packed, planes = _spec(symbols, widths, block)
-    assert planes_length(widths, n, block) == planes.size
+    assert plane_starts(widths, n, block, widths.size)[-1] == planes.size
     assert np.array_equal(to_planes(packed, n, block), planes)
     assert np.array_equal(from_planes(planes, n, block), packed)
 
@@ -71,7 +72,8 @@ def test_encoder_writes_the_planes_of_its_packed_stream(grouped: bool, n: int,
             dither_signs=grouped, dither_groups=grouped, bit_planes=planes)
     assert np.array_equal(coded[True], to_planes(coded[False], n, block))
     assert np.array_equal(from_planes(coded[True], n, block), coded[False])
-    assert coded[True].size == planes_length(coded[False][:-(-n // block)], n, block)
+    nb = -(-n // block)
+    assert coded[True].size == plane_starts(coded[False][:nb], n, block, nb)[-1]
 
 
 def test_damaged_plane_streams_are_refused() -> None:

@@ -36,7 +36,6 @@ from torch import nn
 from deltackpt import CheckpointManager
 from deltackpt.codecs import quant as quant_codec
 from deltackpt.errors import ConfigError
-from deltackpt.kernels.planes import to_planes
 from deltackpt.kernels.quant import (
     MAX_DITHERED_KEY_STEP,
     MAX_KEY,
@@ -56,6 +55,7 @@ from deltackpt.kernels.quant import (
     decode_step_streams,
     encode_block_stream,
     n_blocks_of,
+    to_planes,
 )
 
 if importlib.util.find_spec("triton") is None:

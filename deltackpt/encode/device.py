@@ -74,7 +74,7 @@ from deltackpt.format.checks import check_choice
 from deltackpt.format.dtypes import DTypeSpec, dtype_bytes, raw_bytes, spec_for
 from deltackpt.format.state import CapturedState
 from deltackpt.io.writer import PendingDigest, chunk_spans
-from deltackpt.kernels.planes import to_planes
+from deltackpt.kernels.quant import to_planes
 
 RECONSTRUCTION_PLACES = ("device", "host")
 """Where a manager keeps the running values of tensors coded on a device."""

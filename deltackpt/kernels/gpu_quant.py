@@ -70,7 +70,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from deltackpt.kernels.planes import from_planes, to_planes
 from deltackpt.kernels.quant import (
     N_STATS,
     STAT_BAD,
@@ -87,8 +86,10 @@ from deltackpt.kernels.quant import (
     _steps,
     _stream_problem,
     check_scaling,
+    from_planes,
     kernel_seeds,
     n_blocks_of,
+    to_planes,
 )
 
 _TILE = 1024  # elements a program codes at a time
@@ -606,7 +607,7 @@ def encode_block_stream(x: torch.Tensor, pred: torch.Tensor | None, out: torch.T
                         ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`encode_on_device`, then the stream and statistics copied to the host: the same
     return values as :func:`deltackpt.kernels.quant.encode_block_stream` (the stream in
-    ``bit_planes`` made on the host: :func:`deltackpt.kernels.planes.to_planes`)."""
+    ``bit_planes`` made on the host: :func:`deltackpt.kernels.quant.to_planes`)."""
     stream, stats = encode_on_device(x, pred, out, ordinal=ordinal, step=step, block=block,
                                      dither=dither, dither_signs=dither_signs,
                                      dither_groups=dither_groups, first=first, scale=scale,
@@ -631,7 +632,7 @@ def upload_streams(streams: list[np.ndarray], n: int, block: int, device: torch.
                    bit_planes: list[bool] | None = None) -> DeviceStreams:
     """Check the host streams (uint8) of ``n`` elements, then copy them to ``device`` without
     waiting (through pinned memory on a GPU: only the streams' bytes cross PCIe). Streams in
-    ``bit_planes`` are packed on the host first (:func:`deltackpt.kernels.planes.from_planes`),
+    ``bit_planes`` are packed on the host first (:func:`deltackpt.kernels.quant.from_planes`),
     as the kernels read them.
 
     Raises ``ValueError`` naming the first damaged stream (the rules of

@@ -723,6 +723,61 @@ def check_stream(stream: np.ndarray, n: int, block: int, planes: bool = False) -
         raise ValueError(_stream_problem(status, stream, n, block, planes))
 
 
+@njit(cache=True, nogil=True)
+def _repack(stream, offsets, n, block, into_planes, slots):
+    """Each block of a checked stream (``offsets``: as ``_check_stream`` gives them) into its
+    slot in the other layout: bit planes from packed bits (``into_planes``) or back."""
+    q = np.empty(block, np.int32)
+    sym = np.empty(block, np.uint16)
+    words = np.empty((block + 7) // 8, np.uint64)
+    scratch = np.empty(block + 8, np.uint8)
+    for b in range((n + block - 1) // block):
+        m = min(block, n - b * block)
+        width = np.int64(stream[b])
+        if not width:
+            continue
+        if into_planes:
+            _unpack(stream, offsets[b], width, q[:m])
+        else:
+            unpack_planes(stream, offsets, width, q[:m], words)
+        for j in range(m):
+            sym[j] = np.uint16(_zigzag(q[j]))
+        _pack_block(sym[:m], width, slots[b], into_planes, scratch)
+
+
+def to_planes(stream: np.ndarray, n: int, block: int) -> np.ndarray:
+    """The bit planes (FORMAT.md 3.2, ``bit_planes``) of a packed stream of ``n`` symbols in
+    blocks of ``block``, as :func:`encode_block_stream` writes them with ``bit_planes``."""
+    return _relaid(stream, n, block, False)
+
+
+def from_planes(stream: np.ndarray, n: int, block: int) -> np.ndarray:
+    """The packed stream of the bit planes ``stream``. Raises ``ValueError`` for a damaged
+    stream (:func:`check_stream`'s rules), which is never indexed out of bounds."""
+    return _relaid(stream, n, block, True)
+
+
+def _relaid(stream: np.ndarray, n: int, block: int, planes: bool) -> np.ndarray:
+    """``stream`` (in bit planes if ``planes``, else packed) in the other layout."""
+    padded = np.zeros(stream.shape[0] + 8, np.uint8)  # _unpack reads up to 8 bytes past a block
+    padded[: stream.shape[0]] = stream
+    offsets, status = _check_stream(padded, 0, stream.shape[0], n, block, planes)
+    if status != STREAM_OK:
+        raise ValueError(_stream_problem(status, stream, n, block, planes))
+    n_blocks = n_blocks_of(n, block)
+    widths = stream[:n_blocks]
+    slots = _slots(n_blocks, block)
+    _repack(padded, offsets, n, block, not planes, slots)
+    if planes:
+        offsets = _block_offsets(widths, n, block, n_blocks)
+        out = np.empty(offsets[-1], np.uint8)
+        _compact(slots, widths, offsets, out)
+        return out
+    out = np.empty(plane_starts(widths, n, block, n_blocks)[-1], np.uint8)
+    compact_planes(slots, widths, n, block, out)
+    return out
+
+
 @njit(inline="always")
 def _ungroup(bits, stored, lanes, q) -> None:
     """Symbols of one block stored grouped by dither (``_group_lanes``; ``bits``: the block's
