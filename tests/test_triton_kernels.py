@@ -374,6 +374,8 @@ def test_chain_decode_of_bit_planes_matches_numba() -> None:
     with pytest.raises(ValueError, match="stream 2: stream is"):
         gpu.decode_step_streams([*stored[:2], stored[2][:-1], *stored[3:]], out,
                                 zero_start=False, bit_planes=planes, **kwargs)
+    with pytest.raises(ValueError, match=f"{len(stored)} streams and 2 bit_planes"):
+        gpu.decode_step_streams(stored, out, zero_start=False, bit_planes=planes[:2], **kwargs)
 
 
 def test_damaged_stream_raises_before_writing() -> None:

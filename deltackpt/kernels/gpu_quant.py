@@ -89,6 +89,7 @@ from deltackpt.kernels.quant import (
     from_planes,
     kernel_seeds,
     n_blocks_of,
+    stream_layouts,
     to_planes,
 )
 
@@ -640,7 +641,7 @@ def upload_streams(streams: list[np.ndarray], n: int, block: int, device: torch.
     out of bounds.
     """
     streams = list(streams)
-    for t, planes in enumerate(bit_planes or []):
+    for t, planes in enumerate(stream_layouts(len(streams), bit_planes)):
         if planes:
             try:
                 streams[t] = from_planes(streams[t], n, block)

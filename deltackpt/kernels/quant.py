@@ -989,6 +989,15 @@ def _decode_steps(streams, bounds, planes, ordinal, step_f, step_i, seeds, first
     return -1, STREAM_OK
 
 
+def stream_layouts(n_streams: int, bit_planes: list[bool] | None) -> np.ndarray:
+    """Whether each of ``n_streams`` streams is stored as bit planes (None: none is), checked
+    against their count."""
+    planes = np.zeros(n_streams, np.bool_) if bit_planes is None else np.array(bit_planes, np.bool_)
+    if planes.shape != (n_streams,):
+        raise ValueError(f"{n_streams} streams and {planes.size} bit_planes")
+    return planes
+
+
 def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: list[bool],
                         steps: list[float | int], block: int, zero_start: bool,
                         dithers: list[int | None] | None = None,
@@ -1010,10 +1019,7 @@ def decode_step_streams(streams: list[np.ndarray], out: np.ndarray, *, ordinal: 
     """
     seeds = np.array(kernel_seeds(len(streams), ordinal, steps, block, dithers, dither_signs,
                                   dither_groups), np.int64)
-    planes = np.zeros(len(streams), np.bool_) if bit_planes is None else \
-        np.array(bit_planes, np.bool_)
-    if planes.shape[0] != len(streams):
-        raise ValueError(f"{len(streams)} streams and {planes.shape[0]} bit_planes")
+    planes = stream_layouts(len(streams), bit_planes)
     coded = [_steps(o, s) for o, s in zip(ordinal, steps, strict=True)]
     bounds = np.zeros(len(streams) + 1, np.int64)
     np.cumsum([s.shape[0] for s in streams], out=bounds[1:])
