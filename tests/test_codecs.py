@@ -23,9 +23,9 @@ from test_huffman import reference_decode  # the huffman stream decoded bit by b
 from deltackpt import CorruptionError, DeltackptError, FormatError
 from deltackpt.codecs import CODECS, decode_into, encode_lossless
 from deltackpt.codecs.lossless import MIN_CODED_BYTES, PACKED_PARAMS
-from deltackpt.codecs.quant import decode_quant, encode_quant, quant_params
+from deltackpt.codecs.quant import decode_quant, encode_quant, quant_params, rans_coded
 from deltackpt.format.dtypes import BY_NAME, DTypeSpec
-from deltackpt.kernels.quant import encode_block_stream, to_planes
+from deltackpt.kernels.quant import N_GROUPS, encode_block_stream, to_planes
 
 SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -446,8 +446,9 @@ def test_quant_chunk_is_one_frame_of_its_packed_stream() -> None:
 def test_quant_chunks_from_zero_group_their_symbols_by_dither() -> None:
     """A dithered chunk coded from zero (a first moment, mostly within a step) stores its
     symbols grouped by the dither's size (``dither_groups``, FORMAT.md 3.2) in blocks of up to
-    65536 elements, and decodes to the encoder's reconstruction; a larger block is not
-    grouped."""
+    65536 elements, its planes coded by rANS in 4 bins (``rans_bins``, smaller than zstd's
+    frame here), and decodes to the encoder's reconstruction; a larger block is not grouped,
+    and its stream is one zstd frame."""
     x = (np.random.default_rng(4).standard_normal(70_000) * 0.2).astype(np.float32)
     for block, grouped in ((1024, True), (1 << 16, True), ((1 << 16) + 1, False)):
         recon = np.empty_like(x)
@@ -458,8 +459,14 @@ def test_quant_chunks_from_zero_group_their_symbols_by_dither() -> None:
         stream, _ = encode_block_stream(x, None, np.empty_like(x), ordinal=False, step=1.0,
                                         block=block, dither=3, dither_signs=True,
                                         dither_groups=grouped, first=5)
-        assert bytes(chunk.parts[0]) == zstandard.ZstdCompressor(
-            compression_params=PACKED_PARAMS).compress(to_planes(stream, x.size, block))
+        planes = to_planes(stream, x.size, block)
+        frame = zstandard.ZstdCompressor(compression_params=PACKED_PARAMS).compress(planes)
+        if grouped:
+            coded = rans_coded(planes, x.size, block, N_GROUPS)
+            assert chunk.params["rans_bins"] == N_GROUPS and len(coded) < len(frame)
+            assert bytes(chunk.parts[0]) == coded
+        else:
+            assert "rans_bins" not in chunk.params and bytes(chunk.parts[0]) == frame
         out = np.full_like(x, np.nan)
         decode_quant(memoryview(bytes(chunk.parts[0])), chunk.params, None, out, first=5)
         assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))

@@ -1165,9 +1165,11 @@ def test_bf16_adam_first_moments_are_coded_in_update_units(ckpt: Path) -> None:
         assert error.max() < 1.5 * step * c2 / c1 / 1.4 / math.sqrt(floor) < 6, fqn
 
     def as_format_2_0(obj: dict) -> None:  # without 2.2's dither_signs, 2.3's floor, 2.4's
-        obj.update(format_version="2.0")     # zeros, 2.5's dither_groups, 2.8's bit_planes:
+        obj.update(format_version="2.0")     # zeros, 2.5's dither_groups, 2.8's bit_planes,
+        # 2.9's rans_bins:
         for chunk in (c for t in obj["tensors"] for f in t["fragments"] for c in f["chunks"]):
-            for key in ("dither_signs", "floor_log2", "zeros", "dither_groups", "bit_planes"):
+            for key in ("dither_signs", "floor_log2", "zeros", "dither_groups", "bit_planes",
+                        "rans_bins"):
                 chunk.get("params", {}).pop(key, None)
 
     edit_metadata(step_dir(ckpt, 2) / "metadata.json", as_format_2_0)

@@ -54,20 +54,22 @@ def test_fixtures_exist() -> None:
     """The old-format fixtures are in the tree (a missing directory would skip every check)."""
     assert {"format-1.4", "format-1.6", "format-1.7", "format-1.8", "format-2.0", "format-2.1",
             "format-2.2", "format-2.3", "format-2.4", "format-2.5", "format-2.6", "format-2.7",
-            "format-2.8"} <= {p.name for p in FIXTURES}
+            "format-2.8", "format-2.9"} <= {p.name for p in FIXTURES}
 
 
 @pytest.mark.parametrize(("fixture", "key", "older"), [("format-2.2", "dither_signs", "2.1"),
                                                        ("format-2.3", "floor_log2", "2.2"),
                                                        ("format-2.4", "zeros", "2.3"),
                                                        ("format-2.5", "dither_groups", "2.4"),
-                                                       ("format-2.8", "bit_planes", "2.7")])
+                                                       ("format-2.8", "bit_planes", "2.7"),
+                                                       ("format-2.9", "rans_bins", "2.8")])
 def test_newer_params_are_refused_in_older_metadata(fixture: str, key: str, older: str,
                                                     tmp_path: Path) -> None:
     """A quant chunk with a param of a later version (2.2's ``dither_signs``: its signs folded by
     its dither; 2.3's ``floor_log2``: its scaled steps shaped; 2.4's ``zeros``: elements
     restored as zero; 2.5's ``dither_groups``: its symbols grouped by its dither; 2.8's
-    ``bit_planes``: its symbols stored as bit planes) in a step that says it is of an earlier
+    ``bit_planes``: its symbols stored as bit planes; 2.9's ``rans_bins``: its planes coded by
+    rANS) in a step that says it is of an earlier
     format: refused when read, naming the tensor and both versions, rather than decoded with
     the wrong signs, steps, zeros, order or layout."""
     shutil.copytree(Path(__file__).parent / "fixtures" / fixture / "ckpt", tmp_path / "ckpt")

@@ -379,7 +379,7 @@ class DeviceDelta:
         coding = encoder.quantized_as_is(chunk.name)
         stream, stats, *rounded = (h.numpy() for h in chunk.host)
         stored = quant_chunk(to_planes(stream, chunk.hi - chunk.lo, coding.block),
-                             ordinal=coding.ordinal, with_base=coding.with_base,
+                             chunk.hi - chunk.lo, ordinal=coding.ordinal, with_base=coding.with_base,
                              step=coding.step, block=coding.block, dither=coding.dither,
                              scale=coding.scale, zeros=chunk.zeros)
         encoder.count_coded(chunk.name, stored, chunk.raw_offset, chunk.raw_size,

@@ -29,7 +29,7 @@ from deltackpt.format.dtypes import spec_named
 from deltackpt.format.tree import check_tree
 
 FORMAT_NAME = "deltackpt"
-FORMAT_VERSION = "2.8"
+FORMAT_VERSION = "2.9"
 SCALED_16_BIT = (2, 1)  # since: scaled quant chunks of bfloat16 and float16 tensors (FORMAT.md 3.2)
 # quant params a version before the one given has not: a reader of it would decode their chunks
 # otherwise (FORMAT.md 3.2)
@@ -37,7 +37,8 @@ QUANT_PARAMS_SINCE = {"dither_signs": (2, 2),  # symbols' signs folded by the di
                       "floor_log2": (2, 3),  # scaled steps shaped by the scale
                       "zeros": (2, 4),  # elements restored as exactly zero
                       "dither_groups": (2, 5),  # each block's symbols grouped by the dither
-                      "bit_planes": (2, 8)}  # the symbol stream stored as bit planes
+                      "bit_planes": (2, 8),  # the symbol stream stored as bit planes
+                      "rans_bins": (2, 9)}  # the planes coded by rANS
 UNCHANGED = "unchanged"  # the codec of a chunk of bytes its base step holds (FORMAT.md 3.5)
 PATCH = "patch"  # the codec of a chunk of its base step's bytes, patched (FORMAT.md 3.6)
 CODECS_SINCE = {UNCHANGED: (2, 6), PATCH: (2, 7)}  # codecs a version before the one given has not
