@@ -50,13 +50,12 @@ from deltackpt.app.training import (
     split_corpus,
     train_step,
 )
-from deltackpt.codecs.lossless import zstd_compress
 from deltackpt.codecs.quant import (
     decode_quant,
     encode_quant,
     quant_params,
     quant_stream,
-    zstd_decompress_bounded,
+    stored_stream,
 )
 from deltackpt.encode.policy import tensor_class
 from deltackpt.format.dtypes import spec_named
@@ -292,8 +291,9 @@ def _decode_job(job, stream: np.ndarray, out: np.ndarray) -> None:
 
 
 def test_kernel_cost_by_class(saved_delta) -> None:
-    """Each class's encode and decode kernel, zstd of its streams, and memcpy of the same
-    elements, on one thread, in ns an element: what a save and a restore pay a class,
+    """Each class's encode and decode kernel, the entropy coding of its streams as the writer
+    stores them (zstd, or rANS for streams grouped by their dither) and back, and memcpy of the
+    same elements, on one thread, in ns an element: what a save and a restore pay a class,
     whatever the core count. Medians of ROUNDS rounds of every class."""
     classes = sorted({job[0] for job in saved_delta})
     outs = [np.empty_like(job[2]) for job in saved_delta]
@@ -302,13 +302,18 @@ def test_kernel_cost_by_class(saved_delta) -> None:
         recon = outs[i].copy()
         _decode_job(job, streams[i], outs[i])
         assert np.array_equal(outs[i].view(np.uint32), recon.view(np.uint32)), job[0]
-    packed = [zstd_compress(s, "packed") for s in streams]
+    def stored(i: int) -> bytes:
+        params, n = saved_delta[i][1], outs[i].size
+        return stored_stream(streams[i], n, params["block"], "dither_groups" in params)[0]
+
+    coded = [stored(i) for i in range(len(saved_delta))]
+    unzeroed = [{k: v for k, v in job[1].items() if k != "zeros"} for job in saved_delta]
     work = {
         "memcpy": lambda i: np.copyto(outs[i], saved_delta[i][2]),
         "encode kernel": lambda i: _encode_job(saved_delta[i]),
-        "zstd": lambda i: zstd_compress(streams[i], "packed"),
+        "entropy code": stored,
         "decode kernel": lambda i: _decode_job(saved_delta[i], streams[i], outs[i]),
-        "unzstd": lambda i: zstd_decompress_bounded(memoryview(packed[i]), 3 * outs[i].size),
+        "entropy decode": lambda i: quant_stream(memoryview(coded[i]), unzeroed[i], outs[i].size),
     }
     times = {(kind, what): [] for kind in classes for what in work}
     for _ in range(ROUNDS + 1):  # the first warms up
@@ -325,11 +330,11 @@ def test_kernel_cost_by_class(saved_delta) -> None:
     for kind in classes:
         n = sum(job[2].size for job in saved_delta if job[0] == kind)
         ns = {what: statistics.median(times[kind, what][1:]) / n * 1e9 for what in work}
-        bits = {name: 8 * sum(len(b) for b, job in zip(coded, saved_delta, strict=True)
+        bits = {name: 8 * sum(len(b) for b, job in zip(data, saved_delta, strict=True)
                               if job[0] == kind) / n
-                for name, coded in (("planes", streams), ("zstd", packed))}
+                for name, data in (("planes", streams), ("stored", coded))}
         note(f"  {kind:<14} {n / 1e6:6.2f}M elements, {bits['planes']:.2f} bits each in planes, "
-             f"{bits['zstd']:.2f} after zstd: " + ", ".join(
+             f"{bits['stored']:.2f} stored: " + ", ".join(
             f"{what} {ns[what]:.2f} ({ns[what] / ns['memcpy']:.0f}x)" for what in work
             if what != "memcpy") + f"; memcpy {ns['memcpy']:.2f}")
 

@@ -1,7 +1,9 @@
 """The lossy ``quant`` codec of delta steps (docs/FORMAT.md, section 3.2).
 
-A chunk's stored bytes are one zstd frame of the packed symbol stream of
-:mod:`deltackpt.kernels.quant`. Decoding needs the chunk's prediction: zero,
+A chunk's stored bytes are one zstd frame of the symbol stream of
+:mod:`deltackpt.kernels.quant` in bit planes, or, for a chunk whose symbols are grouped by their
+dither (first moments), a frame of its widths and the rANS body of its planes
+(:mod:`deltackpt.kernels.rans`). Decoding needs the chunk's prediction: zero,
 or the reconstruction of the same elements in the base step (``pred:
 "base"``), which the restore chain (:mod:`deltackpt.restore.chain`) supplies, and for
 a chunk with a ``scale`` the decoded values of the tensor it names, whose
@@ -216,21 +218,31 @@ def quant_chunk(stream: np.ndarray, n: int, *, ordinal: bool, with_base: bool,
     params["bit_planes"] = True
     if zeros is not None:
         params["zeros"] = int(np.unpackbits(zeros).sum())
-    stored = zstd_compress(stream if zeros is None else np.concatenate([zeros, stream]), "packed")
-    if params.get("dither_groups"):
-        coded = rans_coded(stream, n, block, N_GROUPS, zeros)
-        if len(coded) < len(stored):
-            params["rans_bins"], stored = N_GROUPS, coded
+    stored, bins = stored_stream(stream, n, block, "dither_groups" in params, zeros)
+    if bins is not None:
+        params["rans_bins"] = bins
     return EncodedChunk(NAME, params, [stored])
+
+
+def stored_stream(stream: np.ndarray, n: int, block: int, grouped: bool,
+                  zeros: np.ndarray | None = None) -> tuple[bytes, int | None]:
+    """A plane stream's stored bytes (after the bitmap of ``zeros``) as deltackpt's writers
+    store it, and its ``rans_bins`` (None: one zstd frame): a stream whose symbols are
+    ``grouped`` by their dither is coded by rANS in ``N_GROUPS`` bins where that is smaller
+    than its zstd frame (:func:`rans_coded`)."""
+    frame = zstd_compress(stream if zeros is None else np.concatenate([zeros, stream]), "packed")
+    if grouped:
+        coded = rans_coded(stream, n, block, N_GROUPS, zeros)
+        if len(coded) < len(frame):
+            return coded, N_GROUPS
+    return frame, None
 
 
 def rans_coded(stream: np.ndarray, n: int, block: int, bins: int,
                zeros: np.ndarray | None = None) -> bytes:
     """A plane stream's stored bytes with ``rans_bins`` (FORMAT.md 3.2, *Plane coding*): its
     head frame's length, the frame (the bitmap of ``zeros``, the width bytes, the models) and
-    the rANS body of its planes. deltackpt's writers code the chunks whose symbols are grouped
-    by their dither so, in ``N_GROUPS`` bins, where that is smaller than the stream's zstd
-    frame: Adam's first moments of a 1.8M-parameter GPT took 0.86x the bytes."""
+    the rANS body of its planes."""
     models, body = encode_planes(stream, n, block, bins)
     widths = stream[: -(-n // block)]
     head = zstd_compress(b"".join([b"" if zeros is None else zeros.tobytes(), widths.tobytes(),
