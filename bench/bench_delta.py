@@ -519,6 +519,7 @@ PHASES = [
     ("deltackpt.encode.encoder", "encode_lossless", "lossless encode (exact chunks)"),
     ("deltackpt.kernels.quant", "_compact", "stream compaction"),
     ("deltackpt.codecs.quant", "zstd_compress", "zstd, quant streams"),
+    ("deltackpt.codecs.quant", "encode_planes", "rANS, grouped streams"),
     ("deltackpt.io.writer", "_encode_and_write", "writer task, Python"),
     ("deltackpt.io.writer._DataFiles", "append", "file writes"),
     ("deltackpt.io.storage.LocalStorage", "finish", "fsync"),
@@ -539,6 +540,7 @@ PHASES = [
     ("deltackpt.restore.chain", "_restore_range", "range task, Python"),
     ("deltackpt.restore.chain", "_restore_derived", "derived task, Python"),
     ("deltackpt.codecs.quant", "zstd_decompress_bounded", "zstd, quant streams"),
+    ("deltackpt.codecs.quant", "decode_planes", "rANS, grouped streams"),
     ("deltackpt.codecs.quant", "check_stream", "stream check"),
     ("deltackpt.kernels.quant", "decode_step_streams", "decode kernel: chain of steps"),
 ]

@@ -194,3 +194,18 @@ def test_damaged_rans_chunks_are_refused() -> None:
     with pytest.raises(FormatError, match=r"quant params .* are invalid"):
         quant_stream(memoryview(stored), {k: v for k, v in params.items() if k != "bit_planes"},
                      n)
+
+
+def test_writers_keep_the_smaller_coding() -> None:
+    """A grouped chunk whose rANS coding would not be smaller than its zstd frame (a few dozen
+    elements: the head's frame and the four states cost more than they save) is stored as
+    the frame, without ``rans_bins``, and decodes all the same."""
+    x = (np.random.default_rng(5).standard_normal(40) * 0.3).astype(np.float32)
+    recon = np.empty_like(x)
+    chunk, _ = encode_quant(x, None, recon, ordinal=False, step=1.0, block=1024, dither=8)
+    assert chunk.params["dither_groups"] is True and "rans_bins" not in chunk.params
+    stream = quant_stream(memoryview(bytes(chunk.parts[0])), chunk.params, x.size).data
+    assert len(rans_coded(stream, x.size, 1024, N_GROUPS)) >= len(chunk.parts[0])
+    out = np.full_like(x, np.nan)
+    decode_quant(memoryview(bytes(chunk.parts[0])), chunk.params, None, out, first=0)
+    assert np.array_equal(out.view(np.uint32), recon.view(np.uint32))
