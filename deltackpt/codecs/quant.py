@@ -432,7 +432,8 @@ def _rans_decoded(stored: memoryview, n: int, block: int, bins: int, mask_bytes:
     stream = np.empty(mask_bytes + int(plane_starts(widths, n, block, n_blocks)[-1]), np.uint8)
     stream[: mask_bytes + n_blocks] = head[: mask_bytes + n_blocks]
     status = decode_planes(np.frombuffer(stored[HEAD_LENGTH_BYTES + size:], np.uint8),
-                           models.view("<u2"), stream[mask_bytes:], n, block, bins)
+                           models.view("<u2").astype(np.uint16), stream[mask_bytes:], n, block,
+                           bins)
     if status != BODY_OK:
         raise CorruptionError(f"quant chunk's rANS body {_BODY_PROBLEMS[status]}")
     return stream

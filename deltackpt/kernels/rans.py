@@ -129,7 +129,7 @@ def _encode(stream, runs, models):
     for r in range(runs.shape[0]):
         if models[runs[r, 2]]:
             coded += runs[r, 1] - runs[r, 0]
-    words = np.empty(coded + 1, np.uint16)  # at most one a byte
+    words = np.empty(coded + 1, np.uint16)  # at most one a byte, and room for one not kept
     w = words.shape[0]
     x = np.full(N_STATES, STATE_LOW, np.int64)
     j = coded  # coded byte j uses state j % N_STATES; encoded last to first
@@ -193,8 +193,8 @@ def _refill(x, body, pos):
 
 @njit(cache=True, nogil=True)
 def _decode(body, runs, models, out):
-    """Decode the body into ``out``'s bytes in ``runs``: a ``BODY_*`` status. ``body`` is
-    padded by 8 zero bytes past its length, which reads never pass."""
+    """Decode the body into ``out``'s bytes in ``runs``: a ``BODY_*`` status. ``body``: its
+    16-bit words (the states' too), then 4 zero words, which reads never pass."""
     end = 2 * body.shape[0] - 8
     if end < STATE_BYTES:
         return BODY_SHORT
