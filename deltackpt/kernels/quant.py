@@ -167,8 +167,8 @@ def _group_lanes(bits, lanes) -> np.uint64:
     """FORMAT.md 3.2's ``dither_groups`` for a block of dither hashes ``bits``: its symbols are
     stored grouped by the quarter of ``[0, 0.5]`` the size of their dither offset lies in
     (``|u| * 8``, 4 taken as 3), smallest first, in element order within a group: the
-    symbols of small offsets, mostly zero, come together, and the stream's zstd frame codes
-    each group by its own statistics.
+    symbols of small offsets, mostly zero, come together, and the coder of the planes
+    (``kernels.rans``, in one bin a group) codes each group by its own model.
 
     Writes each element's group as the shift of its 16-bit lane (``16 * group``) to ``lanes``
     and returns the places where the groups start, one a lane: element ``j``'s place is its
