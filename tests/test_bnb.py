@@ -313,12 +313,12 @@ def test_gc_keeps_what_kept_steps_restore_to(tmp_path: Path, one_torch_thread: N
     # deltas enough against a full step for the gc to rewrite rather than hold their chain (no
     # RNG states: full steps store them whole, deltas as patches of tens of bytes)
     with CheckpointManager(tmp_path / "ckpt", full_every=20) as mgr:
-        for step in range(1, 13):
+        for step in range(1, 17):
             _train(model, optimizer, 1)
             mgr.save(step, model=model, optimizer=optimizer, rng=False)
-        before = {s: mgr.restore(s).optimizer["state"] for s in (11, 12)}
-        assert mgr.gc("last=2").rewritten == [11, 12]
-        assert mgr.steps() == [11, 12]
+        before = {s: mgr.restore(s).optimizer["state"] for s in (15, 16)}
+        assert mgr.gc("last=2").rewritten == [15, 16]
+        assert mgr.steps() == [15, 16]
         assert not any(mgr.verify(deep=True).values())
         for step, state in before.items():
             after = mgr.restore(step).optimizer["state"]

@@ -94,7 +94,7 @@ def test_checksum_is_the_xxh3_of_the_text_before_it(ckpt: Path, step: int) -> No
     assert head.endswith(b",")
     assert tail == b'"xxh3":"' + xxhash.xxh3_64_hexdigest(head).encode() + b'"}'
     obj = json.loads(text)
-    assert obj["format_version"] == FORMAT_VERSION == "2.8"
+    assert obj["format_version"] == FORMAT_VERSION == "2.9"
     assert list(obj)[-1] == CHECKSUM_KEY
 
 
