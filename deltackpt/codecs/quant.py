@@ -420,15 +420,14 @@ def _rans_decoded(stored: memoryview, n: int, block: int, bins: int, mask_bytes:
         stored[HEAD_LENGTH_BYTES:HEAD_LENGTH_BYTES + size],
         mask_bytes + n_blocks + 2 * MAX_WIDTH * bins), dtype=np.uint8)
     widths = head[mask_bytes:mask_bytes + n_blocks]
-    if widths.size < n_blocks or widths.max(initial=0) > MAX_WIDTH:
+    planes = int(widths.max(initial=0))
+    if widths.size < n_blocks or planes > MAX_WIDTH:
         raise CorruptionError(f"quant chunk's head holds {widths.size} widths of its {n_blocks} "
-                              f"blocks, at most {widths.max(initial=0)} bits wide "
-                              f"(at most {MAX_WIDTH})")
+                              f"blocks, at most {planes} bits wide (at most {MAX_WIDTH})")
     models = head[mask_bytes + n_blocks:]
-    if models.size != 2 * int(widths.max(initial=0)) * bins:
+    if models.size != 2 * planes * bins:
         raise CorruptionError(f"quant chunk's head holds {models.size} bytes of models, its "
-                              f"{int(widths.max(initial=0))} planes in {bins} bins take "
-                              f"{2 * int(widths.max(initial=0)) * bins}")
+                              f"{planes} planes in {bins} bins take {2 * planes * bins}")
     stream = np.empty(mask_bytes + int(plane_starts(widths, n, block, n_blocks)[-1]), np.uint8)
     stream[: mask_bytes + n_blocks] = head[: mask_bytes + n_blocks]
     status = decode_planes(np.frombuffer(stored[HEAD_LENGTH_BYTES + size:], np.uint8),
