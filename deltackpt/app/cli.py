@@ -732,7 +732,7 @@ def _add_warm(sub: Any) -> None:
         "Adagrad and bfloat16 Adam in a temporary directory, so that the kernels their saves\n"
         "and restores call are compiled and cached: a fresh environment otherwise compiles\n"
         "them at its first saves and restore, tens of seconds more. Run it once where the\n"
-        "package is installed, e.g. in a container image's build step (about a minute).",
+        "package is installed, e.g. in a container image's build step (a minute or two).",
         "  deltackpt warm\n  RUN pip install deltackpt && deltackpt warm    (in a Dockerfile)",
         _cmd_warm, [])
 

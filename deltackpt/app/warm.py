@@ -2,8 +2,8 @@
 
 Numba compiles a kernel at its first call in an environment whose cache lacks it: a fresh
 install, or a container started from an image that installed deltackpt but never ran it. There
-the first saves and the first restore take tens of seconds more (43 s for an AdamW MLP's
-first four saves and restore on 2 cores, 1.0 s once cached). :func:`warm` trains, saves and
+the first saves and the first restore take tens of seconds more (65-70 s for an AdamW MLP's
+first three saves and restore on 2 cores, 0.8 s once cached). :func:`warm` trains, saves and
 restores a small model with each optimizer whose state is coded by meaning, in a temporary
 directory, so that every kernel those saves and restores call is compiled and cached: next to
 the package where that is writable, else in Numba's user-wide cache directory (or

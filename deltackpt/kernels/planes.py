@@ -12,6 +12,8 @@ The encode kernel writes each block's planes as it packs (:func:`pack_planes`: t
 symbols as bytes, eight to a word, one multiply gathering a bit of each), and
 :func:`compact_planes` moves them to their places; the decode kernels read them as they are
 (:func:`unpack_planes`: eight symbols a word, one lookup a plane), no slower than packed bits.
+Both are called once a block, not inlined: inlined into each of the quant kernels' variants,
+they made a fresh install compile its kernels in three times the time (``deltackpt warm``).
 The Triton kernels pack: ``kernels.quant.to_planes`` and ``from_planes`` convert on the host.
 """
 
@@ -105,7 +107,7 @@ def _wide_symbols(stream, at, w, q):
             q[8 * g + i] = (z >> np.int32(1)) ^ -(z & np.int32(1))
 
 
-@njit(inline="always")
+@njit(cache=True, nogil=True)
 def unpack_planes(stream, at, width, q, words):
     """The symbols of one block of a plane stream (``width`` bits, its segment of plane ``k`` at
     ``stream[at[k]:]``), un-zigzagged into ``q``; then ``at`` points past the block. With a
@@ -160,7 +162,7 @@ def _narrow_pack(sym, w, slot, scratch):
     _pack_byte_planes(scratch, m, 0, w, slot)
 
 
-@njit(inline="always")
+@njit(cache=True, nogil=True)
 def pack_planes(sym, width, slot, scratch):
     """The bit planes of a block's zigzag symbols ``sym`` at ``width`` bits into ``slot``: plane
     ``k``'s segment (``ceil(len(sym) / 8)`` bytes) at ``k`` segments from its start
