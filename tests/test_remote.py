@@ -279,20 +279,26 @@ def test_second_writer_refused_then_served(remote: tuple[str, dict | None]) -> N
 def test_lease_renewed_while_held_and_lost_lease_commits_nothing(
         remote: tuple[str, dict | None], monkeypatch: pytest.MonkeyPatch) -> None:
     """A live writer renews its lease past its duration; a writer whose lease was taken over
-    (it stalled past expiry) commits nothing more."""
+    (it stalled past expiry) commits nothing more.
+
+    A lease lapses when two renewals' requests and a wake-up take more than two thirds of its
+    duration: 4 s leaves that margin to a loaded machine's S3 server (1.5 s once did not)."""
     url, opts = remote
-    monkeypatch.setattr(ObjectStorage, "lease_seconds", 1.5)
+    monkeypatch.setattr(ObjectStorage, "lease_seconds", 4.0)
     with CheckpointManager(url, storage_options=opts) as mgr:
         mgr.acquire()
-        time.sleep(3.2)  # two lease durations: renewed meanwhile
+        lease = mgr.storage._lease
+        first_expiry, deadline = lease.expires, time.monotonic() + 60
+        while lease.expires < first_expiry + 4.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert lease.expires >= first_expiry + 4.0, "the lease was not renewed past its duration"
         mgr.save(0, extra={"a": 1}, rng=False)
         other = CheckpointManager(url, storage_options=opts)
         with pytest.raises(WriterLockedError):
             other.acquire()
-        lease = mgr.storage._lease
         lease._stop.set()  # the writer stalls: no more renewals
         lease._thread.join()
-        time.sleep(1.6)
+        time.sleep(max(0.0, lease.expires - time.time()) + 0.1)
         other.acquire()  # the stalled writer's lease has expired: taken over
         with pytest.raises(WriterLockedError, match="lost its lease"):
             mgr.save(1, extra={"a": 2}, rng=False)
