@@ -769,7 +769,7 @@ def test_own_metadata_identity_trusted_only_under_the_lease(
     HEAD reports, given without a request; once the lease expired unrenewed or was released, a
     HEAD asks the store again, and a save after another writer replaced its base step is a
     full step, not a delta against a version it never saw."""
-    monkeypatch.setattr(ObjectStorage, "lease_seconds", 1.5)
+    monkeypatch.setattr(ObjectStorage, "lease_seconds", 4.0)  # renewed in time under load
     url = f"s3://{new_bucket(endpoint)}/run"
     opts = options(proxy.url)
     rel = "step-000000000000/metadata.json"
@@ -782,7 +782,7 @@ def test_own_metadata_identity_trusted_only_under_the_lease(
     lease = mgr.storage._lease
     lease._stop.set()  # the writer stalls: its lease is not renewed, and expires
     lease._thread.join()
-    time.sleep(1.6)
+    time.sleep(max(0.0, lease.expires - time.time()) + 0.1)
     proxy.reset_counts()
     assert mgr.storage.identity(rel) == own
     assert proxy.requests["HEAD"] == 1
