@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+# Tests that each run a whole module in a fresh process (interpreter.py), a minute or two each:
+# pytest-xdist hands tests out in collection order, so these go first, not at the end where one
+# worker would run them alone.
+WHOLE_MODULES = "test_in_a_fresh_process"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.name != WHOLE_MODULES)  # a stable sort: the rest keep their order
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
