@@ -8,18 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests that each run a whole module in a fresh process (interpreter.py), a minute or two each.
-WHOLE_MODULES = "test_in_a_fresh_process"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a test marked slow, or run whole in a fresh process, first: pytest-xdist
-    hands tests out in collection order, and quick ones last keep both workers busy to the end.
-    A stable sort by module: each module's tests keep their order (and its fixtures' scope)."""
-    first = {item.path for item in items
-             if item.get_closest_marker("slow") or item.name == WHOLE_MODULES}
-    items.sort(key=lambda item: item.path not in first)
-
 
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:

@@ -23,8 +23,7 @@ from deltackpt import CheckpointManager, DistributedError
 from deltackpt.dist.group import Group
 from deltackpt.dist.shards import parts_to_write
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")]
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
 
 class Net(nn.Module):

@@ -24,7 +24,7 @@ from deltackpt.integrations.frameworks import require
 from deltackpt.save.capture import capture_values
 from deltackpt.save.schedule import DEFAULT_DEPTH
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")]
 
 megatron = pytest.importorskip("deltackpt.megatron")

@@ -33,7 +33,6 @@ SECONDS = 20
 AT_ONCE = {"reader_grace": 0}  # the races delete at once: the readers' hardest case
 
 
-@pytest.mark.slow
 def test_readers_see_no_false_damage_while_gc_runs(tmp_path: Path) -> None:
     counts, errors = race(str(tmp_path / "ckpt"), seconds=SECONDS, writer=AT_ONCE)
     assert errors == []
@@ -41,7 +40,6 @@ def test_readers_see_no_false_damage_while_gc_runs(tmp_path: Path) -> None:
     assert counts["false_damage"] == counts["other"] == 0
 
 
-@pytest.mark.slow
 def test_readers_see_no_false_damage_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with moto_server(own_process=True) as endpoint:
@@ -244,7 +242,6 @@ def test_verify_reports_no_damage_for_steps_the_gc_changed_meanwhile(
     assert report.damaged
 
 
-@pytest.mark.slow
 def test_ls_verify_and_du_report_no_damage_while_gc_runs(tmp_path: Path) -> None:
     counts, errors = race(str(tmp_path / "ckpt"), seconds=SECONDS / 2, readers=1, commands=True,
                           writer=AT_ONCE)
