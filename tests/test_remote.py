@@ -101,6 +101,18 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int =
         optimizer.step()
 
 
+# A test's writer lease: it lapses when two renewals' requests and a wake-up take more than two
+# thirds of it, and 4 s leaves that margin to a loaded machine's S3 server (1.5 s once did not).
+TEST_LEASE_SECONDS = 4.0
+
+
+def stall(lease: objectstore._Lease) -> None:
+    """The writer holding ``lease`` stalls: no more renewals, until its lease has expired."""
+    lease._stop.set()
+    lease._thread.join()
+    time.sleep(max(0.0, lease.expires - time.time()) + 0.1)
+
+
 @pytest.fixture(params=["memory", "s3"])
 def remote(request: pytest.FixtureRequest) -> tuple[str, dict | None]:
     """A fresh checkpoint URL and its storage options, on each kind of object store."""
@@ -279,26 +291,22 @@ def test_second_writer_refused_then_served(remote: tuple[str, dict | None]) -> N
 def test_lease_renewed_while_held_and_lost_lease_commits_nothing(
         remote: tuple[str, dict | None], monkeypatch: pytest.MonkeyPatch) -> None:
     """A live writer renews its lease past its duration; a writer whose lease was taken over
-    (it stalled past expiry) commits nothing more.
-
-    A lease lapses when two renewals' requests and a wake-up take more than two thirds of its
-    duration: 4 s leaves that margin to a loaded machine's S3 server (1.5 s once did not)."""
+    (it stalled past expiry) commits nothing more."""
     url, opts = remote
-    monkeypatch.setattr(ObjectStorage, "lease_seconds", 4.0)
+    monkeypatch.setattr(ObjectStorage, "lease_seconds", TEST_LEASE_SECONDS)
     with CheckpointManager(url, storage_options=opts) as mgr:
         mgr.acquire()
         lease = mgr.storage._lease
         first_expiry, deadline = lease.expires, time.monotonic() + 60
-        while lease.expires < first_expiry + 4.0 and time.monotonic() < deadline:
+        while lease.expires < first_expiry + TEST_LEASE_SECONDS and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert lease.expires >= first_expiry + 4.0, "the lease was not renewed past its duration"
+        assert lease.expires >= first_expiry + TEST_LEASE_SECONDS, \
+            "the lease was not renewed past its duration"
         mgr.save(0, extra={"a": 1}, rng=False)
         other = CheckpointManager(url, storage_options=opts)
         with pytest.raises(WriterLockedError):
             other.acquire()
-        lease._stop.set()  # the writer stalls: no more renewals
-        lease._thread.join()
-        time.sleep(max(0.0, lease.expires - time.time()) + 0.1)
+        stall(lease)
         other.acquire()  # the stalled writer's lease has expired: taken over
         with pytest.raises(WriterLockedError, match="lost its lease"):
             mgr.save(1, extra={"a": 2}, rng=False)
@@ -769,7 +777,7 @@ def test_own_metadata_identity_trusted_only_under_the_lease(
     HEAD reports, given without a request; once the lease expired unrenewed or was released, a
     HEAD asks the store again, and a save after another writer replaced its base step is a
     full step, not a delta against a version it never saw."""
-    monkeypatch.setattr(ObjectStorage, "lease_seconds", 4.0)  # renewed in time under load
+    monkeypatch.setattr(ObjectStorage, "lease_seconds", TEST_LEASE_SECONDS)
     url = f"s3://{new_bucket(endpoint)}/run"
     opts = options(proxy.url)
     rel = "step-000000000000/metadata.json"
@@ -779,10 +787,7 @@ def test_own_metadata_identity_trusted_only_under_the_lease(
     own = mgr.storage.identity(rel)
     assert proxy.log == []
     assert own == ObjectStorage(url, opts).identity(rel)
-    lease = mgr.storage._lease
-    lease._stop.set()  # the writer stalls: its lease is not renewed, and expires
-    lease._thread.join()
-    time.sleep(max(0.0, lease.expires - time.time()) + 0.1)
+    stall(mgr.storage._lease)
     proxy.reset_counts()
     assert mgr.storage.identity(rel) == own
     assert proxy.requests["HEAD"] == 1
