@@ -18,11 +18,13 @@ presets, and for the delta at the restore point compares, per element and class:
   distance from a Gaussian: the information any unbiased error of variance ``D`` lets through.
 
 ``x`` is, in the preset's own units: the weight's change since the previous save in steps of
-``min(move_step * movement, rel_step * rms)``; ``exp_avg`` less its decayed previous value in
-update units (``sqrt(v_hat) + eps``), SGD's momentum less its decayed previous value relative
-to its root mean square; the change of ``log2 exp_avg_sq``, after the best affine prediction
-from the previous value (which helps little). ``D`` is the preset's error variance,
-``step**2 / 12``. Each tensor of at least 4096 elements counts by its size.
+``min(move_step * movement, rel_step * rms)``; ``exp_avg`` and SGD's momentum less their
+decayed previous values, over each element's step as the step's own chunks state it (FORMAT.md
+3.2: Adam's ``step * (sqrt(v) + eps)``, shaped by ``sqrt(sqrt(v) + floor)``, with ``v`` the
+save's ``exp_avg_sq``; a momentum's one step a chunk); the change of ``log2 exp_avg_sq``, after
+the best affine prediction from the previous value (which helps little). ``D`` is the error
+variance, ``step**2 / 12`` in those units. Each tensor of at least 4096 elements counts by
+its size.
 
     python bench/rate_bound.py [--tasks gpt-small,gpt-tiny,mlp,cnn-bn] [--optimizers adamw-0.95,sgd]
 """
@@ -37,12 +39,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity
 
 from deltackpt import CheckpointManager, CompressionConfig
+from deltackpt.format.metadata import StepMetadata
+from deltackpt.kernels.quant import numpy_element_steps
 
 INTERVAL = 20
 MIN_ELEMENTS = 4096
@@ -87,9 +92,28 @@ def unbiased_bound(x: torch.Tensor, mse: float) -> float:
     return max(0.0, 0.5 * math.log2(1 + var / mse) - (0.5 * math.log2(2 * math.pi * math.e * var) - h))
 
 
-def _residuals(prev: dict, cur: dict, order: list[str], group: dict, config: CompressionConfig):
+def element_steps(meta: StepMetadata, name: str, scale: torch.Tensor | None) -> torch.Tensor:
+    """Each element's step in the quant chunks of tensor ``name`` of step ``meta``, as FORMAT.md
+    3.2 has the reader compute it (``numpy_element_steps``), float64; ``scale``: the values of
+    the tensor that scales them (the save's, which its reconstruction is within a step of)."""
+    record = next(r for r in meta.tensors if r.name == name)
+    steps = torch.empty(record.numel, dtype=torch.float64)
+    for chunk in record.fragments[0].chunks:
+        if chunk.codec != "quant":
+            raise ValueError(f"step {meta.step}: {name} holds a {chunk.codec} chunk")
+        params = chunk.params
+        lo, hi = chunk.raw_offset // 4, (chunk.raw_offset + chunk.raw_length) // 4
+        floor = 2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0
+        values = scale[lo:hi].float().numpy() if "scale" in params else None
+        steps[lo:hi] = torch.from_numpy(np.asarray(numpy_element_steps(
+            params["step"], values, params.get("eps", 0.0), floor), dtype=np.float64))
+    return steps
+
+
+def _residuals(prev: dict, cur: dict, order: list[str], group: dict, config: CompressionConfig,
+               meta: StepMetadata):
     """``(class, x, step)`` for every tensor of at least MIN_ELEMENTS elements, in the units above
-    (for SGD's momentum: relative to its root mean square, decayed as ``momentum**20``)."""
+    (``meta``: the step measured, whose chunks give the first moments' steps)."""
     adam = "betas" in group
     for i, name in enumerate(order):
         s, s0 = cur["optimizer"]["state"][i], prev["optimizer"]["state"][i]
@@ -100,22 +124,19 @@ def _residuals(prev: dict, cur: dict, order: list[str], group: dict, config: Com
             (b1, b2), eps = group["betas"], group["eps"]
             m, v = s["exp_avg"].double(), s["exp_avg_sq"].double()
             m0, v0 = s0["exp_avg"].double(), s0["exp_avg_sq"].double()
-            t = float(s["step"])
-            c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-            unit = (v / c2).sqrt() + eps
-            yield "first_moment", ((m - b1 ** INTERVAL * m0) / c1 / unit).flatten(), \
-                config.first_moment.update_step
+            steps = element_steps(meta, f"optimizer/state/{name}/exp_avg", v.flatten())
+            yield "first_moment", (m - b1 ** INTERVAL * m0).flatten() / steps, 1.0
             lv, lv0 = v.clamp_min(1e-30).log2().flatten(), v0.clamp_min(1e-30).log2().flatten()
             a = torch.stack([lv0, torch.ones_like(lv0)], 1)
             fit = torch.linalg.lstsq(a, lv.unsqueeze(1)).solution
             yield "second_moment", lv - (a @ fit).squeeze(1), config.second_moment.step
-            update = (m / c1) / unit
+            t = float(s["step"])
+            update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
         else:
             buf, buf0 = s["momentum_buffer"].double(), s0["momentum_buffer"].double()
             update = buf
-            yield "first_moment", ((buf - group["momentum"] ** INTERVAL * buf0)
-                                   / float(buf.pow(2).mean().sqrt())).flatten(), \
-                config.first_moment.rms_unit_step(momentum=True)
+            steps = element_steps(meta, f"optimizer/state/{name}/momentum_buffer", None)
+            yield "first_moment", (buf - group["momentum"] ** INTERVAL * buf0).flatten() / steps, 1.0
         movement = group["lr"] * float(update.pow(2).mean().sqrt())
         rms = float(w.pow(2).mean().sqrt())
         step = min(config.weights.move_step * movement, config.weights.rel_step * rms)
@@ -152,7 +173,7 @@ def measure(task_name: str, stop: int, presets: tuple[str, ...] = ("balanced", "
             if meta.kind != "delta":
                 raise ValueError(f"step {stop} of {task_name} is a {meta.kind} step")
             sums: dict[str, list[float]] = {}
-            for cls, x, step in _residuals(prev, cur, order, group, config):
+            for cls, x, step in _residuals(prev, cur, order, group, config, meta):
                 mse = step ** 2 / 12
                 scalar = (fresh_dither_bits if cls == "first_moment" else fixed_grid_bits)(x, step, gen)
                 bound = (shannon_bound if cls == "weights" else unbiased_bound)(x, mse)

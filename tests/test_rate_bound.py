@@ -1,0 +1,53 @@
+"""The rate bench (bench/rate_bound.py) measures against the quantizer the codec runs.
+
+Its figures come from real runs in the bench; this checks that the per-element steps it
+divides the first moments by are the codec's: a restored first moment lies within half its
+step of the saved one, and reaches nearly that far (a step twice too large or too small
+fails).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deltackpt import CheckpointManager
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+rate_bound = importlib.import_module("rate_bound")
+
+
+def _trained(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(32, 64)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def test_first_moments_restore_within_half_the_steps_it_reads(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(tmp_path, full_every=10) as mgr:
+        _trained(model, optimizer, 5)
+        mgr.save(5, model, optimizer, rng=False)
+        _trained(model, optimizer, 5)
+        assert mgr.save(10, model, optimizer, rng=False).kind == "delta"
+        meta = mgr.metadata(10)
+        chunk = next(r for r in meta.tensors if r.name == "optimizer/state/weight/exp_avg"
+                     ).fragments[0].chunks[0]
+        assert "floor_log2" in chunk.params  # shaped steps: what the old bench left out
+        saved = optimizer.state[model.weight]["exp_avg"].double().flatten()
+        restored_model = nn.Linear(64, 64, bias=False)
+        restored = torch.optim.AdamW(restored_model.parameters(), lr=1e-3)
+        mgr.load(10, restored_model, restored)
+    state = restored.state[restored_model.weight]
+    steps = rate_bound.element_steps(meta, "optimizer/state/weight/exp_avg",
+                                     state["exp_avg_sq"].flatten())
+    reach = float(((state["exp_avg"].double().flatten() - saved).abs() / steps).max())
+    assert 0.45 < reach <= 0.5 + 1e-6
