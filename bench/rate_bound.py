@@ -17,14 +17,15 @@ presets, and for the delta at the restore point compares, per element and class:
   must be unbiased (``E[error | value] = 0``), ``0.5 log2(1 + var / D)`` less the source's
   distance from a Gaussian: the information any unbiased error of variance ``D`` lets through.
 
-``x`` is, in the preset's own units: the weight's change since the previous save in steps of
-``min(move_step * movement, rel_step * rms)``; ``exp_avg`` and SGD's momentum less their
-decayed previous values, over each element's step as the step's own chunks state it (FORMAT.md
-3.2: Adam's ``step * (sqrt(v) + eps)``, shaped by ``sqrt(sqrt(v) + floor)``, with ``v`` the
-save's ``exp_avg_sq``; a momentum's one step a chunk); the change of ``log2 exp_avg_sq``, after
-the best affine prediction from the previous value (which helps little). ``D`` is the error
-variance, ``step**2 / 12`` in those units. Each tensor of at least 4096 elements counts by
-its size.
+``x`` is each value in units of its element's step as the delta's own chunks state it
+(FORMAT.md 3.2: the codec's steps, whatever chose them): the weight's change since the previous
+save; ``exp_avg`` and SGD's momentum less their decayed previous values, Adam's steps
+``step * (sqrt(v) + eps)`` shaped by ``sqrt(sqrt(v) + floor)`` with ``v`` the save's
+``exp_avg_sq`` (its reconstruction is within a step of it); the change of ``exp_avg_sq``'s
+ordinal keys since the previous save. ``D`` is the error variance, ``1 / 12`` in those units.
+Each tensor of at least 4096 elements counts by its size. ``scalar`` is a memoryless coder's:
+the codec's per-block widths adapt to a tensor whose parts move at different rates, where it
+may store fewer bits than ``scalar``.
 
     python bench/rate_bound.py [--tasks gpt-small,gpt-tiny,mlp,cnn-bn] [--optimizers adamw-0.95,sgd]
 """
@@ -45,9 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity
 
-from deltackpt import CheckpointManager, CompressionConfig
+from deltackpt import CheckpointManager
 from deltackpt.format.metadata import StepMetadata
-from deltackpt.kernels.quant import numpy_element_steps
+from deltackpt.kernels.quant import numpy_element_steps, numpy_keys
 
 INTERVAL = 20
 MIN_ELEMENTS = 4096
@@ -110,37 +111,28 @@ def element_steps(meta: StepMetadata, name: str, scale: torch.Tensor | None) -> 
     return steps
 
 
-def _residuals(prev: dict, cur: dict, order: list[str], group: dict, config: CompressionConfig,
-               meta: StepMetadata):
-    """``(class, x, step)`` for every tensor of at least MIN_ELEMENTS elements, in the units above
-    (``meta``: the step measured, whose chunks give the first moments' steps)."""
+def _residuals(prev: dict, cur: dict, order: list[str], group: dict, meta: StepMetadata):
+    """``(class, x)`` for every tensor of at least MIN_ELEMENTS elements, in the units above
+    (``meta``: the step measured, whose chunks give every element's step)."""
     adam = "betas" in group
     for i, name in enumerate(order):
         s, s0 = cur["optimizer"]["state"][i], prev["optimizer"]["state"][i]
         w, w0 = cur["model"][name].double(), prev["model"][name].double()
         if w.numel() < MIN_ELEMENTS:
             continue
+        state = f"optimizer/state/{name}"
         if adam:
-            (b1, b2), eps = group["betas"], group["eps"]
-            m, v = s["exp_avg"].double(), s["exp_avg_sq"].double()
-            m0, v0 = s0["exp_avg"].double(), s0["exp_avg_sq"].double()
-            steps = element_steps(meta, f"optimizer/state/{name}/exp_avg", v.flatten())
-            yield "first_moment", (m - b1 ** INTERVAL * m0).flatten() / steps, 1.0
-            lv, lv0 = v.clamp_min(1e-30).log2().flatten(), v0.clamp_min(1e-30).log2().flatten()
-            a = torch.stack([lv0, torch.ones_like(lv0)], 1)
-            fit = torch.linalg.lstsq(a, lv.unsqueeze(1)).solution
-            yield "second_moment", lv - (a @ fit).squeeze(1), config.second_moment.step
-            t = float(s["step"])
-            update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+            m, v = s["exp_avg"].double().flatten(), s["exp_avg_sq"].flatten()
+            m0, v0 = s0["exp_avg"].double().flatten(), s0["exp_avg_sq"].flatten()
+            yield "first_moment", (m - group["betas"][0] ** INTERVAL * m0) / element_steps(
+                meta, f"{state}/exp_avg", v)
+            keys = torch.from_numpy(numpy_keys(v.float().numpy()) - numpy_keys(v0.float().numpy()))
+            yield "second_moment", keys.double() / element_steps(meta, f"{state}/exp_avg_sq", None)
         else:
-            buf, buf0 = s["momentum_buffer"].double(), s0["momentum_buffer"].double()
-            update = buf
-            steps = element_steps(meta, f"optimizer/state/{name}/momentum_buffer", None)
-            yield "first_moment", (buf - group["momentum"] ** INTERVAL * buf0).flatten() / steps, 1.0
-        movement = group["lr"] * float(update.pow(2).mean().sqrt())
-        rms = float(w.pow(2).mean().sqrt())
-        step = min(config.weights.move_step * movement, config.weights.rel_step * rms)
-        yield "weights", ((w - w0) / step).flatten(), 1.0
+            buf, buf0 = s["momentum_buffer"].double().flatten(), s0["momentum_buffer"].double().flatten()
+            yield "first_moment", (buf - group["momentum"] ** INTERVAL * buf0) / element_steps(
+                meta, f"{state}/momentum_buffer", None)
+        yield "weights", (w - w0).flatten() / element_steps(meta, f"model/{name}", None)
 
 
 def measure(task_name: str, stop: int, presets: tuple[str, ...] = ("balanced", "aggressive"),
@@ -151,7 +143,6 @@ def measure(task_name: str, stop: int, presets: tuple[str, ...] = ("balanced", "
     if spec.family not in ("adam", "sgd-momentum"):
         raise ValueError(f"{optimizer}: the bounds here read Adam's moments or SGD's momentum")
     run = fidelity.Run.fresh(task, spec, 0)
-    configs = {p: CompressionConfig.preset(p) for p in presets}
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as root:
         managers = {p: CheckpointManager(f"{root}/{p}", full_every=fidelity.FULL_EVERY, compression=p)
@@ -168,14 +159,14 @@ def measure(task_name: str, stop: int, presets: tuple[str, ...] = ("balanced", "
         group = run.optimizer.param_groups[0]
         order = [names[id(p)] for g in run.optimizer.param_groups for p in g["params"]]
         report = {}
-        for preset, config in configs.items():
+        for preset in presets:
             meta = managers[preset].metadata(stop)
             if meta.kind != "delta":
                 raise ValueError(f"step {stop} of {task_name} is a {meta.kind} step")
             sums: dict[str, list[float]] = {}
-            for cls, x, step in _residuals(prev, cur, order, group, config, meta):
-                mse = step ** 2 / 12
-                scalar = (fresh_dither_bits if cls == "first_moment" else fixed_grid_bits)(x, step, gen)
+            for cls, x in _residuals(prev, cur, order, group, meta):
+                mse = 1 / 12
+                scalar = (fresh_dither_bits if cls == "first_moment" else fixed_grid_bits)(x, 1.0, gen)
                 bound = (shannon_bound if cls == "weights" else unbiased_bound)(x, mse)
                 acc = sums.setdefault(cls, [0.0, 0.0, 0.0])
                 acc[0] += x.numel() * scalar

@@ -1,9 +1,9 @@
 """The rate bench (bench/rate_bound.py) measures against the quantizer the codec runs.
 
 Its figures come from real runs in the bench; this checks that the per-element steps it
-divides the first moments by are the codec's: a restored first moment lies within half its
-step of the saved one, and reaches nearly that far (a step twice too large or too small
-fails).
+divides each class by are the codec's: a restored weight, first moment and second moment (in
+ordinal keys) lies within half its step of the saved one, and reaches nearly that far (a step
+twice too large or too small fails).
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import importlib
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from deltackpt import CheckpointManager
+from deltackpt.kernels.quant import numpy_keys
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 rate_bound = importlib.import_module("rate_bound")
@@ -29,7 +31,11 @@ def _trained(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> 
         optimizer.step()
 
 
-def test_first_moments_restore_within_half_the_steps_it_reads(tmp_path: Path) -> None:
+def _reach(restored: torch.Tensor, saved: torch.Tensor, steps: torch.Tensor) -> float:
+    return float(((restored.double().flatten() - saved.double().flatten()).abs() / steps).max())
+
+
+def test_every_class_restores_within_half_the_steps_it_reads(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(64, 64, bias=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -41,13 +47,24 @@ def test_first_moments_restore_within_half_the_steps_it_reads(tmp_path: Path) ->
         meta = mgr.metadata(10)
         chunk = next(r for r in meta.tensors if r.name == "optimizer/state/weight/exp_avg"
                      ).fragments[0].chunks[0]
-        assert "floor_log2" in chunk.params  # shaped steps: what the old bench left out
-        saved = optimizer.state[model.weight]["exp_avg"].double().flatten()
+        assert "floor_log2" in chunk.params  # shaped steps: what the bench once left out
+        saved = {"weight": model.weight.detach().clone(),
+                 **{k: t.clone() for k, t in optimizer.state[model.weight].items()}}
         restored_model = nn.Linear(64, 64, bias=False)
         restored = torch.optim.AdamW(restored_model.parameters(), lr=1e-3)
         mgr.load(10, restored_model, restored)
     state = restored.state[restored_model.weight]
-    steps = rate_bound.element_steps(meta, "optimizer/state/weight/exp_avg",
-                                     state["exp_avg_sq"].flatten())
-    reach = float(((state["exp_avg"].double().flatten() - saved).abs() / steps).max())
-    assert 0.45 < reach <= 0.5 + 1e-6
+
+    def keys(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(numpy_keys(t.flatten().numpy()).astype(np.float64))
+
+    reaches = {
+        "weights": _reach(restored_model.weight.detach(), saved["weight"],
+                          rate_bound.element_steps(meta, "model/weight", None)),
+        "first_moment": _reach(state["exp_avg"], saved["exp_avg"], rate_bound.element_steps(
+            meta, "optimizer/state/weight/exp_avg", state["exp_avg_sq"].flatten())),
+        "second_moment": _reach(keys(state["exp_avg_sq"]), keys(saved["exp_avg_sq"]),
+                                rate_bound.element_steps(meta, "optimizer/state/weight/exp_avg_sq",
+                                                         None)),
+    }
+    assert all(0.45 < r <= 0.5 + 1e-6 for r in reaches.values()), reaches
