@@ -99,12 +99,13 @@ def element_steps(meta: StepMetadata, name: str, scale: torch.Tensor | None) -> 
     3.2 has the reader compute it (``numpy_element_steps``), float64; ``scale``: the values of
     the tensor that scales them (the save's, which its reconstruction is within a step of)."""
     record = next(r for r in meta.tensors if r.name == name)
-    steps = torch.empty(record.numel, dtype=torch.float64)
+    steps = torch.full((record.numel,), math.nan, dtype=torch.float64)  # NaN: in no chunk
+    size = getattr(torch, record.dtype).itemsize
     for chunk in record.fragments[0].chunks:
         if chunk.codec != "quant":
             raise ValueError(f"step {meta.step}: {name} holds a {chunk.codec} chunk")
         params = chunk.params
-        lo, hi = chunk.raw_offset // 4, (chunk.raw_offset + chunk.raw_length) // 4
+        lo, hi = chunk.raw_offset // size, (chunk.raw_offset + chunk.raw_length) // size
         floor = 2.0 ** params["floor_log2"] if "floor_log2" in params else 0.0
         values = scale[lo:hi].float().numpy() if "scale" in params else None
         steps[lo:hi] = torch.from_numpy(np.asarray(numpy_element_steps(

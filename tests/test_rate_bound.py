@@ -68,3 +68,25 @@ def test_every_class_restores_within_half_the_steps_it_reads(tmp_path: Path) -> 
                                                          None)),
     }
     assert all(0.45 < r <= 0.5 + 1e-6 for r in reaches.values()), reaches
+
+
+def test_steps_cover_every_element_of_a_bfloat16_tensor(tmp_path: Path) -> None:
+    """Chunks count bytes: a bfloat16 tensor's 2-byte elements all get their chunk's step."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(tmp_path, full_every=10, chunk_bytes=4096) as mgr:
+        for step in (5, 10):
+            for _ in range(5):
+                loss = model(torch.randn(32, 64, dtype=torch.bfloat16)).float().square().mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            mgr.save(step, model, optimizer, rng=False)
+        meta = mgr.metadata(10)
+    chunks = next(r for r in meta.tensors if r.name == "model/weight").fragments[0].chunks
+    assert len(chunks) == 2  # 8 KiB of bfloat16 in 4 KiB chunks
+    steps = rate_bound.element_steps(meta, "model/weight", None)
+    assert steps.shape == (4096,) and torch.equal(
+        steps, torch.tensor([c.params["step"] for c in chunks], dtype=torch.float64
+                            ).repeat_interleave(2048))
