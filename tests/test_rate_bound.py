@@ -17,18 +17,27 @@ import torch
 from torch import nn
 
 from deltackpt import CheckpointManager
+from deltackpt.format.metadata import StepMetadata
 from deltackpt.kernels.quant import numpy_keys
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 rate_bound = importlib.import_module("rate_bound")
 
 
-def _trained(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
-    for _ in range(steps):
-        loss = model(torch.randn(32, 64)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+def _saved_delta(mgr: CheckpointManager, model: nn.Linear, optimizer: torch.optim.Optimizer
+                 ) -> StepMetadata:
+    """Steps 5 (full) and 10 (a delta) of ``model`` trained in its own dtype; step 10's
+    metadata."""
+    for step in (5, 10):
+        for _ in range(5):
+            loss = model(torch.randn(32, 64, dtype=model.weight.dtype)).float().square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        mgr.save(step, model, optimizer, rng=False)
+    meta = mgr.metadata(10)
+    assert meta.kind == "delta"
+    return meta
 
 
 def _reach(restored: torch.Tensor, saved: torch.Tensor, steps: torch.Tensor) -> float:
@@ -40,11 +49,7 @@ def test_every_class_restores_within_half_the_steps_it_reads(tmp_path: Path) -> 
     model = nn.Linear(64, 64, bias=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with CheckpointManager(tmp_path, full_every=10) as mgr:
-        _trained(model, optimizer, 5)
-        mgr.save(5, model, optimizer, rng=False)
-        _trained(model, optimizer, 5)
-        assert mgr.save(10, model, optimizer, rng=False).kind == "delta"
-        meta = mgr.metadata(10)
+        meta = _saved_delta(mgr, model, optimizer)
         chunk = next(r for r in meta.tensors if r.name == "optimizer/state/weight/exp_avg"
                      ).fragments[0].chunks[0]
         assert "floor_log2" in chunk.params  # shaped steps: what the bench once left out
@@ -76,14 +81,7 @@ def test_steps_cover_every_element_of_a_bfloat16_tensor(tmp_path: Path) -> None:
     model = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with CheckpointManager(tmp_path, full_every=10, chunk_bytes=4096) as mgr:
-        for step in (5, 10):
-            for _ in range(5):
-                loss = model(torch.randn(32, 64, dtype=torch.bfloat16)).float().square().mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            mgr.save(step, model, optimizer, rng=False)
-        meta = mgr.metadata(10)
+        meta = _saved_delta(mgr, model, optimizer)
     chunks = next(r for r in meta.tensors if r.name == "model/weight").fragments[0].chunks
     assert len(chunks) == 2  # 8 KiB of bfloat16 in 4 KiB chunks
     steps = rate_bound.element_steps(meta, "model/weight", None)
