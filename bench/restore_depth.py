@@ -7,7 +7,10 @@ depths 0 to 8), ``--interval`` steps apart, with the default settings, then rest
 in a fresh read-only manager as a resuming process does (:func:`long_run.restore_times`), in
 ``--rounds`` rounds, each also timing what the deepest restore spends reading and validating
 the metadata of its chain. The state's size decides what dominates: on a small one, fixed
-costs a step (its metadata, a task a chunk); on a large one, the decode of each delta.
+costs a step (its metadata, a task a chunk); on a large one, the decode of each delta. Then
+it splits the CPU time of the full step's restore and of the deepest's by phase
+(:mod:`cpu_accounting`, medians of the rounds), and gives the deepest's CPU without its decode
+kernel over the full step's: what no faster kernel can take below.
 
 Run ``python bench/restore_depth.py`` (about 4 minutes on 2 cores) or with ``--models``;
 ``--json FILE`` keeps the report."""
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cpu_accounting import CpuAccounting
 from fidelity import OPTIMIZERS, TASKS, Run
 from long_run import depth_of, restore_times
 
@@ -41,6 +45,19 @@ def metadata_seconds(path: Path, step: int) -> float:
     return time.perf_counter() - started
 
 
+KERNEL = "decode kernel: chain of steps"  # cpu_accounting's phase of the chain's decode kernel
+
+
+def cpu_by_phase(path: Path, step: int) -> dict[str, float]:
+    """CPU seconds by phase (``total``: the process's) of restoring ``step`` in a fresh
+    read-only manager."""
+    with CheckpointManager(path, read_only=True) as mgr, CpuAccounting() as accounting:
+        started = time.process_time()
+        mgr.restore(step)
+        total = time.process_time() - started
+    return {"total": total, **accounting.cpu}
+
+
 def restore_by_depth(task: str, saves: int, interval: int, rounds: int, root: Path) -> dict:
     """Train ``task`` for ``saves`` saves and time the restore of each depth, in ``rounds``
     rounds of every depth and the deepest's metadata: each ratio is the median of the rounds'
@@ -55,12 +72,18 @@ def restore_by_depth(task: str, saves: int, interval: int, rounds: int, root: Pa
     deepest = max(depths, key=lambda step: (depths[step], step))
     measured = [(restore_times(path, 1), metadata_seconds(path, deepest)) for _ in range(rounds)]
     by_depth = sorted(measured[0][0])
+    full = min(depths, key=lambda step: (depths[step], step))
+    cpu = {label: [cpu_by_phase(path, step) for _ in range(rounds)]
+           for label, step in (("full", full), ("deepest", deepest))}
+    cpu = {label: {phase: statistics.median(r.get(phase, 0.0) for r in runs)
+                   for phase in set().union(*runs)} for label, runs in cpu.items()}
     return {"task": task, "raw_bytes": run.raw_bytes(), "saves": saves, "interval": interval,
             "full_seconds": statistics.median(t[0]["seconds"] for t, _ in measured),
             "ratio_by_depth": {d: statistics.median(t[d]["seconds"] / t[0]["seconds"]
                                                     for t, _ in measured) for d in by_depth},
             "deepest_metadata_share": statistics.median(
-                m / t[max(by_depth)]["seconds"] for t, m in measured)}
+                m / t[max(by_depth)]["seconds"] for t, m in measured),
+            "cpu_by_phase": cpu}
 
 
 def table(report: dict) -> str:
@@ -68,7 +91,21 @@ def table(report: dict) -> str:
     return (f"{report['task']} (state {report['raw_bytes'] / 1e6:.1f} MB): full step "
             f"{report['full_seconds'] * 1e3:.0f} ms; by depth " + ", ".join(
                 f"{d}: {r:.2f}x" for d, r in report["ratio_by_depth"].items())
-            + f"; the deepest's metadata {report['deepest_metadata_share']:.0%} of its restore")
+            + f"; the deepest's metadata {report['deepest_metadata_share']:.0%} of its restore"
+            + "\n" + cpu_table(report["cpu_by_phase"]))
+
+
+def cpu_table(cpu: dict[str, dict[str, float]]) -> str:
+    """The full step's and the deepest step's restore CPU by phase, and the deepest's without
+    its decode kernel over the full step's."""
+    full, deep = cpu["full"], cpu["deepest"]
+    phases = sorted((set(full) | set(deep)) - {"total"}, key=lambda p: -deep.get(p, 0.0))
+    lines = [f"  CPU ms, full step / deepest: total {full['total'] * 1e3:.0f} / "
+             f"{deep['total'] * 1e3:.0f} ({deep['total'] / full['total']:.2f}x); without the "
+             f"decode kernel {(deep['total'] - deep.get(KERNEL, 0.0)) / full['total']:.2f}x"]
+    lines += [f"    {phase:<44} {full.get(phase, 0.0) * 1e3:8.1f} {deep.get(phase, 0.0) * 1e3:8.1f}"
+              for phase in phases]
+    return "\n".join(lines)
 
 
 def main() -> None:
