@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from deltackpt.kernels import quant
-from deltackpt.kernels.planes import MAX_WIDTH, plane_starts
+from deltackpt.kernels.planes import MAX_WIDTH, _spread, plane_starts
 from deltackpt.kernels.quant import from_planes, to_planes
 
 
@@ -42,6 +42,13 @@ def _symbols(rng: np.random.Generator, n: int, block: int) -> tuple[np.ndarray, 
             z[rng.integers(z.size)] |= 1 << (int(w) - 1)
             symbols[b * block:b * block + z.size] = z
     return symbols, widths
+
+
+def test_a_planes_byte_spreads_to_one_bit_a_symbol() -> None:
+    """The decoders' spread of a plane's byte puts its bit ``i`` at bit ``8 * i`` (the lowest
+    bit of symbol ``i``'s byte), for each of the 256 values."""
+    expected = [sum(((v >> i) & 1) << (8 * i) for i in range(8)) for v in range(256)]
+    assert [int(_spread(np.uint8(v))) for v in range(256)] == expected
 
 
 @pytest.mark.parametrize(("n", "block"), [(64 * 17, 64), (64 * 17 + 5, 64), (1000, 100),

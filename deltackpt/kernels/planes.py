@@ -11,7 +11,8 @@ with AdamW that stored weights in 0.93x the bytes, second moments in 0.90x and f
 The encode kernel writes each block's planes as it packs (:func:`pack_planes`: the block's
 symbols as bytes, eight to a word, one multiply gathering a bit of each), and
 :func:`compact_planes` moves them to their places; the decode kernels read them as they are
-(:func:`unpack_planes`: eight symbols a word, one lookup a plane), no slower than packed bits.
+(:func:`unpack_planes`: eight symbols a word, a plane's byte spread to one bit a symbol by a
+multiply).
 Both are called once a block, not inlined: inlined into each of the quant kernels' variants,
 they made ``deltackpt warm`` compile for 2.3 times as long (205-210 s against 88-89 on 2 cores).
 The Triton kernels pack: ``kernels.quant.to_planes`` and ``from_planes`` convert on the host.
@@ -27,9 +28,14 @@ from deltackpt.kernels.spans import copy_span
 MAX_WIDTH = 16
 
 
-# Byte ``v`` spread to one bit a byte: bit ``i`` of ``v`` at bit ``8 * i``.
-_SPREAD = np.array([sum(((v >> i) & 1) << (8 * i) for i in range(8)) for v in range(256)],
-                   np.uint64)
+@njit(inline="always")
+def _spread(byte: np.uint8) -> np.uint64:
+    """``byte`` spread to one bit a byte: bit ``i`` at bit ``8 * i``. Each byte of the product
+    holds ``byte``, the mask keeps bit ``i`` in byte ``i``, and the addend carries it into
+    the byte's top bit. Arithmetic rather than a lookup table, so the loop over a block's
+    bytes vectorizes."""
+    x = (np.uint64(byte) * np.uint64(0x0101010101010101)) & np.uint64(0x8040201008040201)
+    return ((x + np.uint64(0x00406070787C7E7F)) >> np.uint64(7)) & np.uint64(0x0101010101010101)
 
 
 @njit(cache=True, nogil=True)
@@ -54,7 +60,7 @@ def plane_starts(widths, n, block, base):
 @njit(inline="always")
 def _narrow_symbols(stream, at, w, q, words):
     """The symbols of a block of width ``w <= 8`` (a literal) from its planes' segments at
-    ``at[k]``, un-zigzagged into ``q``: a word of eight symbols' bytes, one lookup a plane,
+    ``at[k]``, un-zigzagged into ``q``: a word of eight symbols' bytes, one ``_spread`` a plane,
     then the bytes un-zigzagged in one pass (``words``: room for the block's words), which
     vectorizes."""
     m = q.shape[0]
@@ -67,21 +73,21 @@ def _narrow_symbols(stream, at, w, q, words):
     a6 = at[6] if w > 6 else 0
     a7 = at[7] if w > 7 else 0
     for g in range((m + 7) // 8):
-        word = _SPREAD[stream[a0 + g]]
+        word = _spread(stream[a0 + g])
         if w > 1:
-            word |= _SPREAD[stream[a1 + g]] << np.uint64(1)
+            word |= _spread(stream[a1 + g]) << np.uint64(1)
         if w > 2:
-            word |= _SPREAD[stream[a2 + g]] << np.uint64(2)
+            word |= _spread(stream[a2 + g]) << np.uint64(2)
         if w > 3:
-            word |= _SPREAD[stream[a3 + g]] << np.uint64(3)
+            word |= _spread(stream[a3 + g]) << np.uint64(3)
         if w > 4:
-            word |= _SPREAD[stream[a4 + g]] << np.uint64(4)
+            word |= _spread(stream[a4 + g]) << np.uint64(4)
         if w > 5:
-            word |= _SPREAD[stream[a5 + g]] << np.uint64(5)
+            word |= _spread(stream[a5 + g]) << np.uint64(5)
         if w > 6:
-            word |= _SPREAD[stream[a6 + g]] << np.uint64(6)
+            word |= _spread(stream[a6 + g]) << np.uint64(6)
         if w > 7:
-            word |= _SPREAD[stream[a7 + g]] << np.uint64(7)
+            word |= _spread(stream[a7 + g]) << np.uint64(7)
         words[g] = word
     z = words.view(np.uint8)  # little-endian: symbol 8g + i is byte i of word g
     for j in range(m):
@@ -98,9 +104,9 @@ def _wide_symbols(stream, at, w, q):
         low = np.uint64(0)
         high = np.uint64(0)
         for k in range(8):
-            low |= _SPREAD[stream[at[k] + g]] << np.uint64(k)
+            low |= _spread(stream[at[k] + g]) << np.uint64(k)
         for k in range(8, w):
-            high |= _SPREAD[stream[at[k] + g]] << np.uint64(k - 8)
+            high |= _spread(stream[at[k] + g]) << np.uint64(k - 8)
         for i in range(min(8, m - 8 * g)):
             z = np.int32(((low >> np.uint64(8 * i)) & np.uint64(0xFF))
                          | (((high >> np.uint64(8 * i)) & np.uint64(0xFF)) << np.uint64(8)))
