@@ -15,6 +15,7 @@ from torch import nn
 from deltackpt import CheckpointManager, CorruptionError, FormatError
 from deltackpt.app.cli import main
 from deltackpt.format.metadata import Chunk, StepMetadata
+from deltackpt.io.storage import open_storage
 from deltackpt.ops.verify import Damage
 
 STEPS = (0, 1, 2)
@@ -94,6 +95,27 @@ def test_flipped_byte(mgr: CheckpointManager, ckpt_dir: Path, tensor: str, index
         assert mgr.verify(DAMAGED, deep=deep) == {DAMAGED: report[DAMAGED]}
         assert mgr.verify(0, deep=deep) == {0: []}
     _assert_intact(mgr, (0, 2))
+
+
+def test_a_data_file_shrunk_after_it_was_opened(mgr: CheckpointManager, ckpt_dir: Path) -> None:
+    """A reader takes a data file's size once, when it opens it: bytes past that size are
+    refused before any read, and a file that shrinks later reads short, a CorruptionError
+    giving the size it has then."""
+    meta = mgr.metadata(DAMAGED)
+    last = _chunk(meta, "extra/small", 0)
+    path = _data_path(ckpt_dir, meta, last)
+    size = path.stat().st_size
+    reader = open_storage(str(ckpt_dir)).open_reader(str(path.relative_to(ckpt_dir)))
+    try:
+        assert reader.read(0, size) == path.read_bytes()
+        with pytest.raises(CorruptionError, match=f"it has {size}"):
+            reader.read(size - 2, 4)
+        with open(path, "r+b") as handle:
+            handle.truncate(size - 3)
+        with pytest.raises(CorruptionError, match=f"file is truncated .*it has {size - 3}"):
+            reader.read(size - 4, 4)
+    finally:
+        reader.close()
 
 
 def test_truncated_data_file(mgr: CheckpointManager, ckpt_dir: Path) -> None:

@@ -92,11 +92,19 @@ class Storage(Protocol):
 class _FileRangeReader:
     def __init__(self, fd: int, path: Path) -> None:
         self.fd, self.path = fd, path
+        try:
+            # Reads past it are refused before pread, which allocates ``length`` bytes first: a
+            # size taken once a file, not a syscall a chunk (a step's files do not grow).
+            self.size = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise os_failure(ReadFailedError, str(path), exc) from exc
 
     def read(self, offset: int, length: int) -> bytes:
         try:
-            size = os.fstat(self.fd).st_size  # before pread, which allocates ``length`` bytes first
-            data = os.pread(self.fd, length, offset) if offset + length <= size else b""
+            data = os.pread(self.fd, length, offset) if offset + length <= self.size else b""
+            if len(data) != length:  # short of its size when opened, or shrunk since
+                size = os.fstat(self.fd).st_size
         except OSError as exc:  # an I/O error: the disk's, not the file's content
             raise os_failure(ReadFailedError, str(self.path), exc) from exc
         if len(data) != length:
