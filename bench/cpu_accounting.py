@@ -26,6 +26,7 @@ PHASES = [
     ("deltackpt.encode.encoder", "_error_stats", "statistics"),
     ("deltackpt.encode.encoder", "encode_lossless", "lossless encode (exact chunks)"),
     ("deltackpt.kernels.quant", "_compact", "stream compaction"),
+    ("deltackpt.kernels.quant", "compact_planes", "stream compaction"),
     ("deltackpt.codecs.quant", "zstd_compress", "zstd, quant streams"),
     ("deltackpt.codecs.quant", "encode_planes", "rANS, grouped streams"),
     ("deltackpt.io.writer", "_encode_and_write", "writer task, Python"),
