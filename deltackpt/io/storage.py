@@ -103,14 +103,13 @@ class _FileRangeReader:
     def read(self, offset: int, length: int) -> bytes:
         try:
             data = os.pread(self.fd, length, offset) if offset + length <= self.size else b""
-            if len(data) != length:  # short of its size when opened, or shrunk since
-                size = os.fstat(self.fd).st_size
+            if len(data) == length:
+                return data
+            size = os.fstat(self.fd).st_size  # short of its size when opened, or shrunk since
         except OSError as exc:  # an I/O error: the disk's, not the file's content
             raise os_failure(ReadFailedError, str(self.path), exc) from exc
-        if len(data) != length:
-            raise CorruptionError(f"{self.path}: file is truncated (wanted bytes {offset}.."
-                                  f"{offset + length}, it has {size})")
-        return data
+        raise CorruptionError(f"{self.path}: file is truncated (wanted bytes {offset}.."
+                              f"{offset + length}, it has {size})")
 
     def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Nothing to start: a local read is served at once (the kernel reads ahead)."""
