@@ -14,6 +14,8 @@ import types
 
 import xxhash
 
+CHAIN_KERNEL = "decode kernel: chain of steps"  # the phase of a restore chain's decode kernel
+
 # (module, attribute, phase) of the functions timed. Each phase's time is exclusive: a timed
 # function's time leaves out that of the timed functions it calls. Encode and decode kernel
 # variants are timed one by one (``_ENCODERS``/``_DECODERS``, by variant).
@@ -51,7 +53,7 @@ PHASES = [
     ("deltackpt.codecs.quant", "zstd_decompress_bounded", "zstd, quant streams"),
     ("deltackpt.codecs.quant", "decode_planes", "rANS, grouped streams"),
     ("deltackpt.codecs.quant", "check_stream", "stream check"),
-    ("deltackpt.kernels.quant", "decode_step_streams", "decode kernel: chain of steps"),
+    ("deltackpt.kernels.quant", "decode_step_streams", CHAIN_KERNEL),
 ]
 
 

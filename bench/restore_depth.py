@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_accounting import CpuAccounting
+from cpu_accounting import CHAIN_KERNEL, CpuAccounting
 from fidelity import OPTIMIZERS, TASKS, Run
 from long_run import depth_of, restore_times
 
@@ -43,9 +43,6 @@ def metadata_seconds(path: Path, step: int) -> float:
     started = time.perf_counter()
     chain_of(storage, read_metadata(storage, step))
     return time.perf_counter() - started
-
-
-KERNEL = "decode kernel: chain of steps"  # cpu_accounting's phase of the chain's decode kernel
 
 
 def cpu_by_phase(path: Path, step: int) -> dict[str, float]:
@@ -102,7 +99,7 @@ def cpu_table(cpu: dict[str, dict[str, float]]) -> str:
     phases = sorted((set(full) | set(deep)) - {"total"}, key=lambda p: -deep.get(p, 0.0))
     lines = [f"  CPU ms, full step / deepest: total {full['total'] * 1e3:.0f} / "
              f"{deep['total'] * 1e3:.0f} ({deep['total'] / full['total']:.2f}x); without the "
-             f"decode kernel {(deep['total'] - deep.get(KERNEL, 0.0)) / full['total']:.2f}x"]
+             f"decode kernel {(deep['total'] - deep.get(CHAIN_KERNEL, 0.0)) / full['total']:.2f}x"]
     lines += [f"    {phase:<44} {full.get(phase, 0.0) * 1e3:8.1f} {deep.get(phase, 0.0) * 1e3:8.1f}"
               for phase in phases]
     return "\n".join(lines)
